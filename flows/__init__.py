@@ -1,0 +1,1 @@
+"""insight-queue Prefect flows: the gateway client, generators, scopes and the consumer."""

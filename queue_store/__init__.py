@@ -1,0 +1,51 @@
+"""The SQL store that decides what the gateway works on next.
+
+A pure library: it never imports Prefect, httpx, `flows` or `deployments`.
+"""
+
+from queue_store.errors import (
+    ClaimLost,
+    DatabaseError,
+    InvalidArgument,
+    SchemaOutdated,
+    SettingsError,
+    StoreError,
+)
+from queue_store.models import (
+    INTERACTIVE,
+    PREFETCH,
+    Blocked,
+    Claim,
+    GateState,
+    Job,
+    Position,
+    Result,
+    Status,
+    job_id,
+    priority_class,
+)
+from queue_store.settings import Secret, Settings
+from queue_store.store import JobStore
+
+__all__ = [
+    "INTERACTIVE",
+    "PREFETCH",
+    "Blocked",
+    "Claim",
+    "ClaimLost",
+    "DatabaseError",
+    "GateState",
+    "InvalidArgument",
+    "Job",
+    "JobStore",
+    "Position",
+    "Result",
+    "SchemaOutdated",
+    "Secret",
+    "Settings",
+    "SettingsError",
+    "Status",
+    "StoreError",
+    "job_id",
+    "priority_class",
+]

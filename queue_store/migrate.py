@@ -1,0 +1,55 @@
+"""Schema migrations: upgrade a database to what this code needs, or say how.
+
+Alembic runs on a connection we open, with its own version table so the
+store can share a database with an application that uses Alembic too.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from alembic import command
+from alembic.config import Config
+from sqlalchemy import Engine, inspect, text
+from sqlalchemy.exc import SQLAlchemyError
+
+from queue_store.engine import create_store_engine, wrap_database_error
+from queue_store.schema import SCHEMA_REVISION, VERSION_TABLE
+
+MIGRATIONS = Path(__file__).parent / "migrations"
+
+
+def _config() -> Config:
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS))
+    return config
+
+
+def upgrade(url_or_engine: str | Engine, revision: str = "head") -> str | None:
+    """Bring the database to `revision`; returns the revision it is at afterwards."""
+    engine = create_store_engine(url_or_engine) if isinstance(url_or_engine, str) else url_or_engine
+    try:
+        with engine.begin() as connection:
+            config = _config()
+            config.attributes["connection"] = connection
+            command.upgrade(config, revision)
+        return current_revision(engine)
+    except SQLAlchemyError as exc:
+        raise wrap_database_error(exc, engine.url) from exc
+    finally:
+        if isinstance(url_or_engine, str):
+            engine.dispose()
+
+
+def current_revision(engine: Engine) -> str | None:
+    """The database's schema revision, or None when the store was never created."""
+    with engine.connect() as connection:
+        if not inspect(connection).has_table(VERSION_TABLE):
+            return None
+        return connection.execute(
+            text(f"SELECT version_num FROM {VERSION_TABLE}")
+        ).scalar_one_or_none()
+
+
+def is_current(engine: Engine) -> bool:
+    return current_revision(engine) == SCHEMA_REVISION

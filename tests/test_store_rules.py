@@ -1,0 +1,691 @@
+"""Every numbered rule of the store, on SQLite and PostgreSQL with the same assertions."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import pytest
+from sqlalchemy import create_engine, text
+
+from queue_store import (
+    INTERACTIVE,
+    PREFETCH,
+    Blocked,
+    ClaimLost,
+    DatabaseError,
+    JobStore,
+    Settings,
+    Status,
+    job_id,
+)
+from queue_store.store import WORKER_LOST
+from tests.conftest import FakeClock, StoreFactory
+
+U = "user-1"
+
+
+def _raw(store: JobStore, sql: str, **params: object) -> list[dict[str, object]]:
+    engine = create_engine(store._engine.url)
+    try:
+        with engine.connect() as connection:
+            return [dict(r._mapping) for r in connection.execute(text(sql), params)]
+    finally:
+        engine.dispose()
+
+
+def _row(store: JobStore, kind: str, subject: str, user: str = U) -> dict[str, object]:
+    rows = _raw(store, "SELECT * FROM ai_jobs WHERE id = :id", id=job_id(user, kind, subject))
+    assert len(rows) == 1
+    return rows[0]
+
+
+def _claim_and_fail(store: JobStore, message: str = "boom") -> Status:
+    claim = store.claim_next("w")
+    assert claim.job is not None
+    return store.finish(claim.job.id, claim.job.holder or "", error=message)
+
+
+# -- R1, R2 -------------------------------------------------------------------
+
+
+def test_job_id_is_sha256_of_the_key() -> None:
+    import hashlib
+
+    assert job_id("u", "k", "s") == hashlib.sha256(b"u|k|s").hexdigest()[:64]
+
+
+def test_new_key_is_inserted_pending_with_no_attempts(store: JobStore) -> None:
+    assert store.enqueue(U, "sleep", "2026-01-04", "fp1") == "pending"
+    row = _row(store, "sleep", "2026-01-04")
+    assert row["status"] == "pending"
+    assert row["attempts"] == 0
+    assert row["priority"] == PREFETCH
+    assert row["fingerprint"] == "fp1"
+
+
+def test_enqueue_is_idempotent(store: JobStore) -> None:
+    for _ in range(5):
+        assert store.enqueue(U, "sleep", "d1", "fp") == "pending"
+    assert store.pending_count() == 1
+
+
+# -- R3 -------------------------------------------------------------------------
+
+
+def test_running_job_with_live_claim_is_left_alone(store: JobStore) -> None:
+    store.enqueue(U, "sleep", "d1", "fp1")
+    claim = store.claim_next("w")
+    assert claim.job is not None
+    before = _row(store, "sleep", "d1")
+    assert store.enqueue(U, "sleep", "d1", "fp2", priority=INTERACTIVE) == "running"
+    assert _row(store, "sleep", "d1") == before
+
+
+# -- R4 -------------------------------------------------------------------------
+
+
+def test_done_job_is_done_until_its_fingerprint_changes(store: JobStore) -> None:
+    store.enqueue(U, "sleep", "d1", "fp1")
+    claim = store.claim_next("w")
+    assert claim.job is not None
+    store.finish(claim.job.id, claim.job.holder or "", result="text")
+    assert store.enqueue(U, "sleep", "d1", "fp1") == "done"
+    assert store.enqueue(U, "sleep", "d1") == "done"  # no fingerprint: not stale
+    assert store.enqueue(U, "sleep", "d1", "fp2") == "pending"
+    row = _row(store, "sleep", "d1")
+    assert row["fingerprint"] == "fp2"
+    assert row["attempts"] == 0
+
+
+# -- R5 -------------------------------------------------------------------------
+
+
+def test_exhausted_job_stays_failed_for_the_cooldown_then_requeues_promoted(
+    make_store: StoreFactory, clock: FakeClock
+) -> None:
+    store = make_store(max_attempts=2, retry_after_seconds=1800)
+    store.enqueue(U, "sleep", "d1", "fp")
+    assert _claim_and_fail(store) == Status.PENDING  # attempt 1 of 2: re-queued
+    assert _claim_and_fail(store) == Status.FAILED
+    assert store.enqueue(U, "sleep", "d1", "fp") == "failed"
+    clock.advance(1799)
+    assert store.enqueue(U, "sleep", "d1", "fp", priority=INTERACTIVE) == "failed"
+    clock.advance(2)
+    assert store.enqueue(U, "sleep", "d1", "fp", priority=INTERACTIVE) == "pending"
+    row = _row(store, "sleep", "d1")
+    assert row["attempts"] == 0
+    assert row["error"] is None
+    assert row["priority"] == INTERACTIVE
+
+
+def test_exhausted_job_with_new_fingerprint_requeues_at_once(make_store: StoreFactory) -> None:
+    store = make_store(max_attempts=1)
+    store.enqueue(U, "sleep", "d1", "fp1")
+    assert _claim_and_fail(store) == Status.FAILED
+    assert store.enqueue(U, "sleep", "d1", "fp2") == "pending"
+    assert _row(store, "sleep", "d1")["attempts"] == 0
+
+
+# -- R6 -------------------------------------------------------------------------
+
+
+def test_priority_is_promoted_never_demoted(store: JobStore) -> None:
+    store.enqueue(U, "sleep", "d1", priority=PREFETCH)
+    store.enqueue(U, "sleep", "d1", priority=INTERACTIVE)
+    assert _row(store, "sleep", "d1")["priority"] == INTERACTIVE
+    store.enqueue(U, "sleep", "d1", priority=PREFETCH)
+    assert _row(store, "sleep", "d1")["priority"] == INTERACTIVE
+
+
+def test_fingerprint_kept_when_none_given_and_attempts_reset_only_when_stale(
+    make_store: StoreFactory,
+) -> None:
+    store = make_store(max_attempts=3)
+    store.enqueue(U, "sleep", "d1", "fp1")
+    _claim_and_fail(store)
+    assert _row(store, "sleep", "d1")["attempts"] == 1
+    store.enqueue(U, "sleep", "d1")
+    row = _row(store, "sleep", "d1")
+    assert (row["fingerprint"], row["attempts"]) == ("fp1", 1)
+    store.enqueue(U, "sleep", "d1", "fp2")
+    row = _row(store, "sleep", "d1")
+    assert (row["fingerprint"], row["attempts"]) == ("fp2", 0)
+
+
+# -- R7 -------------------------------------------------------------------------
+
+
+def test_supersede_drops_only_pending_jobs_of_that_kind_for_other_subjects(
+    store: JobStore,
+) -> None:
+    store.enqueue(U, "trends", "old-1")
+    store.enqueue(U, "trends", "old-2")
+    store.enqueue(U, "trends", "current")
+    store.enqueue(U, "sleep", "d1")
+    store.enqueue("other-user", "trends", "old-1")
+    claim = store.claim_next("w")  # old-1 is oldest: it is running now
+    assert claim.job is not None and claim.job.subject == "old-1"
+    assert store.supersede(U, "trends", "current") == 1  # old-2 only
+    subjects = {(j["kind"], j["subject"]) for j in store.list_jobs(U)}
+    assert subjects == {("trends", "old-1"), ("trends", "current"), ("sleep", "d1")}
+    assert store.status_of("other-user", "trends", "old-1") is not None
+
+
+# -- R8, R9 ---------------------------------------------------------------------
+
+
+def test_claim_order_is_priority_then_age(store: JobStore, clock: FakeClock) -> None:
+    store.enqueue(U, "a", "1")
+    clock.advance(1)
+    store.enqueue(U, "b", "1")
+    clock.advance(1)
+    store.enqueue(U, "c", "1", priority=INTERACTIVE)
+    clock.advance(1)
+    store.enqueue(U, "a", "1", priority=5)  # promoted, keeps its age
+    order = []
+    while (claim := store.claim_next("w")).job is not None:
+        order.append(claim.job.kind)
+        store.finish(claim.job.id, claim.job.holder or "", result=None)
+    assert order == ["c", "a", "b"]
+
+
+def test_a_job_gets_at_most_max_attempts(make_store: StoreFactory) -> None:
+    store = make_store(max_attempts=3)
+    store.enqueue(U, "sleep", "d1")
+    statuses = [_claim_and_fail(store, f"attempt {n}") for n in range(1, 4)]
+    assert statuses == [Status.PENDING, Status.PENDING, Status.FAILED]
+    assert store.claim_next("w").job is None
+    row = _row(store, "sleep", "d1")
+    assert (row["status"], row["attempts"], row["error"]) == ("failed", 3, "attempt 3")
+
+
+# -- R10 ------------------------------------------------------------------------
+
+
+def test_retry_failed_requeues_every_failed_job_of_the_user(make_store: StoreFactory) -> None:
+    store = make_store(max_attempts=1)
+    for subject in ("1", "2"):
+        store.enqueue(U, "sleep", subject)
+        _claim_and_fail(store)
+    store.enqueue("other", "sleep", "1")
+    store.enqueue(U, "trends", "w1")
+    assert store.retry_failed(U) == 3
+    for subject in ("1", "2"):
+        row = _row(store, "sleep", subject)
+        assert (row["status"], row["attempts"], row["error"]) == ("pending", 0, None)
+
+
+# -- R11 ------------------------------------------------------------------------
+
+
+def test_list_jobs_is_in_worker_order_with_the_original_fields(
+    make_store: StoreFactory, clock: FakeClock
+) -> None:
+    store = make_store(max_attempts=1)
+    store.enqueue(U, "failed", "1")
+    _claim_and_fail(store, "gateway said no")
+    store.enqueue(U, "done", "1")
+    claim = store.claim_next("w")
+    assert claim.job is not None
+    store.finish(claim.job.id, claim.job.holder or "", result="ok")
+    store.enqueue(U, "late", "1")
+    clock.advance(1)
+    store.enqueue(U, "later", "1")
+    store.enqueue(U, "screen", "1", priority=INTERACTIVE)
+    store.enqueue(U, "running", "1", priority=INTERACTIVE)
+    running = store.claim_next("w")
+    assert running.job is not None and running.job.kind == "screen"
+
+    listed = store.list_jobs(U)
+    assert [j["kind"] for j in listed] == ["screen", "running", "late", "later", "failed", "done"]
+    first = listed[0]
+    assert set(first) >= {
+        "kind",
+        "subject",
+        "status",
+        "priority",
+        "interactive",
+        "attempts",
+        "maxAttempts",
+        "error",
+        "updatedAt",
+    }
+    assert first["interactive"] is True and listed[2]["interactive"] is False
+    assert listed[4]["error"] == "gateway said no"
+    assert first["maxAttempts"] == 1
+    assert len(store.list_jobs(U, limit=2)) == 2
+
+
+def test_status_of_pending_count_and_settings(store: JobStore) -> None:
+    assert store.status_of(U, "sleep", "d1") is None
+    store.enqueue(U, "sleep", "d1")
+    store.enqueue("other", "sleep", "d1")
+    status = store.status_of(U, "sleep", "d1")
+    assert status is not None
+    assert (status["status"], status["priority"], status["attempts"]) == ("pending", PREFETCH, 0)
+    assert store.pending_count() == 2
+    assert store.pending_count(U) == 1
+    assert store.settings()["maxAttempts"] == 3
+    assert store.settings()["concurrency"] == 1
+
+
+# -- R12 ------------------------------------------------------------------------
+
+
+def test_disabled_consumer_does_not_disable_the_store(make_store: StoreFactory) -> None:
+    store = make_store(enabled=False)
+    assert store.enqueue(U, "sleep", "d1") == "pending"
+    assert store.settings()["enabled"] is False
+    assert store.claim_next("w").job is not None
+
+
+# -- FIX1 -----------------------------------------------------------------------
+
+
+def test_concurrency_limit_holds_across_stores(make_store: StoreFactory) -> None:
+    first, second = make_store(concurrency=1), make_store(concurrency=1)
+    store = first
+    store.enqueue(U, "a", "1")
+    store.enqueue(U, "b", "1")
+    assert first.claim_next("w1").job is not None
+    blocked = second.claim_next("w2")
+    assert blocked.job is None and blocked.blocked == Blocked.CONCURRENCY
+
+
+def test_concurrency_two_allows_two(make_store: StoreFactory) -> None:
+    store = make_store(concurrency=2)
+    for kind in "abc":
+        store.enqueue(U, kind, "1")
+    assert store.claim_next("w1").job is not None
+    assert store.claim_next("w2").job is not None
+    assert store.claim_next("w3").blocked == Blocked.CONCURRENCY
+
+
+# -- FIX2 -----------------------------------------------------------------------
+
+
+def test_taken_over_worker_changes_nothing(make_store: StoreFactory, clock: FakeClock) -> None:
+    store = make_store(lease_seconds=60, heartbeat_seconds=5)
+    store.enqueue(U, "sleep", "d1")
+    old = store.claim_next("w1").job
+    assert old is not None and old.holder
+    clock.advance(61)
+    new = store.claim_next("w2").job
+    assert new is not None and new.id == old.id and new.holder != old.holder
+    before = _row(store, "sleep", "d1")
+    assert store.heartbeat(old.id, old.holder) is False
+    with pytest.raises(ClaimLost):
+        store.finish(old.id, old.holder, result="late")
+    with pytest.raises(ClaimLost):
+        store.finish(old.id, old.holder, error="late")
+    with pytest.raises(ClaimLost):
+        store.release(old.id, old.holder)
+    with pytest.raises(ClaimLost):
+        store.set_flow_run(old.id, old.holder, "run-1")
+    assert _row(store, "sleep", "d1") == before
+    assert store.result_of(U, "sleep", "d1") is None
+    assert store.finish(new.id, new.holder or "", result="fresh") == Status.DONE
+
+
+def test_a_new_claim_by_the_same_worker_name_gets_a_new_token(
+    make_store: StoreFactory, clock: FakeClock
+) -> None:
+    store = make_store()
+    store.enqueue(U, "sleep", "d1")
+    first = store.claim_next("w").job
+    clock.advance(61)
+    second = store.claim_next("w").job
+    assert first is not None and second is not None
+    assert first.holder != second.holder
+    assert store.heartbeat(first.id, first.holder or "") is False
+
+
+# -- FIX3 -----------------------------------------------------------------------
+
+
+def test_heartbeat_keeps_a_long_call_alive(make_store: StoreFactory, clock: FakeClock) -> None:
+    store = make_store(lease_seconds=60, heartbeat_seconds=5, claim_timeout_seconds=1800)
+    store.enqueue(U, "sleep", "d1")
+    job = store.claim_next("w1").job
+    assert job is not None and job.holder
+    for _ in range(20):  # 20 minutes of heartbeats: far beyond the lease
+        clock.advance(59)
+        assert store.heartbeat(job.id, job.holder)
+        assert store.enqueue(U, "sleep", "d1") == "running"
+    assert store.claim_next("w2").blocked == Blocked.CONCURRENCY
+
+
+def test_silent_claim_is_dead_after_the_lease(make_store: StoreFactory, clock: FakeClock) -> None:
+    store = make_store(lease_seconds=60, heartbeat_seconds=5)
+    store.enqueue(U, "sleep", "d1")
+    store.enqueue(U, "sleep", "d2")
+    assert store.claim_next("w1").job is not None
+    clock.advance(59)
+    assert store.claim_next("w2").blocked == Blocked.CONCURRENCY
+    clock.advance(2)
+    taken = store.claim_next("w2").job
+    assert taken is not None and taken.subject == "d1" and taken.attempts == 2
+
+
+def test_claim_timeout_bounds_an_attempt_even_with_heartbeats(
+    make_store: StoreFactory, clock: FakeClock
+) -> None:
+    store = make_store(lease_seconds=60, heartbeat_seconds=5, claim_timeout_seconds=300)
+    store.enqueue(U, "sleep", "d1")
+    job = store.claim_next("w1").job
+    assert job is not None and job.holder
+    for _ in range(5):
+        clock.advance(50)
+        assert store.heartbeat(job.id, job.holder)
+    clock.advance(51)  # 301 s since the claim
+    assert store.heartbeat(job.id, job.holder) is False
+    assert store.enqueue(U, "sleep", "d1") == "pending"
+
+
+# -- FIX4 -----------------------------------------------------------------------
+
+
+def test_last_attempt_dying_with_its_worker_fails_the_job(
+    make_store: StoreFactory, clock: FakeClock
+) -> None:
+    store = make_store(max_attempts=2, lease_seconds=60)
+    store.enqueue(U, "sleep", "d1")
+    store.enqueue(U, "sleep", "d2")
+    assert store.claim_next("w1").job is not None  # attempt 1
+    clock.advance(61)
+    second = store.claim_next("w2").job  # takes d1 over: attempt 2, the last
+    assert second is not None and second.subject == "d1" and second.attempts == 2
+    clock.advance(61)
+    nxt = store.claim_next("w3").job
+    assert nxt is not None and nxt.subject == "d2"
+    row = _row(store, "sleep", "d1")
+    assert (row["status"], row["error"]) == ("failed", WORKER_LOST)
+
+
+def test_enqueue_of_a_dead_last_attempt_reports_failed_not_pending(
+    make_store: StoreFactory, clock: FakeClock
+) -> None:
+    store = make_store(max_attempts=1, lease_seconds=60)
+    store.enqueue(U, "sleep", "d1")
+    assert store.claim_next("w1").job is not None
+    clock.advance(61)
+    assert store.enqueue(U, "sleep", "d1") == "failed"
+    assert _row(store, "sleep", "d1")["error"] == WORKER_LOST
+
+
+# -- FIX5 -----------------------------------------------------------------------
+
+
+def test_recover_releases_dead_and_own_claims_never_a_live_one(
+    make_store: StoreFactory, clock: FakeClock
+) -> None:
+    store = make_store(concurrency=3, lease_seconds=60)
+    for subject in ("dead", "mine", "live"):
+        store.enqueue(U, "sleep", subject)
+    dead = store.claim_next("crashed").job
+    clock.advance(50)
+    mine = store.claim_next("me").job
+    live = store.claim_next("other").job
+    assert dead and mine and live
+    clock.advance(20)  # only "dead" has a lapsed heartbeat
+    assert store.recover("me") == 2
+    assert _row(store, "sleep", "dead")["status"] == "pending"
+    assert _row(store, "sleep", "mine")["status"] == "pending"
+    live_row = _row(store, "sleep", "live")
+    assert (live_row["status"], live_row["holder"]) == ("running", live.holder)
+    assert store.recover() == 0
+
+
+# -- FIX6 -----------------------------------------------------------------------
+
+
+def test_gap_is_global_across_stores(make_store: StoreFactory, clock: FakeClock) -> None:
+    first, second = make_store(gap_seconds=20), make_store(gap_seconds=20)
+    first.enqueue(U, "a", "1")
+    first.enqueue(U, "b", "1")
+    job = first.claim_next("w1").job
+    assert job is not None
+    first.finish(job.id, job.holder or "", result="x")
+    clock.advance(5)
+    blocked = second.claim_next("w2")
+    assert blocked.blocked == Blocked.GAP
+    assert blocked.retry_in is not None and 14 < blocked.retry_in <= 15
+    clock.advance(15)
+    assert second.claim_next("w2").job is not None
+
+
+def test_gap_follows_failures_too(make_store: StoreFactory, clock: FakeClock) -> None:
+    store = make_store(gap_seconds=20)
+    store.enqueue(U, "a", "1")
+    _claim_and_fail(store)
+    assert store.claim_next("w").blocked == Blocked.GAP
+
+
+# -- FIX7 -----------------------------------------------------------------------
+
+
+def test_a_poll_that_changes_nothing_writes_nothing(store: JobStore, clock: FakeClock) -> None:
+    store.enqueue(U, "sleep", "d1", "fp", priority=INTERACTIVE)
+    before = _row(store, "sleep", "d1")
+    clock.advance(3)
+    for priority in (INTERACTIVE, PREFETCH):
+        assert store.enqueue(U, "sleep", "d1", "fp", priority=priority) == "pending"
+        assert store.enqueue(U, "sleep", "d1", priority=priority) == "pending"
+    assert _row(store, "sleep", "d1") == before
+
+
+def test_a_poll_on_a_done_job_writes_nothing(store: JobStore) -> None:
+    store.enqueue(U, "sleep", "d1", "fp")
+    job = store.claim_next("w").job
+    assert job is not None
+    store.finish(job.id, job.holder or "", result="x")
+    before = _row(store, "sleep", "d1")
+    assert store.enqueue(U, "sleep", "d1", "fp") == "done"
+    assert _row(store, "sleep", "d1") == before
+
+
+# -- FIX8 -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("arguments", "named"),
+    [
+        (("", "k", "s"), "user_id"),
+        (("u", "", "s"), "kind"),
+        (("u", "k", ""), "subject"),
+        (("u" * 201, "k", "s"), "user_id"),
+        ((1, "k", "s"), "user_id"),
+        (("u", None, "s"), "kind"),
+        (("u", "k", b"s"), "subject"),
+        (("u", "k", "s", "f" * 201), "fingerprint"),
+        (("u", "k", "s", 5), "fingerprint"),
+        (("u", "k", "s", None, True), "priority"),
+        (("u", "k", "s", None, -1), "priority"),
+        (("u", "k", "s", None, 1.5), "priority"),
+        (("u", "k", "s", None, "0"), "priority"),
+    ],
+)
+def test_invalid_input_is_refused_before_the_database(
+    store: JobStore, arguments: tuple[object, ...], named: str
+) -> None:
+    from queue_store import InvalidArgument
+
+    with pytest.raises(InvalidArgument) as caught:
+        store.enqueue(*arguments)  # type: ignore[arg-type]
+    assert isinstance(caught.value, ValueError)
+    assert caught.value.argument == named
+    assert str(caught.value).startswith(named)
+    assert store.pending_count() == 0
+
+
+def test_database_errors_surface_as_the_stores_own(tmp_path: object) -> None:
+    store = JobStore(
+        "postgresql://nobody:secret-password@127.0.0.1:1/none",
+        settings=Settings(database_url="sqlite://"),
+        check_schema=False,
+    )
+    with pytest.raises(DatabaseError) as caught:
+        store.pending_count()
+    assert "secret-password" not in str(caught.value)
+
+
+def test_finish_needs_exactly_one_outcome(store: JobStore) -> None:
+    from queue_store import InvalidArgument
+
+    store.enqueue(U, "sleep", "d1")
+    job = store.claim_next("w").job
+    assert job is not None and job.holder
+    with pytest.raises(InvalidArgument):
+        store.finish(job.id, job.holder)
+    with pytest.raises(InvalidArgument):
+        store.finish(job.id, job.holder, result="x", error="y")
+    with pytest.raises(InvalidArgument):
+        store.finish(job.id, job.holder, result={"not json": object()})
+    assert _row(store, "sleep", "d1")["status"] == "running"
+
+
+# -- N1 -------------------------------------------------------------------------
+
+
+def test_previous_result_stays_readable_while_regenerating(
+    store: JobStore, clock: FakeClock
+) -> None:
+    store.enqueue(U, "sleep", "d1", "fp1")
+    job = store.claim_next("w").job
+    assert job is not None
+    clock.advance(42)
+    store.finish(job.id, job.holder or "", result={"text": "first"})
+    first = store.result_of(U, "sleep", "d1")
+    assert first is not None
+    assert (first.output, first.fingerprint) == ({"text": "first"}, "fp1")
+    assert first.duration_seconds == pytest.approx(42, abs=0.01)
+
+    assert store.enqueue(U, "sleep", "d1", "fp2") == "pending"
+    assert store.result_of(U, "sleep", "d1") == first
+    job = store.claim_next("w").job
+    assert job is not None
+    assert store.result_of(U, "sleep", "d1") == first  # running: still the old one
+    store.finish(job.id, job.holder or "", error="gateway error")
+    assert store.result_of(U, "sleep", "d1") == first  # a failure keeps it too
+    job = store.claim_next("w").job
+    assert job is not None
+    store.finish(job.id, job.holder or "", result={"text": "second"})
+    second = store.result_of(U, "sleep", "d1")
+    assert second is not None
+    assert (second.output, second.fingerprint) == ({"text": "second"}, "fp2")
+    assert second.produced_at > first.produced_at
+
+
+# -- N2 (store side) ------------------------------------------------------------
+
+
+def test_release_hands_back_without_spending_the_attempt(store: JobStore, clock: FakeClock) -> None:
+    store.enqueue(U, "a", "1")
+    clock.advance(1)
+    store.enqueue(U, "b", "1")
+    job = store.claim_next("w").job
+    assert job is not None and job.kind == "a" and job.attempts == 1
+    store.release(job.id, job.holder or "", error="gateway unreachable")
+    row = _row(store, "a", "1")
+    assert (row["status"], row["attempts"], row["holder"]) == ("pending", 0, None)
+    again = store.claim_next("w").job
+    assert again is not None and again.kind == "a"  # back in its old place
+
+
+def test_outage_pauses_every_worker_with_growing_capped_backoff(
+    make_store: StoreFactory, clock: FakeClock
+) -> None:
+    store = make_store(backoff_seconds=10, backoff_max_seconds=35)
+    other = make_store(backoff_seconds=10, backoff_max_seconds=35)
+    store.enqueue(U, "a", "1")
+    pauses = []
+    for _ in range(4):
+        pauses.append(store.report_outage("connect refused"))
+        assert other.report_outage("connect refused") == pytest.approx(pauses[-1], abs=0.01)
+        blocked = other.claim_next("w2")
+        assert blocked.blocked == Blocked.PAUSED
+        clock.advance(pauses[-1] + 0.001)
+    assert pauses == [10, 20, 35, 35]
+    job = other.claim_next("w2").job
+    assert job is not None
+    other.finish(job.id, job.holder or "", result="ok")
+    assert store.gate_state().outages_in_a_row == 0
+    assert store.report_outage("again") == 10
+
+
+def test_pause_and_resume(store: JobStore) -> None:
+    store.enqueue(U, "a", "1")
+    store.pause(600, "maintenance")
+    claim = store.claim_next("w")
+    assert claim.blocked == Blocked.PAUSED and claim.retry_in == pytest.approx(600, abs=1)
+    assert store.gate_state().pause_reason == "maintenance"
+    store.resume()
+    assert store.claim_next("w").job is not None
+
+
+# -- N3 -------------------------------------------------------------------------
+
+
+def test_position_and_eta(make_store: StoreFactory, clock: FakeClock) -> None:
+    store = make_store(gap_seconds=10, default_duration_seconds=100)
+    # Teach the store that "fast" takes 30 s.
+    store.enqueue("x", "fast", "0")
+    job = store.claim_next("w").job
+    assert job is not None
+    clock.advance(30)
+    store.finish(job.id, job.holder or "", result="x")
+    clock.advance(10)
+
+    for kind in ("fast", "slow"):
+        for n in range(2):
+            store.enqueue("other", kind, str(n))
+            clock.advance(1)
+    store.enqueue(U, "slow", "mine")
+    running = store.claim_next("w").job  # "fast 0" of the other user
+    assert running is not None and running.kind == "fast"
+    clock.advance(10)
+
+    position = store.position(U, "slow", "mine")
+    assert position is not None
+    assert (position.status, position.ahead, position.in_flight) == (Status.PENDING, 3, 1)
+    # in flight: 30 - 10 = 20 left; ahead: fast 30 + slow 100 + slow 100;
+    # a gap after each of the four calls before mine; then mine: 100.
+    assert position.eta_seconds == pytest.approx(20 + 230 + 40 + 100, abs=0.1)
+
+    store.enqueue(U, "slow", "mine", priority=INTERACTIVE)
+    promoted = store.position(U, "slow", "mine")
+    assert promoted is not None and promoted.ahead == 0
+    assert promoted.eta_seconds == pytest.approx(20 + 10 + 100, abs=0.1)
+
+    listed = {j["subject"]: j for j in store.list_jobs(U)}
+    assert listed["mine"]["ahead"] == 0
+
+    running_position = store.position("other", "fast", "0")
+    assert running_position is not None and running_position.status == Status.RUNNING
+    assert running_position.eta_seconds == pytest.approx(20, abs=0.1)
+    assert store.position(U, "nothing", "here") is None
+
+
+def test_list_jobs_positions_count_the_users_own_earlier_jobs(
+    store: JobStore, clock: FakeClock
+) -> None:
+    for n in range(3):
+        store.enqueue(U, "k", str(n))
+        clock.advance(1)
+        store.enqueue("other", "k", str(n))
+        clock.advance(1)
+    listed = store.list_jobs(U)
+    assert [j["ahead"] for j in listed] == [0, 2, 4]
+
+
+def test_clock_must_be_aware(database_url: str) -> None:
+    from queue_store import InvalidArgument
+
+    store = JobStore(
+        database_url,
+        settings=Settings(database_url=database_url),
+        clock=lambda: dt.datetime(2026, 1, 1),
+    )
+    with pytest.raises(InvalidArgument):
+        store.enqueue(U, "a", "1")
+    store.close()
