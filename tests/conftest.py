@@ -46,6 +46,8 @@ def postgres_schema_url(base: str, schema: str) -> str:
 @pytest.fixture(params=["sqlite", "postgresql"])
 def backend(request: pytest.FixtureRequest) -> str:
     if request.param == "postgresql" and not POSTGRES_URL:
+        if os.environ.get("CI"):
+            pytest.fail("CI must run the PostgreSQL tests: set AI_JOB_TEST_POSTGRES_URL")
         pytest.skip("AI_JOB_TEST_POSTGRES_URL is not set")
     return str(request.param)
 
