@@ -492,6 +492,16 @@ class JobStore:
         with self._read("pending_count") as connection:
             return int(connection.execute(query).scalar_one())
 
+    def calls_in_flight(self) -> int:
+        """Running jobs whose claim is live: gateway calls under way right now."""
+        with self._read("calls_in_flight") as connection:
+            now = self._now()
+            return int(
+                connection.execute(
+                    select(func.count()).select_from(jobs).where(self._live_claim(now))
+                ).scalar_one()
+            )
+
     def retry_failed(self, user_id: str) -> int:
         """Every failed job of the user back in the queue now; returns the pending count."""
         user_id = _text("user_id", user_id, MAX_ID_LENGTH)

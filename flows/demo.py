@@ -1,0 +1,106 @@
+"""DEMO generators and scopes over synthetic data: not health advice.
+
+Eight kinds of insight for any user id, made from numbers derived from a
+hash of the user id and the day, so the same user always gets the same data
+and the demo needs nothing outside this project. A host app replaces this
+module with its own (see `AI_JOB_PLUGINS`).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+from typing import Any
+
+from flows.gateway import Completion
+from flows.registry import Messages, Scope, register_generator, register_scopes
+
+DEMO_DAYS = 28
+
+SYSTEM = (
+    "You are a careful health-data coach. Give one short, concrete insight "
+    "about the data below. This is synthetic demo data."
+)
+
+# kind -> (what it measures, unit, typical range)
+METRICS: dict[str, tuple[str, str, tuple[float, float]]] = {
+    "sleep": ("sleep duration", "h", (5.5, 8.5)),
+    "resting_heart_rate": ("resting heart rate", "bpm", (48, 68)),
+    "hrv": ("heart-rate variability", "ms", (35, 95)),
+    "steps": ("daily steps", "steps", (3000, 15000)),
+    "training_load": ("training load", "TRIMP", (0, 180)),
+    "recovery": ("recovery score", "%", (30, 95)),
+    "weight": ("body weight", "kg", (68, 74)),
+}
+# One live subject each: the trailing window ending today.
+TRENDS = "trends"
+
+
+def synthetic_series(user_id: str, kind: str, end: dt.date, days: int = DEMO_DAYS) -> list[float]:
+    """Deterministic pseudo-measurements for one user and metric."""
+    low, high = METRICS[kind][2]
+    values = []
+    for offset in range(days):
+        day = end - dt.timedelta(days=days - 1 - offset)
+        digest = hashlib.sha256(f"{user_id}|{kind}|{day.isoformat()}".encode()).digest()
+        fraction = int.from_bytes(digest[:4], "big") / 2**32
+        values.append(round(low + (high - low) * fraction, 1))
+    return values
+
+
+def fingerprint(data: Any) -> str:
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def today() -> dt.date:
+    return dt.datetime.now(dt.UTC).date()
+
+
+def demo_scopes(user_id: str) -> list[Scope]:
+    end = today()
+    scopes = [
+        Scope(kind, end.isoformat(), fingerprint(synthetic_series(user_id, kind, end)))
+        for kind in METRICS
+    ]
+    window = f"{(end - dt.timedelta(days=DEMO_DAYS - 1)).isoformat()}..{end.isoformat()}"
+    trend_data = {kind: synthetic_series(user_id, kind, end) for kind in METRICS}
+    scopes.append(Scope(TRENDS, window, fingerprint(trend_data), single_subject=True))
+    return scopes
+
+
+def _metric_request(kind: str) -> Any:
+    name, unit, _ = METRICS[kind]
+
+    def build(user_id: str, subject: str) -> Messages:
+        end = dt.date.fromisoformat(subject)
+        series = synthetic_series(user_id, kind, end, days=7)
+        return [
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": f"{name} ({unit}), last 7 days to {subject}: {series}"},
+        ]
+
+    return build
+
+
+def _trends_request(user_id: str, subject: str) -> Messages:
+    end = dt.date.fromisoformat(subject.split("..")[-1])
+    summary = {
+        kind: round(sum(values) / len(values), 1)
+        for kind in METRICS
+        for values in [synthetic_series(user_id, kind, end)]
+    }
+    return [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": f"28-day averages to {end.isoformat()}: {summary}"},
+    ]
+
+
+def _with_model(answer: Completion) -> Any:
+    return {"text": answer.content, "model": answer.raw.get("model")}
+
+
+for _kind in METRICS:
+    register_generator(_kind, _metric_request(_kind), _with_model)
+register_generator(TRENDS, _trends_request, _with_model)
+register_scopes(demo_scopes)

@@ -1,0 +1,194 @@
+"""The Prefect flows: backfill, interactive, and the consumer that drains the queue.
+
+Prefect decides when and where these run and keeps their history; the store
+decides which job runs next. Each gateway call is a task run named
+`kind:subject`, tagged `gateway` (whose tag concurrency limit is a second,
+independent guard on the gateway) plus its kind and priority class, so the
+UI shows every generation with its outcome and failure message.
+
+The claim comes from the store, whose claim is itself the gateway lease: it
+is taken only when the store sees the gateway free (concurrency and global
+gap), so the job claimed is the highest-priority one at that moment. Its
+heartbeat starts at the claim and covers any wait for the `gateway` slot.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from typing import Any
+
+from prefect import flow, get_run_logger, tags, task
+from prefect.runtime import flow_run
+
+from flows.registry import scopes_for
+from flows.runner import JobReport, JobRunner, Outcome
+from queue_store import (
+    INTERACTIVE,
+    PREFETCH,
+    Blocked,
+    Job,
+    JobStore,
+    Settings,
+    StoreError,
+    priority_class,
+)
+
+logger = logging.getLogger(__name__)
+
+GATEWAY_TAG = "gateway"
+# Longest single sleep of a consumer waiting out a gap or a pause, so a
+# change (an operator's `resume`) is noticed soon.
+MAX_WAIT_SECONDS = 5.0
+
+
+class GenerationFailed(Exception):
+    """Raised by the gateway task so its run shows as failed with the reason."""
+
+
+@functools.cache
+def settings() -> Settings:
+    return Settings.from_env()
+
+
+@functools.cache
+def store() -> JobStore:
+    return JobStore(settings().database_url, settings=settings())
+
+
+@functools.cache
+def runner() -> JobRunner:
+    return JobRunner(store(), settings())
+
+
+@functools.cache
+def worker_name() -> str:
+    """This process, as a claim's holder: host, pid and a per-process nonce."""
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+
+
+def job_tags(job: Job) -> list[str]:
+    return [GATEWAY_TAG, f"kind:{job.kind}", f"priority:{priority_class(job.priority)}"]
+
+
+# Per job this process has claimed: its heartbeat's "lost" signal for the task,
+# and the task's report for the flow. Both run in this process; the task's
+# return value or exception is for the UI.
+_lost_events: dict[str, threading.Event] = {}
+_reports: dict[str, JobReport] = {}
+
+
+@task(name="generate", retries=0, persist_result=False, log_prints=False)
+def generate(job: Job) -> dict[str, Any]:
+    """One gateway call for one claimed job (runs holding a `gateway` slot)."""
+    report = runner().run(job, _lost_events.get(job.id))
+    _reports[job.id] = report
+    log = get_run_logger()
+    if report.outcome in (Outcome.DONE, Outcome.RELEASED):
+        log.info("%s: %s in %.1f s", job.run_name, report.outcome, report.seconds)
+        if report.outcome == Outcome.RELEASED:
+            log.warning("gateway unreachable, paused %s s: %s", report.pause_seconds, report.error)
+        return dataclasses.asdict(report)
+    raise GenerationFailed(f"{report.outcome}: {report.error}")
+
+
+@dataclasses.dataclass
+class DrainSummary:
+    ran: int = 0
+    outcomes: dict[str, int] = dataclasses.field(default_factory=dict)
+    stopped_because: str = ""
+
+    def add(self, outcome: str) -> None:
+        self.ran += 1
+        self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
+
+
+def _run_claimed(job: Job) -> str:
+    """Run one claimed job as a tagged task; returns its outcome."""
+    current = flow_run.get_id()
+    if current:
+        try:
+            store().set_flow_run(job.id, job.holder or "", current)
+        except StoreError as exc:
+            logger.warning("could not record the flow run on %s: %s", job.run_name, exc)
+    with runner().heartbeat(job) as beat:
+        _lost_events[job.id] = beat.lost
+        try:
+            with tags(*job_tags(job)):
+                generate.with_options(task_run_name=job.run_name)(job, return_state=True)
+        finally:
+            _lost_events.pop(job.id, None)
+    report = _reports.pop(job.id, None)
+    # No report: the task crashed before recording anything. The claim lapses
+    # and the job is taken over; the attempt it spent counts.
+    return report.outcome.value if report else "crashed"
+
+
+def drain_queue(max_jobs: int | None = None, *, wait_for_gap: bool = True) -> DrainSummary:
+    """Claim and run jobs until nothing is runnable (drain mode).
+
+    Stops when the queue is empty or another consumer holds the gateway: that
+    consumer takes the next job when its call ends, so nothing is stranded.
+    Waits out the global gap and any outage pause (in short sleeps) when
+    `wait_for_gap`; otherwise stops there too.
+    """
+    summary = DrainSummary()
+    s = settings()
+    if not s.enabled:
+        summary.stopped_because = "disabled by AI_JOBS"
+        return summary
+    while max_jobs is None or summary.ran < max_jobs:
+        try:
+            claim = store().claim_next(worker_name())
+        except StoreError as exc:
+            logger.error("claim failed: %s", exc)
+            summary.stopped_because = f"store error: {exc}"
+            return summary
+        if claim.job is None:
+            if claim.blocked in (Blocked.GAP, Blocked.PAUSED) and wait_for_gap:
+                time.sleep(min(claim.retry_in or s.poll_seconds, MAX_WAIT_SECONDS))
+                continue
+            summary.stopped_because = str(claim.blocked)
+            return summary
+        summary.add(_run_claimed(claim.job))
+    summary.stopped_because = "max_jobs"
+    return summary
+
+
+@flow(name="drain", log_prints=True)
+def drain(max_jobs: int | None = None) -> dict[str, Any]:
+    """Consumer: run queued jobs in priority order until nothing is runnable."""
+    summary = drain_queue(max_jobs)
+    get_run_logger().info("drained: %s", summary)
+    return dataclasses.asdict(summary)
+
+
+@flow(name="backfill", flow_run_name="backfill:{user_id}", log_prints=True)
+def backfill(user_id: str, drain_after: bool = True) -> dict[str, Any]:
+    """After a data sync: queue every scope of the user at prefetch priority, then drain."""
+    log = get_run_logger()
+    queued = 0
+    for scope in scopes_for(user_id):
+        store().enqueue(user_id, scope.kind, scope.subject, scope.fingerprint, PREFETCH)
+        if scope.single_subject:
+            store().supersede(user_id, scope.kind, scope.subject)
+        queued += 1
+    log.info("queued %d scope(s) for %s", queued, user_id)
+    summary = drain_queue() if drain_after else DrainSummary(stopped_because="not asked to drain")
+    return {"queued": queued, **dataclasses.asdict(summary)}
+
+
+@flow(name="interactive", flow_run_name="{kind}:{subject}", log_prints=True)
+def interactive(
+    user_id: str, kind: str, subject: str, fingerprint: str | None = None
+) -> dict[str, Any]:
+    """A screen is open: promote its insight to the front, then drain."""
+    status = store().enqueue(user_id, kind, subject, fingerprint, INTERACTIVE)
+    summary = drain_queue() if status == "pending" else DrainSummary(stopped_because=status)
+    return {"status": status, **dataclasses.asdict(summary)}

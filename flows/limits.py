@@ -1,0 +1,57 @@
+"""The `gateway` tag concurrency limit: create it, and repair a leaked slot.
+
+Prefect 3 keeps a tag limit as the global concurrency limit `tag:<tag>`;
+task runs take its slots with leases. With the default in-memory lease
+storage a server restart forgets the leases but not the slot count, so a slot
+taken before the restart is never given back and every later `gateway` task
+waits for ever. `repair_gateway_slots` sets the count back to the number of
+live leases.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from prefect import get_client
+from prefect.client.schemas.actions import GlobalConcurrencyLimitUpdate
+
+logger = logging.getLogger(__name__)
+
+GATEWAY_TAG = "gateway"
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotCheck:
+    limit: int
+    counted: int  # slots the limit believes are taken
+    live: int  # task runs holding a live lease
+    repaired: bool
+
+
+def ensure_gateway_limit(limit: int, tag: str = GATEWAY_TAG) -> int:
+    """Create or update the tag limit to `limit`; idempotent. Returns the limit in force."""
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise ValueError(f"limit: must be an int of at least 1, got {limit!r}")
+    with get_client(sync_client=True) as client:
+        # The endpoint is an upsert: it creates the limit or updates its value.
+        client.create_concurrency_limit(tag=tag, concurrency_limit=limit)
+        current = client.read_concurrency_limit_by_tag(tag)
+    logger.info("tag concurrency limit %r = %d", tag, current.concurrency_limit)
+    return int(current.concurrency_limit)
+
+
+def repair_gateway_slots(tag: str = GATEWAY_TAG, *, repair: bool = True) -> SlotCheck:
+    """Give back slots that are counted as taken but held by no live lease."""
+    with get_client(sync_client=True) as client:
+        by_tag = client.read_concurrency_limit_by_tag(tag)
+        limit = client.read_global_concurrency_limit_by_name(f"tag:{tag}")
+        counted, live = int(limit.active_slots), len(by_tag.active_slots)
+        leaked = counted > live
+        if leaked and repair:
+            client.update_global_concurrency_limit(
+                name=f"tag:{tag}",
+                concurrency_limit=GlobalConcurrencyLimitUpdate(active_slots=live),
+            )
+            logger.warning("gave back %d leaked %r slot(s)", counted - live, tag)
+    return SlotCheck(int(limit.limit), counted, live, leaked and repair)
