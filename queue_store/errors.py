@@ -30,6 +30,10 @@ class SchemaOutdated(StoreError):
     """The database's schema is missing or older than this code needs."""
 
 
+class SchemaConflict(StoreError):
+    """The database holds tables this store cannot adopt; nothing was changed."""
+
+
 class ClaimLost(StoreError):
     """The caller no longer holds the job: its claim expired and was taken over.
 

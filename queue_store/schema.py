@@ -8,10 +8,10 @@ UTC on every backend and handed out timezone-aware.
 from __future__ import annotations
 
 import datetime as dt
+import json
 from typing import Any
 
 from sqlalchemy import (
-    JSON,
     Column,
     DateTime,
     Dialect,
@@ -54,6 +54,23 @@ class UTCDateTime(TypeDecorator[dt.datetime]):
         if not isinstance(value, dt.datetime):
             raise TypeError(f"expected a datetime from the database, got {type(value).__name__}")
         return value.replace(tzinfo=dt.UTC) if value.tzinfo is None else value
+
+
+class JSONText(TypeDecorator[Any]):
+    """JSON kept as text: an exact round trip on every backend.
+
+    SQLite gives a column declared JSON numeric affinity and would turn a bare
+    `1.0` result into `1`; text keeps what was written.
+    """
+
+    impl = Text
+    cache_ok = True
+
+    def process_bind_param(self, value: Any, dialect: Dialect) -> str:
+        return json.dumps(value, ensure_ascii=True, allow_nan=False)
+
+    def process_result_value(self, value: Any, dialect: Dialect) -> Any:
+        return None if value is None else json.loads(value)
 
 
 metadata = MetaData()
@@ -100,7 +117,7 @@ results = Table(
     Column("kind", String(100), nullable=False),
     Column("subject", String(500), nullable=False),
     Column("fingerprint", String(200)),
-    Column("output", JSON, nullable=False),
+    Column("output", JSONText, nullable=False),
     Column("produced_at", UTCDateTime, nullable=False),
     Column("duration_seconds", Float),
 )

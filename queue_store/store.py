@@ -72,6 +72,7 @@ gate = schema.gate
 Clock = Callable[[], dt.datetime]
 
 MAX_LIST_LIMIT = 1000
+MAX_SECONDS = 10 * 365 * 24 * 3600.0  # longest pause or duration the store accepts
 # An enqueue that keeps losing its compare-and-swap is being raced by writers
 # on the same key; a few rounds always settle it.
 MAX_ENQUEUE_ROUNDS = 8
@@ -112,11 +113,14 @@ def _text(name: str, value: object, max_length: int) -> str:
 
 
 def _key(user_id: object, kind: object, subject: object) -> tuple[str, str, str]:
-    return (
-        _text("user_id", user_id, MAX_ID_LENGTH),
-        _text("kind", kind, MAX_KIND_LENGTH),
-        _text("subject", subject, MAX_SUBJECT_LENGTH),
-    )
+    user_id = _text("user_id", user_id, MAX_ID_LENGTH)
+    kind = _text("kind", kind, MAX_KIND_LENGTH)
+    # The id hashes "user|kind|subject": a "|" in the first two parts would let
+    # two different keys (and two users) share one job.
+    for name, value in (("user_id", user_id), ("kind", kind)):
+        if "|" in value:
+            raise InvalidArgument(name, "must not contain '|'")
+    return user_id, kind, _text("subject", subject, MAX_SUBJECT_LENGTH)
 
 
 def _fingerprint(value: object) -> str | None:
@@ -142,12 +146,16 @@ def _positive_int(name: str, value: object, maximum: int) -> int:
     return value
 
 
-def _seconds(name: str, value: object) -> float:
+def _seconds(name: str, value: object, maximum: float = MAX_SECONDS) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise InvalidArgument(name, f"must be a number of seconds, got {type(value).__name__}")
-    if not math.isfinite(value) or value < 0:
-        raise InvalidArgument(name, f"must be a finite number of seconds, 0 or more; got {value}")
-    return float(value)
+    try:
+        seconds = float(value)
+    except OverflowError:
+        raise InvalidArgument(name, "is too large") from None
+    if not math.isfinite(seconds) or not 0 <= seconds <= maximum:
+        raise InvalidArgument(name, f"must be between 0 and {maximum:.0f} seconds; got {value}")
+    return seconds
 
 
 def _job_id(value: object) -> str:
@@ -159,17 +167,15 @@ def _job_id(value: object) -> str:
 
 def _output(value: object) -> Any:
     try:
-        encoded = json.dumps(value, allow_nan=False)
-    except (TypeError, ValueError) as exc:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError, RecursionError) as exc:
         raise InvalidArgument("result", f"must be JSON-serialisable ({exc})") from None
-    if "\\u0000" in encoded:
-        raise InvalidArgument("result", "must not contain NUL characters")
     return value
 
 
-def _error_text(value: object) -> str:
+def _error_text(value: object, name: str = "error") -> str:
     if not isinstance(value, str) or not value.strip():
-        raise InvalidArgument("error", "must be a non-empty string")
+        raise InvalidArgument(name, "must be a non-empty string")
     cleaned = value.replace("\x00", "").encode("utf-8", "replace").decode("utf-8")
     return cleaned[:MAX_ERROR_LENGTH]
 
@@ -826,7 +832,7 @@ class JobStore:
     def pause(self, seconds: float, reason: str) -> dt.datetime:
         """Stop every worker from claiming for `seconds`; returns when claiming resumes."""
         seconds = _seconds("seconds", seconds)
-        reason = _error_text(reason)
+        reason = _error_text(reason, "reason")
         with self._write("pause") as connection:
             self._lock_gate(connection)
             until = self._now() + dt.timedelta(seconds=seconds)
@@ -853,7 +859,7 @@ class JobStore:
         running, further reports (other workers seeing the same outage) only
         read it: the streak grows once per pause, not once per worker.
         """
-        reason = _error_text(reason)
+        reason = _error_text(reason, "reason")
         s = self._settings
         with self._write("report_outage") as connection:
             state = self._lock_gate(connection)

@@ -19,8 +19,19 @@ import pytest
 from sqlalchemy import create_engine, text
 
 from queue_store import JobStore, Settings, migrate
+from tests.services import PrefectServer
 
 POSTGRES_URL = os.environ.get("AI_JOB_TEST_POSTGRES_URL", "")
+
+
+@pytest.fixture(scope="session")
+def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrefectServer]:
+    """One Prefect server subprocess for the session, stopped by its PID at the end."""
+    server = PrefectServer(tmp_path_factory.mktemp("prefect-server")).start()
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 class FakeClock:

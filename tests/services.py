@@ -18,6 +18,8 @@ from pathlib import Path
 
 import httpx
 
+from deployments.embedded import server_env
+
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 PREFECT_STARTUP_SECONDS = 90
@@ -30,13 +32,11 @@ def free_port() -> int:
 
 
 def prefect_server_env(home: Path) -> dict[str, str]:
+    """The embedded default's server settings (file-backed leases), without the UI."""
     return {
-        "PREFECT_HOME": str(home),
-        "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{home / 'prefect.db'}",
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        **server_env(home),
         "PREFECT_UI_ENABLED": "false",
         "PREFECT_SERVER_UI_ENABLED": "false",
-        "DO_NOT_TRACK": "1",
     }
 
 

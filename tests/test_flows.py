@@ -25,15 +25,6 @@ pytestmark = [pytest.mark.prefect, pytest.mark.slow]
 GAP = 0.4  # seconds: AI_JOB_GAP_SECONDS for these tests
 
 
-@pytest.fixture(scope="session")
-def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrefectServer]:
-    server = PrefectServer(tmp_path_factory.mktemp("prefect-server")).start()
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
 @pytest.fixture
 def sim() -> Iterator[GatewaySimulator]:
     with GatewaySimulator(workers=4, latency=0.3) as simulator:

@@ -503,6 +503,8 @@ def test_a_poll_on_a_done_job_writes_nothing(store: JobStore) -> None:
         (("u", "k", "s", None, -1), "priority"),
         (("u", "k", "s", None, 1.5), "priority"),
         (("u", "k", "s", None, "0"), "priority"),
+        (("a|b", "k", "s"), "user_id"),  # would share an id with ("a", "b|k", "s")
+        (("u", "k|x", "s"), "kind"),
     ],
 )
 def test_invalid_input_is_refused_before_the_database(

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import sqlalchemy as sa
 from alembic import op
+from queue_store.errors import SchemaConflict
 
 revision = "0001"
 down_revision = None
@@ -60,7 +61,7 @@ def upgrade() -> None:
         sa.Column("kind", sa.String(100), nullable=False),
         sa.Column("subject", sa.String(500), nullable=False),
         sa.Column("fingerprint", sa.String(200)),
-        sa.Column("output", sa.JSON, nullable=False),
+        sa.Column("output", sa.Text, nullable=False),  # JSON, kept as exact text
         sa.Column("produced_at", _time(), nullable=False),
         sa.Column("duration_seconds", sa.Float),
     )
@@ -105,7 +106,7 @@ def _adopt_original(bind: sa.engine.Connection, inspector: sa.engine.Inspector) 
     columns = {column["name"] for column in inspector.get_columns("ai_jobs")}
     missing = ORIGINAL_COLUMNS - columns
     if missing:
-        raise RuntimeError(
+        raise SchemaConflict(
             "ai_jobs exists but is not the original queue's table "
             f"(missing columns: {', '.join(sorted(missing))}); refusing to touch it"
         )
