@@ -35,6 +35,10 @@ def server_env(home: Path) -> dict[str, str]:
         "PREFECT_HOME": str(home),
         "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{home / 'prefect.db'}",
         "PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE": FILE_LEASES,
+        # A gateway task that finds the slot taken is told to retry after at
+        # most this long (Prefect's default, 10 s, would be most of a screen's
+        # wait when a call ends just as the next one is claimed).
+        "PREFECT_SERVER_TASKS_TAG_CONCURRENCY_SLOT_WAIT_SECONDS": "1",
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "DO_NOT_TRACK": "1",
     }
