@@ -66,6 +66,33 @@ def serve_command(ctx: click.Context, prefect_port: int, no_upgrade: bool, safet
     serve(_settings(ctx), ServeOptions(prefect_port, not no_upgrade, safety_net))
 
 
+@main.command("deploy")
+@click.option(
+    "--source",
+    required=True,
+    help="where workers get the code: a git URL, or this project's path on every machine",
+)
+@click.option("--pool", default="insight-queue", show_default=True, help="process work pool")
+@click.option(
+    "--safety-net",
+    type=click.IntRange(5),
+    default=60,
+    show_default=True,
+    help="seconds between safety-net consumer runs",
+)
+def deploy_command(source: str, pool: str, safety_net: int) -> None:
+    """Scale-out: register the flows on a process work pool (interactive queue first).
+
+    Then run `prefect worker start --pool POOL` on each machine, with the same
+    PREFECT_API_URL and AI_JOB_* settings (the store on PostgreSQL).
+    """
+    from deployments.deploy import deploy
+
+    deployed = deploy(source, pool=pool, safety_net_seconds=safety_net)
+    for name, deployment_id in deployed.deployments.items():
+        click.echo(f"{name}  {deployment_id}  (pool {deployed.pool})")
+
+
 @main.command("trigger-backfill")
 @click.argument("user_id")
 @click.option("--sync-id", default=None, help="the sync this follows; one run per sync")

@@ -67,8 +67,11 @@ def stop(process: subprocess.Popen[bytes] | subprocess.Popen[str], grace: float 
 
 
 class PrefectServer:
-    def __init__(self, home: Path, port: int | None = None) -> None:
+    def __init__(
+        self, home: Path, port: int | None = None, database_url: str | None = None
+    ) -> None:
         self.home = home
+        self.database_url = database_url
         self.port = port or free_port()
         self.api_url = f"http://127.0.0.1:{self.port}/api"
         self.process: subprocess.Popen[bytes] | None = None
@@ -77,6 +80,8 @@ class PrefectServer:
     def start(self) -> PrefectServer:
         self.home.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, **prefect_server_env(self.home)}
+        if self.database_url:
+            env["PREFECT_API_DATABASE_CONNECTION_URL"] = self.database_url
         env.pop("PREFECT_API_URL", None)
         with open(self.log, "ab") as log:
             self.process = subprocess.Popen(
