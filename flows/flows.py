@@ -46,6 +46,8 @@ GATEWAY_TAG = "gateway"
 # Longest single sleep of a consumer waiting out a gap or a pause, so a
 # change (an operator's `resume`) is noticed soon.
 MAX_WAIT_SECONDS = 5.0
+# How long a consumer keeps retrying a store it cannot reach before it stops.
+STORE_OUTAGE_SECONDS = 60.0
 
 
 class GenerationFailed(Exception):
@@ -143,13 +145,25 @@ def drain_queue(max_jobs: int | None = None, *, wait_for_gap: bool = True) -> Dr
     if not s.enabled:
         summary.stopped_because = "disabled by AI_JOBS"
         return summary
+    store_down_since: float | None = None
     while max_jobs is None or summary.ran < max_jobs:
         try:
             claim = store().claim_next(worker_name())
+            store_down_since = None
         except StoreError as exc:
-            logger.error("claim failed: %s", exc)
-            summary.stopped_because = f"store error: {exc}"
-            return summary
+            # A database restart takes seconds: ride it out, then leave the
+            # rest to the safety net rather than spin.
+            now = time.monotonic()
+            store_down_since = store_down_since or now
+            if now - store_down_since > STORE_OUTAGE_SECONDS:
+                logger.error(
+                    "store unavailable for %.0f s, stopping: %s", now - store_down_since, exc
+                )
+                summary.stopped_because = f"store error: {exc}"
+                return summary
+            logger.warning("claim failed, retrying: %s", exc)
+            time.sleep(s.poll_seconds)
+            continue
         if claim.job is None:
             if claim.blocked in (Blocked.GAP, Blocked.PAUSED) and wait_for_gap:
                 time.sleep(min(claim.retry_in or s.poll_seconds, MAX_WAIT_SECONDS))

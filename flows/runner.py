@@ -102,7 +102,7 @@ class Heartbeat:
         while not self._stop.wait(self._interval):
             try:
                 still_ours = self._store.heartbeat(self._job.id, self._holder)
-            except StoreError as exc:
+            except Exception as exc:  # noqa: BLE001 - the heartbeat must outlive any failure
                 # The database may be restarting: keep trying. If it stays
                 # away past the lease, the claim lapses and the next renewal
                 # says so.
