@@ -25,6 +25,7 @@ import uuid
 from typing import Any
 
 from prefect import flow, get_run_logger, tags, task
+from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 
 from flows.registry import scopes_for
@@ -86,7 +87,8 @@ _lost_events: dict[str, threading.Event] = {}
 _reports: dict[str, JobReport] = {}
 
 
-@task(name="generate", retries=0, persist_result=False, log_prints=False)
+# Never cached: each claim is a new attempt, whatever its inputs.
+@task(name="generate", retries=0, persist_result=False, cache_policy=NO_CACHE)
 def generate(job: Job) -> dict[str, Any]:
     """One gateway call for one claimed job (runs holding a `gateway` slot)."""
     report = runner().run(job, _lost_events.get(job.id))
