@@ -79,22 +79,24 @@ def test_interactive_request_is_the_next_call_the_gateway_receives(
     sim.set_latency(2.0)
     with running(cli("backfill", "demo"), env, tmp_path / "backfill.log") as backfill:
         wait_for(lambda: sim.stats().in_flight == 1, 60, "the first backfill call")
-        first = served(sim)[0]
         today = dt.datetime.now(dt.UTC).date().isoformat()
         target = f"recovery:{today}"  # queued sixth of eight
-        assert first != target
+        assert served(sim)[0] != target
+        # The promotion happens while this command runs; at most one more
+        # prefetch call can be claimed before it commits.
+        started_before = len(served(sim))
         run_cli("interactive", "demo", "recovery", today, env=env)
         promoted = store.job("demo", "recovery", today)
         assert promoted is not None and promoted.priority == INTERACTIVE
-        promoted_at = promoted.updated_at.timestamp()
         assert backfill.wait(120) == 0
 
     order = served(sim)
     assert len(order) == 8 and len(set(order)) == 8
-    starts = sorted((r.started or 0, r.job) for r in sim.stats().requests if r.started is not None)
-    after_promotion = [job for started, job in starts if started > promoted_at]
-    assert after_promotion[0] == target, order
-    assert order.index(target) < 5, f"the screen's insight did not jump the queue: {order}"
+    assert order.index(target) <= started_before + 1, (
+        f"the screen's insight did not jump the queue ({started_before} calls had started "
+        f"when it was requested): {order}"
+    )
+    assert order.index(target) < 5, order
 
 
 def test_three_consumers_never_overlap_and_keep_the_gap(
