@@ -27,7 +27,7 @@ from sqlalchemy import (
 )
 
 # The migration this code expects; `JobStore` refuses an older database.
-SCHEMA_REVISION = "0001"
+SCHEMA_REVISION = "0002"
 VERSION_TABLE = "insight_queue_version"
 
 GATE_ROW_ID = 1
@@ -106,6 +106,15 @@ jobs = Table(
 # The claim: the first pending job by priority then age, found in the index
 # without touching the table; `kind` rides along for position and ETA counts.
 Index("ix_ai_jobs_queue", jobs.c.status, jobs.c.priority, jobs.c.queued_at, jobs.c.kind)
+# The claim's liveness checks: only the few running rows, whatever the backlog.
+Index(
+    "ix_ai_jobs_running",
+    jobs.c.status,
+    jobs.c.heartbeat_at,
+    jobs.c.claimed_at,
+    sqlite_where=text("status = 'running'"),
+    postgresql_where=text("status = 'running'"),
+)
 # list_jobs, retry_failed, pending_count(user) and supersede.
 Index("ix_ai_jobs_user", jobs.c.user_id, jobs.c.kind, jobs.c.status)
 

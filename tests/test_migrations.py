@@ -28,6 +28,7 @@ from queue_store import (
     migrate,
 )
 from queue_store.engine import create_store_engine
+from queue_store.schema import SCHEMA_REVISION
 from queue_store.store import WORKER_LOST
 from tests.conftest import FakeClock
 from tests.race_worker import dump_tables
@@ -152,7 +153,7 @@ def engine(empty_database_url: str) -> Iterator[Engine]:
 def adopted(empty_database_url: str, engine: Engine, clock: FakeClock) -> Iterator[JobStore]:
     """The original's table with its rows, upgraded, and a store on the fake clock."""
     _create_original(engine)
-    assert migrate.upgrade(empty_database_url) == "0001"
+    assert migrate.upgrade(empty_database_url) == SCHEMA_REVISION
     settings = Settings(database_url=empty_database_url, gap_seconds=0.0)
     store = JobStore(empty_database_url, settings=settings, clock=clock)
     yield store
@@ -309,12 +310,12 @@ def test_a_store_on_an_empty_database_asks_for_the_upgrade(
 
 def test_upgrade_is_idempotent(empty_database_url: str, engine: Engine) -> None:
     _create_original(engine)
-    assert migrate.upgrade(empty_database_url) == "0001"
+    assert migrate.upgrade(empty_database_url) == SCHEMA_REVISION
     once = dump_tables(engine)
     assert set(once) >= {"ai_jobs", "ai_job_results", "ai_job_gate"}
     assert len(once["ai_jobs"]) == len(OLD_ROWS)
     assert len(once["ai_job_gate"]) == 1
-    assert migrate.upgrade(empty_database_url) == "0001"
+    assert migrate.upgrade(empty_database_url) == SCHEMA_REVISION
     assert dump_tables(engine) == once
     with JobStore(empty_database_url, settings=Settings(database_url=empty_database_url)) as store:
         assert store.pending_count() == 5
@@ -323,8 +324,8 @@ def test_upgrade_is_idempotent(empty_database_url: str, engine: Engine) -> None:
 def test_upgrade_of_an_empty_database_creates_the_store(
     empty_database_url: str, engine: Engine
 ) -> None:
-    assert migrate.upgrade(empty_database_url) == "0001"
-    assert migrate.upgrade(empty_database_url) == "0001"
+    assert migrate.upgrade(empty_database_url) == SCHEMA_REVISION
+    assert migrate.upgrade(empty_database_url) == SCHEMA_REVISION
     with JobStore(empty_database_url, settings=Settings(database_url=empty_database_url)) as store:
         assert store.enqueue(U, "sleep", "d1") == "pending"
         assert store.list_jobs(U)[0]["subject"] == "d1"
@@ -355,3 +356,17 @@ def test_an_ai_jobs_table_that_is_not_the_originals_is_refused_untouched(
         assert [c["name"] for c in inspect(connection).get_columns("ai_jobs")] == columns_before
     with pytest.raises(SchemaOutdated):
         JobStore(empty_database_url, settings=Settings(database_url=empty_database_url))
+
+
+def test_a_database_one_revision_behind_is_refused_then_upgraded(
+    empty_database_url: str,
+) -> None:
+    assert migrate.upgrade(empty_database_url, "0001") == "0001"
+    with pytest.raises(SchemaOutdated) as refused:
+        JobStore(empty_database_url, settings=Settings(database_url=empty_database_url))
+    assert "revision 0001" in str(refused.value)
+    assert "insight-queue db upgrade" in str(refused.value)
+    assert migrate.upgrade(empty_database_url) == SCHEMA_REVISION
+    store = JobStore(empty_database_url, settings=Settings(database_url=empty_database_url))
+    assert store.enqueue("u", "k", "s") == "pending"
+    store.close()
