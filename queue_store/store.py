@@ -18,6 +18,7 @@ Concurrency model:
 from __future__ import annotations
 
 import collections
+import dataclasses
 import datetime as dt
 import json
 import math
@@ -557,14 +558,20 @@ class JobStore:
         with self._write("claim_next") as connection:
             state = self._lock_gate(connection)
             now = self._now()
-            self._reap(connection, now)
+            # The few running rows tell both how many calls are in flight and
+            # whether any claim died; the reap's writes happen only then.
+            running = connection.execute(
+                select(jobs.c.status, jobs.c.holder, jobs.c.heartbeat_at, jobs.c.claimed_at).where(
+                    jobs.c.status == Status.RUNNING
+                )
+            ).all()
+            in_flight = sum(1 for row in running if self._is_live(row, now))
+            if in_flight < len(running):
+                self._reap(connection, now)
 
             if state.paused_until is not None and state.paused_until > now:
                 wait = (state.paused_until - now).total_seconds()
                 return Claim(None, Blocked.PAUSED, wait)
-            in_flight = connection.execute(
-                select(func.count()).select_from(jobs).where(self._live_claim(now))
-            ).scalar_one()
             if in_flight >= s.concurrency:
                 return Claim(None, Blocked.CONCURRENCY, None)
             if state.last_finished_at is not None:
@@ -596,22 +603,20 @@ class JobStore:
                         )
                     )
                     continue
-                token = f"{holder}/{secrets.token_hex(6)}"
+                claimed = {
+                    "status": Status.RUNNING,
+                    "holder": f"{holder}/{secrets.token_hex(6)}",
+                    "claimed_at": now,
+                    "heartbeat_at": now,
+                    "attempts": candidate.attempts + 1,
+                    "updated_at": now,
+                }
                 connection.execute(
                     update(jobs)
                     .where(jobs.c.id == candidate.id)
-                    .values(
-                        status=Status.RUNNING,
-                        holder=token,
-                        claimed_at=now,
-                        heartbeat_at=now,
-                        attempts=candidate.attempts + 1,
-                        updated_at=now,
-                        revision=candidate.revision + 1,
-                    )
+                    .values(**claimed, revision=candidate.revision + 1)
                 )
-                claimed = connection.execute(select(jobs).where(jobs.c.id == candidate.id)).one()
-                return Claim(_job(claimed))
+                return Claim(dataclasses.replace(_job(candidate), **claimed))
 
     def _reap(self, connection: Connection, now: dt.datetime, worker: str | None = None) -> int:
         """Release dead claims (FIX3/FIX5); the last attempt's death fails the job (FIX4).
