@@ -14,7 +14,6 @@ from __future__ import annotations
 import datetime as dt
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -23,7 +22,7 @@ from pathlib import Path
 
 import click
 
-from deployments.embedded import DEFAULT_PORT, EmbeddedServer, is_healthy
+from deployments.embedded import DEFAULT_PORT, EmbeddedServer, is_healthy, stop_process_group
 from deployments.triggers import BACKFILL_DEPLOYMENT, INTERACTIVE_DEPLOYMENT
 from flows.simulator import GatewaySimulator
 from queue_store import JobStore, Settings, migrate
@@ -34,7 +33,6 @@ SCOPES = 8
 POLL_SECONDS = 1.0
 SERVE_READY_SECONDS = 120
 DEMO_TIMEOUT_SECONDS = 600
-STOP_GRACE_SECONDS = 20
 
 
 def _free_port(preferred: int) -> int:
@@ -192,13 +190,8 @@ class Demo:
         self.say(f"run history: Prefect UI at {self.server.ui_url}")
 
     def stop(self) -> None:
-        if self.serve is not None and self.serve.poll() is None:
-            os.killpg(self.serve.pid, signal.SIGTERM)
-            try:
-                self.serve.wait(STOP_GRACE_SECONDS)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.serve.pid, signal.SIGKILL)
-                self.serve.wait(10)
+        if self.serve is not None:
+            stop_process_group(self.serve)
         if self.server is not None:
             self.server.stop()
         self.sim.stop()

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -110,13 +111,25 @@ class EmbeddedServer:
     def stop(self) -> None:
         """Stop the server this object started (never one it merely reused)."""
         process, self._process = self._process, None
-        if process is None or process.poll() is not None:
-            return
+        if process is not None:
+            stop_process_group(process)
+
+
+def stop_process_group(
+    process: subprocess.Popen[Any], grace_seconds: float = STOP_GRACE_SECONDS
+) -> None:
+    """Stop a process we started in its own session, with everything it started.
+
+    SIGTERM to its process group (whose id is the PID we got at start), then
+    SIGKILL if it is still there after `grace_seconds`.
+    """
+    if process.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(grace_seconds)
+    except subprocess.TimeoutExpired:
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(STOP_GRACE_SECONDS)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
-            process.wait(10)
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait(10)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -18,7 +17,7 @@ from pathlib import Path
 
 import httpx
 
-from deployments.embedded import server_env
+from deployments.embedded import server_env, stop_process_group
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -54,16 +53,7 @@ def client_env(api_url: str, home: Path) -> dict[str, str]:
 
 def stop(process: subprocess.Popen[bytes] | subprocess.Popen[str], grace: float = 15) -> None:
     """Stop a process we started, and its group: TERM, then KILL after `grace`."""
-    if process.poll() is not None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGTERM)
-    try:
-        process.wait(grace)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-        process.wait(10)
+    stop_process_group(process, grace)
 
 
 class PrefectServer:
