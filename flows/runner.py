@@ -10,6 +10,8 @@ only reports to it what happened:
   backoff;
 - any other failure (timeout, rejection, generator error, unknown kind):
   `finish(error=...)`, which spends the attempt and re-queues below the limit;
+  a timeout also pauses claiming like an outage, because the gateway may
+  still be working on the call we gave up on;
 - the claim lost (taken over after a stall): nothing, the job is someone
   else's now.
 """
@@ -30,6 +32,7 @@ from flows.gateway import (
     GatewayClient,
     GatewayError,
     is_abandoned,
+    is_timeout,
     is_unavailable,
 )
 from flows.registry import generator_for
@@ -196,7 +199,13 @@ class JobRunner:
                 return self._outage(job, str(exc), started)
             if is_abandoned(exc):
                 return JobReport(job.id, job.run_name, Outcome.LOST, str(exc), _since(started))
-            return self._fail(job, str(exc), started)
+            report = self._fail(job, str(exc), started)
+            if is_timeout(exc) and report.outcome != Outcome.LOST:
+                # The attempt is spent, but the gateway may still be working
+                # on the abandoned call: starting the next one at once would
+                # put two of ours on a box shared with two other projects.
+                report = dataclasses.replace(report, pause_seconds=self._pause(str(exc)))
+            return report
         finally:
             client.close()
 
@@ -230,13 +239,17 @@ class JobRunner:
         )
         if report.outcome == Outcome.LOST:
             return report
+        return dataclasses.replace(report, pause_seconds=self._pause(message))
+
+    def _pause(self, message: str) -> float | None:
+        """Pause claiming for every worker, with the store's growing backoff."""
         try:
             pause = self._store.report_outage(message)
         except StoreError as exc:
             logger.error("could not record the gateway outage: %s", exc)
-            pause = None
-        logger.warning("gateway unreachable (%s); claiming paused for %s s", message, pause)
-        return dataclasses.replace(report, pause_seconds=pause)
+            return None
+        logger.warning("gateway in trouble (%s); claiming paused for %.0f s", message, pause)
+        return pause
 
     def _record(
         self,

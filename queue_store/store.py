@@ -597,6 +597,7 @@ class JobStore:
                         .where(jobs.c.id == candidate.id)
                         .values(
                             status=Status.FAILED,
+                            error=f"attempts exhausted: AI_JOB_MAX_ATTEMPTS is {s.max_attempts}",
                             finished_at=now,
                             updated_at=now,
                             revision=jobs.c.revision + 1,

@@ -129,13 +129,16 @@ def test_other_failures_spend_the_attempt_and_requeue(
     assert job.error
 
 
-def test_a_read_timeout_spends_the_attempt(store: JobStore, settings: Settings) -> None:
+def test_a_read_timeout_spends_the_attempt_and_pauses(store: JobStore, settings: Settings) -> None:
     def slow(request: httpx.Request) -> httpx.Response:
         raise httpx.ReadTimeout("no answer", request=request)
 
     report = runner_for(store, settings, slow).run(claim(store))
     assert report.outcome == Outcome.REQUEUED
     assert "no answer in time" in (report.error or "")
+    # The gateway may still be busy with the call we gave up on: pause.
+    assert report.pause_seconds == pytest.approx(30)
+    assert store.claim_next("another").blocked == Blocked.PAUSED
 
 
 def test_an_unknown_kind_fails_its_job_not_the_runner(store: JobStore, settings: Settings) -> None:
