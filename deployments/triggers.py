@@ -34,6 +34,12 @@ DRAIN_DEPLOYMENT = f"drain/{DEPLOYMENT}"
 RUN_WINDOW_SECONDS = 30
 # A backfill triggered twice for the same sync within this window runs once.
 BACKFILL_WINDOW_SECONDS = 60
+# A screen's poll must not hang on Prefect, whose client retries a 503 up to
+# five times over a minute: one retry and short timeouts. A run not created
+# now is created by the screen's next poll (same idempotency key) or the
+# safety net.
+CREATE_RUN_RETRIES = 1
+CREATE_RUN_TIMEOUT_SECONDS = 5.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,8 +112,14 @@ def _create_run(
     """Start a flow run of a deployment; None (logged once) if Prefect is unreachable."""
     try:
         from prefect import get_client
+        from prefect.settings import PREFECT_CLIENT_MAX_RETRIES, temporary_settings
 
-        with get_client(sync_client=True) as client:
+        with (
+            temporary_settings({PREFECT_CLIENT_MAX_RETRIES: CREATE_RUN_RETRIES}),
+            get_client(
+                sync_client=True, httpx_settings={"timeout": CREATE_RUN_TIMEOUT_SECONDS}
+            ) as client,
+        ):
             deployment_id = _deployment_ids.get(deployment)
             if deployment_id is None:
                 deployment_id = client.read_deployment_by_name(deployment).id

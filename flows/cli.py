@@ -20,11 +20,17 @@ def _echo(value: object) -> None:
 
 @click.command("drain")
 @click.option("--max-jobs", type=click.IntRange(1), default=None, help="stop after this many")
-def drain_command(max_jobs: int | None) -> None:
+@click.option(
+    "--standby",
+    type=click.FloatRange(0),
+    default=0.0,
+    help="then stand by this many seconds for new work",
+)
+def drain_command(max_jobs: int | None, standby: float) -> None:
     """Run queued jobs in priority order until nothing is runnable."""
     from flows.flows import drain
 
-    _echo(drain(max_jobs))
+    _echo(drain(max_jobs, standby))
 
 
 @click.command("backfill")

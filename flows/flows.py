@@ -47,6 +47,8 @@ GATEWAY_TAG = "gateway"
 # Longest single sleep of a consumer waiting out a gap or a pause, so a
 # change (an operator's `resume`) is noticed soon.
 MAX_WAIT_SECONDS = 5.0
+# How often a consumer standing by looks for queued work (a read-only query).
+STANDBY_POLL_SECONDS = 0.25
 # How long a consumer keeps retrying a store it cannot reach before it stops.
 STORE_OUTAGE_SECONDS = 60.0
 
@@ -134,13 +136,20 @@ def _run_claimed(job: Job) -> str:
     return report.outcome.value if report else "crashed"
 
 
-def drain_queue(max_jobs: int | None = None, *, wait_for_gap: bool = True) -> DrainSummary:
+def drain_queue(
+    max_jobs: int | None = None, *, wait_for_gap: bool = True, standby_seconds: float = 0.0
+) -> DrainSummary:
     """Claim and run jobs until nothing is runnable (drain mode).
 
     Stops when the queue is empty or another consumer holds the gateway: that
     consumer takes the next job when its call ends, so nothing is stranded.
     Waits out the global gap and any outage pause (in short sleeps) when
     `wait_for_gap`; otherwise stops there too.
+
+    With `standby_seconds` it does not stop at once when idle: it stands by
+    that long, looking for queued work every `STANDBY_POLL_SECONDS` with a
+    read-only query, so a screen's job is claimed without waiting for a new
+    flow run's process to start.
     """
     summary = DrainSummary()
     s = settings()
@@ -148,7 +157,15 @@ def drain_queue(max_jobs: int | None = None, *, wait_for_gap: bool = True) -> Dr
         summary.stopped_because = "disabled by AI_JOBS"
         return summary
     store_down_since: float | None = None
+    idle_since: float | None = None
     while max_jobs is None or summary.ran < max_jobs:
+        if idle_since is not None:
+            if time.monotonic() - idle_since >= standby_seconds:
+                summary.stopped_because = "standby over"
+                return summary
+            if not _work_waiting():
+                time.sleep(STANDBY_POLL_SECONDS)
+                continue
         try:
             claim = store().claim_next(worker_name())
             store_down_since = None
@@ -170,17 +187,36 @@ def drain_queue(max_jobs: int | None = None, *, wait_for_gap: bool = True) -> Dr
             if claim.blocked in (Blocked.GAP, Blocked.PAUSED) and wait_for_gap:
                 time.sleep(min(claim.retry_in or s.poll_seconds, MAX_WAIT_SECONDS))
                 continue
+            if standby_seconds > 0:
+                idle_since = idle_since or time.monotonic()
+                # A consumer mid-call takes the next job itself: look less often.
+                busy = claim.blocked == Blocked.CONCURRENCY
+                time.sleep(s.poll_seconds if busy else STANDBY_POLL_SECONDS)
+                continue
             summary.stopped_because = str(claim.blocked)
             return summary
+        idle_since = None
         summary.add(_run_claimed(claim.job))
     summary.stopped_because = "max_jobs"
     return summary
 
 
+def _work_waiting() -> bool:
+    """Whether a job is queued (one indexed read; never a write)."""
+    try:
+        return store().has_pending()
+    except StoreError:
+        return True  # let the claim find out, and ride out the outage there
+
+
 @flow(name="drain", log_prints=True)
-def drain(max_jobs: int | None = None) -> dict[str, Any]:
-    """Consumer: run queued jobs in priority order until nothing is runnable."""
-    summary = drain_queue(max_jobs)
+def drain(max_jobs: int | None = None, standby_seconds: float = 0.0) -> dict[str, Any]:
+    """Consumer: run queued jobs in priority order until nothing is runnable.
+
+    With `standby_seconds` (the safety net's runs under `serve`), it then
+    stands by that long for new work, so a screen finds a consumer running.
+    """
+    summary = drain_queue(max_jobs, standby_seconds=standby_seconds)
     get_run_logger().info("drained: %s", summary)
     return dataclasses.asdict(summary)
 

@@ -499,6 +499,14 @@ class JobStore:
         with self._read("pending_count") as connection:
             return int(connection.execute(query).scalar_one())
 
+    def has_pending(self) -> bool:
+        """Whether any job is queued: the cheapest question a standing-by consumer can ask."""
+        with self._read("has_pending") as connection:
+            found = connection.execute(
+                select(jobs.c.id).where(jobs.c.status == Status.PENDING).limit(1)
+            ).first()
+        return found is not None
+
     def calls_in_flight(self) -> int:
         """Running jobs whose claim is live: gateway calls under way right now."""
         with self._read("calls_in_flight") as connection:

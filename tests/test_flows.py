@@ -192,3 +192,21 @@ def test_gateway_limit_exists_and_gateway_task_runs_carry_the_tag(
     assert len(runs) == 1
     assert set(runs[0].tags) >= {"gateway", "kind:ok", "priority:prefetch"}
     assert str(runs[0].flow_run_id) == job.flow_run_id
+
+
+def test_a_consumer_standing_by_takes_new_work_without_a_new_run(
+    env: dict[str, str], sim: GatewaySimulator, store: JobStore, tmp_path: Path
+) -> None:
+    with running(cli("drain", "--standby", "60"), env, tmp_path / "standby.log") as consumer:
+        store.enqueue("u", "ok", "warm-up")
+        wait_for(lambda: len(sim.stats().requests) == 1, 60, "the warm-up call")
+        wait_for(lambda: store.pending_count() == 0, 30, "the warm-up job done")
+        time.sleep(GAP + 1)  # idle now: standing by
+
+        asked = time.time()
+        store.enqueue("u", "ok", "screen", priority=INTERACTIVE)
+        wait_for(lambda: len(sim.stats().requests) == 2, 10, "the screen's call")
+        assert consumer.poll() is None  # still standing by, no new process
+    received = sim.stats().requests[-1].received
+    assert sim.stats().requests[-1].job == "ok:screen"
+    assert received - asked < 2.0, received - asked
