@@ -96,12 +96,13 @@ def deploy_command(source: str, pool: str, safety_net: int) -> None:
 @main.command("trigger-backfill")
 @click.argument("user_id")
 @click.option("--sync-id", default=None, help="the sync this follows; one run per sync")
+@fails_cleanly
 def trigger_backfill_command(user_id: str, sync_id: str | None) -> None:
     """What the post-sync hook calls: start the backfill run and return at once."""
     from deployments.triggers import trigger_backfill
 
     run_id = trigger_backfill(user_id, sync_id)
-    click.echo(run_id or "Prefect unreachable: nothing started; the safety net will drain")
+    click.echo(run_id or "Prefect unreachable: scopes queued; the safety net will drain")
 
 
 @main.command("request-insight")

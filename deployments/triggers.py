@@ -21,7 +21,15 @@ import time
 from typing import Any
 from uuid import UUID
 
-from queue_store import INTERACTIVE, JobStore, Settings, StoreError, job_id
+from queue_store import (
+    INTERACTIVE,
+    PREFETCH,
+    JobStore,
+    Settings,
+    StoreError,
+    check_user_id,
+    job_id,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -139,15 +147,24 @@ def _create_run(
     return str(run.id)
 
 
-def trigger_backfill(user_id: str, sync_id: str | None = None) -> str | None:
+def trigger_backfill(
+    user_id: str, sync_id: str | None = None, *, store: JobStore | None = None
+) -> str | None:
     """After a data sync: start the backfill flow for the user, and return at once.
 
     Safe to call twice for the same sync: with the same `sync_id` (or, without
-    one, within a minute) it starts one run. Returns the flow run id, or None
-    when Prefect is unreachable (the safety net then drains what is queued).
+    one, within a minute) it starts one run. The user's scopes are queued in
+    the store before the run is asked for, so they survive Prefect being down
+    or the run crashing. Returns the flow run id, or None when Prefect is
+    unreachable (the safety net then drains what is queued).
+    Raises `ValueError` (the store's `InvalidArgument`) for a user id the store
+    would refuse.
     """
-    if not isinstance(user_id, str) or not user_id:
-        raise ValueError("user_id: must be a non-empty string")
+    user_id = check_user_id(user_id)
+    # Queued here first (idempotent, a few fast writes): a run that never
+    # starts, or crashes before its own enqueue, then loses nothing, and the
+    # safety net drains what is queued.
+    _queue_scopes(user_id, store)
     window = sync_id or str(int(time.time() // BACKFILL_WINDOW_SECONDS))
     return _create_run(
         BACKFILL_DEPLOYMENT,
@@ -156,6 +173,21 @@ def trigger_backfill(user_id: str, sync_id: str | None = None) -> str | None:
         tags=["priority:prefetch"],
         idempotency_key=f"backfill:{user_id}:{window}",
     )
+
+
+def _queue_scopes(user_id: str, store: JobStore | None) -> None:
+    """Queue every scope of the user at prefetch priority (what the backfill flow does)."""
+    from flows.registry import scopes_for
+
+    try:
+        store = store or default_store()
+        for scope in scopes_for(user_id):
+            store.enqueue(user_id, scope.kind, scope.subject, scope.fingerprint, PREFETCH)
+            if scope.single_subject:
+                store.supersede(user_id, scope.kind, scope.subject)
+    except StoreError as exc:
+        # The run queues them itself when it starts.
+        logger.error("could not queue the scopes of %s in the store: %s", user_id, exc)
 
 
 def request_insight(
@@ -171,8 +203,8 @@ def request_insight(
     Raises `ValueError` (the store's `InvalidArgument`) for bad input; never
     raises because Prefect or the database is down: the state says so instead.
     """
-    store = store or default_store()
     try:
+        store = store or default_store()  # opening it checks the schema: it may fail too
         status = store.enqueue(user_id, kind, subject, fingerprint, INTERACTIVE)
     except StoreError as exc:
         if isinstance(exc, ValueError):

@@ -86,6 +86,7 @@ def job_tags(job: Job) -> list[str]:
 # and the task's report for the flow. Both run in this process; the task's
 # return value or exception is for the UI.
 _lost_events: dict[str, threading.Event] = {}
+_recording_events: dict[str, threading.Event] = {}
 _reports: dict[str, JobReport] = {}
 
 
@@ -93,7 +94,7 @@ _reports: dict[str, JobReport] = {}
 @task(name="generate", retries=0, persist_result=False, cache_policy=NO_CACHE)
 def generate(job: Job) -> dict[str, Any]:
     """One gateway call for one claimed job (runs holding a `gateway` slot)."""
-    report = runner().run(job, _lost_events.get(job.id))
+    report = runner().run(job, _lost_events.get(job.id), _recording_events.get(job.id))
     _reports[job.id] = report
     log = get_run_logger()
     if report.outcome in (Outcome.DONE, Outcome.RELEASED):
@@ -125,11 +126,13 @@ def _run_claimed(job: Job) -> str:
             logger.warning("could not record the flow run on %s: %s", job.run_name, exc)
     with runner().heartbeat(job) as beat:
         _lost_events[job.id] = beat.lost
+        _recording_events[job.id] = beat.recording
         try:
             with tags(*job_tags(job)):
                 generate.with_options(task_run_name=job.run_name)(job, return_state=True)
         finally:
             _lost_events.pop(job.id, None)
+            _recording_events.pop(job.id, None)
     report = _reports.pop(job.id, None)
     # No report: the task crashed before recording anything. The claim lapses
     # and the job is taken over; the attempt it spent counts.

@@ -80,6 +80,9 @@ class Heartbeat:
         self._interval = interval_seconds
         self._stop = threading.Event()
         self.lost = threading.Event()
+        # Set by the runner before it writes the outcome: from then on a refused
+        # renewal means our own write ended the claim, not that it was taken over.
+        self.recording = threading.Event()
         self._thread = threading.Thread(
             target=self._run, name=f"heartbeat-{job.id[:8]}", daemon=True
         )
@@ -112,6 +115,8 @@ class Heartbeat:
                 logger.warning("heartbeat for %s failed: %s", self._job.run_name, exc)
                 continue
             if not still_ours:
+                if self.recording.is_set():
+                    return
                 logger.warning("lost the claim on %s; abandoning it", self._job.run_name)
                 self.lost.set()
                 return
@@ -164,14 +169,25 @@ class JobRunner:
         self._store = store
         self._settings = settings
         self._client_factory = client_factory or (lambda: GatewayClient(settings))
+        self._recording: threading.Event | None = None  # one job at a time per runner
 
     def heartbeat(self, job: Job) -> Heartbeat:
         return Heartbeat(self._store, job, self._settings.heartbeat_seconds)
 
-    def run(self, job: Job, lost: threading.Event | None = None) -> JobReport:
-        """Make the job's gateway call and record what happened."""
+    def run(
+        self,
+        job: Job,
+        lost: threading.Event | None = None,
+        recording: threading.Event | None = None,
+    ) -> JobReport:
+        """Make the job's gateway call and record what happened.
+
+        `lost` is set by the heartbeat when the claim was taken over; this sets
+        `recording` (the heartbeat's) just before it writes the outcome.
+        """
         started = time.monotonic()
         lost = lost or threading.Event()
+        self._recording = recording
         elapsed_in_claim = 0.0
         if job.claimed_at is not None:
             elapsed_in_claim = max(0.0, time.time() - job.claimed_at.timestamp())
@@ -260,6 +276,8 @@ class JobRunner:
         error: str | None = None,
         released: bool = False,
     ) -> JobReport:
+        if self._recording is not None:
+            self._recording.set()
         for attempt in range(1, RECORD_RETRIES + 1):
             try:
                 status = write()

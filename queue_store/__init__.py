@@ -26,7 +26,7 @@ from queue_store.models import (
     priority_class,
 )
 from queue_store.settings import Secret, Settings
-from queue_store.store import JobStore
+from queue_store.store import JobStore, check_user_id
 
 __all__ = [
     "INTERACTIVE",
@@ -48,6 +48,7 @@ __all__ = [
     "SettingsError",
     "Status",
     "StoreError",
+    "check_user_id",
     "job_id",
     "priority_class",
 ]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -180,7 +181,7 @@ def render_table(listed: list[dict[str, Any]]) -> str:
         ("UPDATED", lambda j: j["updatedAt"] or ""),
         ("ERROR", lambda j: _one_line(j["error"] or "")),
     ]
-    cells = [[render(job) for _, render in columns] for job in listed]
+    cells = [[_printable(render(job)) for _, render in columns] for job in listed]
     widths = [
         min(max([len(title)] + [len(row[i]) for row in cells]), 60)
         for i, (title, _) in enumerate(columns)
@@ -198,6 +199,16 @@ def render_table(listed: list[dict[str, Any]]) -> str:
 
 def _one_line(text: str) -> str:
     return " ".join(text.split())
+
+
+# C0 and C1 controls, DEL, and the Unicode line and paragraph separators.
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def _printable(text: str) -> str:
+    """Control characters as escapes: a cell never breaks a table row or
+    drives the operator's terminal (kind and subject come from the app)."""
+    return _CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), text)
 
 
 @click.command("retry-failed")

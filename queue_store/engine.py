@@ -57,7 +57,13 @@ def create_store_engine(url: str | URL, **kwargs: Any) -> Engine:
 
 def _sqlite_engine(url: URL, **kwargs: Any) -> Engine:
     if url.database and url.database != ":memory:" and not url.database.startswith("file:"):
-        Path(url.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+        directory = Path(url.database).expanduser().parent
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise DatabaseError(
+                f"cannot create the SQLite directory {directory}: {exc.strerror or exc}"
+            ) from exc
     engine = create_engine(url, **kwargs)
 
     @event.listens_for(engine, "connect")
@@ -78,13 +84,30 @@ def _sqlite_engine(url: URL, **kwargs: Any) -> Engine:
 
 
 _PASSWORD_IN_URL = re.compile(r"(://[^:/@\s]*:)[^@\s]*@")
+_PASSWORD_IN_QUERY = re.compile(r"([?&]password=)[^&\s]*", re.IGNORECASE)
+
+
+def _passwords(url: URL) -> list[str]:
+    """The URL's password and any libpq `password=` query parameter."""
+    found = [str(url.password)] if url.password else []
+    query = url.query.get("password")
+    found += [query] if isinstance(query, str) else list(query or ())
+    return [p for p in found if p]
+
+
+def shown_url(url: URL) -> str:
+    """The URL for people: its password and any `password=` parameter masked."""
+    if "password" in url.query:
+        url = url.update_query_dict({"password": "***"})
+    return url.render_as_string(hide_password=True)
 
 
 def scrub(message: str, url: URL | None = None) -> str:
     """The message without any database password it might quote."""
-    if url is not None and url.password:
-        message = message.replace(str(url.password), "***")
-    return _PASSWORD_IN_URL.sub(r"\1***@", message)
+    for password in _passwords(url) if url is not None else []:
+        message = message.replace(password, "***")
+    message = _PASSWORD_IN_URL.sub(r"\1***@", message)
+    return _PASSWORD_IN_QUERY.sub(r"\1***", message)
 
 
 def wrap_database_error(

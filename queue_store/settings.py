@@ -196,6 +196,11 @@ class Settings:
         values.update(overrides)
         return cls(**values)
 
+    def __repr__(self) -> str:
+        # Not the dataclass default: database_url may carry a password.
+        shown = ", ".join(f"{name}={value!r}" for name, value in self.public().items())
+        return f"Settings({shown})"
+
     def public(self) -> dict[str, Any]:
         """The settings as shown to people: secrets masked, URLs without passwords."""
         shown: dict[str, Any] = {}
@@ -216,11 +221,13 @@ def redact_url(url: str) -> str:
     from sqlalchemy.engine import make_url
     from sqlalchemy.exc import ArgumentError
 
+    from queue_store.engine import shown_url
+
     try:
         parsed = make_url(url)
     except ArgumentError:
         return "(unparseable URL)"
-    return parsed.render_as_string(hide_password=True)
+    return shown_url(parsed)
 
 
 def _boolean(name: str, raw: str) -> bool:

@@ -42,7 +42,12 @@ from sqlalchemy import (
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
 from queue_store import migrate, schema
-from queue_store.engine import SQLITE_BEGIN, create_store_engine, wrap_database_error
+from queue_store.engine import (
+    SQLITE_BEGIN,
+    create_store_engine,
+    shown_url,
+    wrap_database_error,
+)
 from queue_store.errors import ClaimLost, DatabaseError, InvalidArgument, SchemaOutdated
 from queue_store.models import (
     INTERACTIVE,
@@ -122,6 +127,18 @@ def _key(user_id: object, kind: object, subject: object) -> tuple[str, str, str]
         if "|" in value:
             raise InvalidArgument(name, "must not contain '|'")
     return user_id, kind, _text("subject", subject, MAX_SUBJECT_LENGTH)
+
+
+def check_user_id(value: object) -> str:
+    """A user id as the store accepts it, or `InvalidArgument` naming `user_id`.
+
+    For callers that take a user id before anything reaches the store (the
+    post-sync trigger), so they refuse what the store would refuse.
+    """
+    user_id = _text("user_id", value, MAX_ID_LENGTH)
+    if "|" in user_id:
+        raise InvalidArgument("user_id", "must not contain '|'")
+    return user_id
 
 
 def _fingerprint(value: object) -> str | None:
@@ -210,7 +227,7 @@ class JobStore:
 
     @property
     def url(self) -> str:
-        return self._engine.url.render_as_string(hide_password=True)
+        return shown_url(self._engine.url)
 
     def close(self) -> None:
         self._engine.dispose()
@@ -1038,4 +1055,4 @@ def _job(row: Row[Any]) -> Job:
     )
 
 
-__all__ = ["JobStore", "utcnow"]
+__all__ = ["JobStore", "check_user_id", "utcnow"]
