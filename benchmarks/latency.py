@@ -81,7 +81,7 @@ from types import FrameType
 from typing import Any
 from uuid import UUID
 
-from deployments.embedded import is_healthy, server_env
+from deployments.embedded import is_healthy, server_env, stop_process_group
 from flows.simulator import GatewaySimulator, RequestRecord
 from queue_store import JobStore, Settings, migrate
 
@@ -274,20 +274,6 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def stop_group(process: subprocess.Popen[bytes], grace: float = STOP_GRACE_SECONDS) -> None:
-    """TERM the process group we started (start_new_session), KILL it after `grace`."""
-    if process.poll() is not None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGTERM)
-    try:
-        process.wait(grace)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-        process.wait(10)
-
-
 def stop_pids(pids: list[int], still_ours: Callable[[], list[int]]) -> None:
     """TERM, then KILL, processes by pid, each only while it is the process we saw."""
     for pid in pids:
@@ -350,7 +336,7 @@ class PrefectServer:
     def stop(self) -> None:
         process, self._process = self._process, None
         if process is not None:
-            stop_group(process)
+            stop_process_group(process, STOP_GRACE_SECONDS)
 
 
 class Stack:
@@ -461,7 +447,7 @@ class Stack:
         process, self.serve = self.serve, None
         self.sampler.sample()  # note its latest children before it goes
         below = descendants(process.pid, process_table())
-        stop_group(process)
+        stop_process_group(process, STOP_GRACE_SECONDS)
         # Prefect starts each flow run in its own session: stop any left over.
         self._stop_seen(below)
 
