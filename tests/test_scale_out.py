@@ -111,13 +111,22 @@ def test_interactive_runs_are_served_before_backfill_runs(
                     )
             assert sim.stats().peak_in_flight == 1
 
-        with (
-            temporary_settings({PREFECT_API_URL: server.api_url}),
-            get_client(sync_client=True) as client,
-        ):
-            runs = [r for r in client.read_flow_runs() if r.start_time is not None]
-        starts = {r.name: r.start_time for r in runs}
+        # The backfill triggers queued their scopes in the store themselves,
+        # so the screen's run may have drained everything: wait for the
+        # worker to have started all three runs before comparing.
         screen_run = f"{screen.kind}:{screen.subject}"
+        expected = {screen_run, "backfill:alice", "backfill:bob"}
+        deadline = time.monotonic() + 180
+        while True:
+            with (
+                temporary_settings({PREFECT_API_URL: server.api_url}),
+                get_client(sync_client=True) as client,
+            ):
+                runs = [r for r in client.read_flow_runs() if r.start_time is not None]
+            if expected <= {r.name for r in runs} or time.monotonic() > deadline:
+                break
+            time.sleep(1)
+        starts = {r.name: r.start_time for r in runs}
         assert screen_run in starts, list(starts)
         backfills = [t for name, t in starts.items() if name.startswith("backfill:")]
         assert len(backfills) == 2
