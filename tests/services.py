@@ -11,9 +11,11 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Self
 
 import httpx
 
@@ -150,3 +152,33 @@ def run_cli(
             f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
         )
     return result
+
+
+class BackgroundSampler:
+    """A thread that samples something until the `with` block ends.
+
+    Subclasses implement `sample(stop)`, looping until `stop` is set; any
+    exception it raises is kept in `error` for the test to assert on.
+    """
+
+    def __init__(self) -> None:
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> Self:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def _run(self) -> None:
+        try:
+            self.sample(self._stop)
+        except BaseException as exc:  # noqa: BLE001 - the test asserts on it
+            self.error = exc
+
+    def sample(self, stop: threading.Event) -> None:
+        raise NotImplementedError

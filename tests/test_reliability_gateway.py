@@ -35,7 +35,7 @@ import pytest
 
 from flows.simulator import INJECTED_STATUS, OK, GatewaySimulator
 from queue_store import JobStore, Settings
-from tests.services import PrefectServer, cli, client_env, running
+from tests.services import BackgroundSampler, PrefectServer, cli, client_env, running
 
 pytestmark = [pytest.mark.slow, pytest.mark.prefect]
 
@@ -108,33 +108,17 @@ class Pause:
     seconds: float  # paused_until - reported_at: the pause the store chose
 
 
-class GateSampler:
+class GateSampler(BackgroundSampler):
     """Reads `gate_state()` every 50 ms and keeps the first sample of each streak value."""
 
     def __init__(self, store: JobStore) -> None:
+        super().__init__()
         self.store = store
         self.pauses: dict[int, Pause] = {}
         self.samples = 0
-        self.error: BaseException | None = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def __enter__(self) -> GateSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self._stop.set()
-        self._thread.join(10)
-
-    def _run(self) -> None:
-        try:
-            self._sample()
-        except BaseException as exc:  # noqa: BLE001 - the test asserts on it
-            self.error = exc
-
-    def _sample(self) -> None:
-        while not self._stop.wait(0.05):
+    def sample(self, stop: threading.Event) -> None:
+        while not stop.wait(0.05):
             state = self.store.gate_state()
             self.samples += 1
             streak = state.outages_in_a_row

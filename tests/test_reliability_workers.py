@@ -29,7 +29,7 @@ import pytest
 
 from flows.simulator import GatewaySimulator, RequestRecord
 from queue_store import INTERACTIVE, JobStore, Settings
-from tests.services import PrefectServer, cli, client_env, run_cli, running
+from tests.services import BackgroundSampler, PrefectServer, cli, client_env, run_cli, running
 
 pytestmark = [pytest.mark.slow, pytest.mark.prefect]
 
@@ -121,7 +121,7 @@ def safety_net(
     return summaries
 
 
-class Watcher:
+class Watcher(BackgroundSampler):
     """Samples the victim's claim from the test process every POLL seconds.
 
     Records when the store stops counting the dead worker's call as in flight
@@ -133,6 +133,7 @@ class Watcher:
     def __init__(
         self, store: JobStore, sim: GatewaySimulator, victim: tuple[str, str, str], dead_holder: str
     ) -> None:
+        super().__init__()
         self.store = store
         self.sim = sim
         self.victim = victim
@@ -140,28 +141,11 @@ class Watcher:
         self.declared_dead_at: float | None = None  # time.time()
         self.live_samples_before: int = 0
         self.new_claim_live_past_lease = False
-        self.error: BaseException | None = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def __enter__(self) -> Watcher:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self._stop.set()
-        self._thread.join(10)
-
-    def _run(self) -> None:
-        try:
-            self._watch()
-        except BaseException as exc:  # noqa: BLE001 - the test asserts on it
-            self.error = exc
-
-    def _watch(self) -> None:
+    def sample(self, stop: threading.Event) -> None:
         label = f"{self.victim[1]}:{self.victim[2]}"
         sped_up = False
-        while not self._stop.wait(POLL):
+        while not stop.wait(POLL):
             if self.declared_dead_at is None:
                 job = self.store.job(*self.victim)
                 in_flight = self.store.calls_in_flight()
