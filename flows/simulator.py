@@ -5,57 +5,109 @@ gateway, with the property that matters most to this project: a fixed number
 of workers (4 by default), so requests beyond them wait in a backlog. It lets
 a developer or a test watch what the queue does to a shared gateway (every
 request is recorded with its times, and the peak number served at once) and
-inject the failures the queue must survive: error statuses, hangs, dropped
-connections and refused connections.
+inject the failures the queue must survive.
 
 It must never be mistaken for, or deployed as, a gateway: its answers are
 canned text derived from the request, it has no authentication beyond an
 optional fixed token, and anyone who can reach it can inject faults. It binds
 to 127.0.0.1 unless told otherwise. It must not import the store or Prefect.
 
+It is a Starlette app served by uvicorn (HTTP/1.1 through h11) on an event
+loop in one background thread. Every answer carries `Connection: close`, so a
+fault reaches the very next request instead of missing a pooled connection.
+
 HTTP endpoints besides the chat-completions path:
-    GET  /_sim/stats   {"peak_in_flight", "in_flight", "waiting", "fault", "requests": [...]}
+    GET  /_sim/stats   {"workers", "latency", "in_flight", "waiting", "peak_in_flight",
+                        "fault", "requests": [...]}
     POST /_sim/reset   forget the recorded requests and the peak; clear any fault
     POST /_sim/latency {"latency": 2 | [1, 3] | "1-3"}: seconds per answer from now on
-    POST /_sim/fault   {"kind": "status" | "hang" | "drop" | "refuse" | "none", ...}
+    POST /_sim/fault   {"kind": ..., ...} as below; {"kind": "none"} clears
 
-Fault fields: `seconds` (the fault lasts this long) and/or `requests` (it
-applies to this many requests), whichever ends first, else until cleared;
-`status` for "status" (default 503); `hold_seconds` for "hang": a hung
-request holds its worker and answers after this long, or earlier when the
-fault's `seconds` run out, when any fault is set or cleared, or at stop.
-"refuse" stops listening for `seconds` (required), then listens again on the
-same port. Every answer closes its connection, so a fault reaches the very
-next request instead of missing a client's pooled connection.
+A fault is one JSON object (or the keyword arguments of `set_fault`):
+
+    kind        status | hang | drop | close_mid_body | trickle | huge | huge_raw
+                | echo_token | redirect | refuse | none
+    requests    applies to this many matching requests, then ends
+    seconds     ends after this long (optional; tests use `requests` or clear it)
+    job         applies only to requests whose job label equals this text
+    job_prefix  applies only to requests whose job label starts with this text
+
+and, by kind:
+
+    status      answer `status` (400-599, default 503) with an OpenAI-style
+                error body and any extra `headers` ({"Retry-After": "30"}, ...)
+    hang        hold the request on its worker until the client goes, the fault
+                is set or cleared, `hold_seconds` pass, or the simulator stops;
+                then answer normally (outcome "hung")
+    drop        close the connection without a byte of answer
+    close_mid_body  send 200 and a Content-Length, half the body, then close
+    trickle     send 200, then the body one byte every `interval` seconds
+                (default 2) until done, the client goes, or the fault changes
+                (then the rest at once)
+    huge        a valid completion whose content is `size` bytes (default
+                50 MiB), streamed in chunks
+    huge_raw    `size` bytes of non-JSON under a JSON content type
+    echo_token  answer `status` (default 500) whose body echoes the bearer
+                token received: plain, JSON-escaped with \\/, \\u00XX-escaped,
+                URL-encoded (upper and lower hex), base64 of the token and of
+                "user:<token>"; and the token in an `X-Echoed-Token` header
+    redirect    answer `status` (301, 302, 303, 307 or 308; default 307) with
+                `Location: location` (default another host)
+    refuse      stop listening: connections are refused until the fault is
+                cleared or replaced, or its `seconds` run out; then it listens
+                again on the same port. Nothing listens while refusing, so
+                refused attempts cannot be counted: `requests` and `job` are
+                not accepted, and over HTTP `seconds` is required (the control
+                endpoint is unreachable too, so nothing else could end it)
+
+Faults other than refuse meet only the chat-completions path. `status`,
+`drop`, `echo_token` and `redirect` are answered at the door, without a
+worker; the others hold a worker like an answer does.
+
+A request counts as in flight from when a worker takes it until its answer
+has been completely written (handed to the kernel) or the client has
+disconnected, whichever comes first; its record's `ended` is that moment,
+and `disconnected` is when the server saw the client go, if it did.
 
 A request body may carry `"sim_latency": <seconds>` to override the latency
 for that request. A request is labelled in the records by its body's `"job"`
-text, else its `X-Insight-Job` header (what the gateway client sends), else
-its first user message.
+text, else its `X-Insight-Job` header (percent-decoded), else its first user
+message.
 """
 
 from __future__ import annotations
 
+import asyncio
+import base64
+import collections
 import contextlib
 import dataclasses
-import http.server
+import errno
 import ipaddress
 import itertools
 import json
 import logging
 import random
+import re
 import signal
 import socket
-import socketserver
 import threading
 import time
 import urllib.parse
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from types import FrameType, TracebackType
-from typing import Any, Literal, Self, cast, get_args
+from typing import Any, Literal, Self, TypeVar, cast, get_args
 
 import click
+import uvicorn
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 logger = logging.getLogger(__name__)
 
@@ -65,22 +117,59 @@ DEFAULT_WORKERS = 4  # requests served at once, like the shared gateway
 DEFAULT_PATH = "/v1/chat/completions"
 JOB_HEADER = "X-Insight-Job"  # the gateway client's label for a call
 DEFAULT_FAULT_STATUS = 503
+DEFAULT_ECHO_STATUS = 500
+DEFAULT_REDIRECT_STATUS = 307
+REDIRECT_STATUSES = frozenset({301, 302, 303, 307, 308})
+DEFAULT_REDIRECT_HOST = "http://gateway-moved.invalid"  # .invalid never resolves
+DEFAULT_TRICKLE_INTERVAL = 2.0  # seconds between bytes of a trickled answer
+DEFAULT_HUGE_BYTES = 50 * 1024 * 1024
+HUGE_CHUNK_BYTES = 64 * 1024  # bytes per write of a huge answer
 CLI_DEFAULT_LATENCY = "2"  # seconds; short enough to watch a demo drain
+ECHO_USER = "user"  # the user name in the echoed "user:<token>" credential
 
 MAX_BODY_BYTES = 10 * 1024 * 1024  # bytes; a chat request is a few kilobytes
 MAX_RECORDS = 10_000  # requests kept; older ones are forgotten first
 JOB_LABEL_CHARS = 200  # characters of a job hint or user message recorded
 CONTENT_PREVIEW_CHARS = 80  # characters of the user message echoed in an answer
-REQUEST_READ_TIMEOUT = 30.0  # seconds a client may take to send its request
-SHUTDOWN_POLL_INTERVAL = 0.05  # seconds; how quickly the accept loop notices a stop
-STOP_JOIN_TIMEOUT = 5.0  # seconds to wait for each thread when stopping
+START_TIMEOUT = 10.0  # seconds to wait for the server thread to listen
+CALL_TIMEOUT = 10.0  # seconds to wait for the server thread to apply a change
+STOP_JOIN_TIMEOUT = 10.0  # seconds to wait for the server thread when stopping
+GRACEFUL_SHUTDOWN_SECONDS = 5  # then uvicorn cancels what is still running
+CLOSE_NOTICE_TIMEOUT = 5.0  # seconds to wait for a connection we closed to be gone
+TICK_SECONDS = 0.1  # uvicorn's housekeeping tick (its date header)
 RELISTEN_BIND_ATTEMPTS = 20  # tries to take the port back after a refusal
 RELISTEN_BIND_PAUSE = 0.05  # seconds between those tries
 LISTEN_BACKLOG = 128  # connections the kernel queues before accept
-SIGNAL_POLL_INTERVAL = 0.5  # seconds between checks for SIGINT/SIGTERM in run()
+SERVER_NAME = "insight-queue-gateway-simulator"
 
-FaultKind = Literal["status", "hang", "drop", "refuse"]
+FaultKind = Literal[
+    "status",
+    "hang",
+    "drop",
+    "close_mid_body",
+    "trickle",
+    "huge",
+    "huge_raw",
+    "echo_token",
+    "redirect",
+    "refuse",
+]
 FAULT_KINDS: tuple[str, ...] = get_args(FaultKind)
+
+# The options each fault kind takes, besides kind, requests, seconds, job, job_prefix.
+_KIND_OPTIONS: dict[str, frozenset[str]] = {
+    "status": frozenset({"status", "headers"}),
+    "hang": frozenset({"hold_seconds"}),
+    "drop": frozenset(),
+    "close_mid_body": frozenset(),
+    "trickle": frozenset({"interval"}),
+    "huge": frozenset({"size"}),
+    "huge_raw": frozenset({"size"}),
+    "echo_token": frozenset({"status"}),
+    "redirect": frozenset({"status", "location"}),
+    "refuse": frozenset(),
+}
+_COMMON_OPTIONS = frozenset({"kind", "requests", "seconds", "job", "job_prefix"})
 
 # What became of a recorded request.
 WAITING = "waiting"  # in the backlog, no worker yet
@@ -89,10 +178,25 @@ OK = "ok"
 INJECTED_STATUS = "injected_status"
 DROPPED = "dropped"
 HUNG = "hung"  # held by a "hang" fault, then answered
+CLOSED_MID_BODY = "closed_mid_body"
+TRICKLED = "trickled"
+HUGE = "huge"
+HUGE_RAW = "huge_raw"
+ECHOED_TOKEN = "echoed_token"
+REDIRECTED = "redirected"
 BAD_REQUEST = "bad_request"
 UNAUTHORIZED = "unauthorized"
-CLIENT_GONE = "client_gone"  # the answer could not be written
+CLIENT_GONE = "client_gone"  # the client disconnected before its answer was written
 STOPPED = "stopped"  # the simulator stopped before answering
+
+# Why a wait ended.
+_STOP = "stop"
+_GONE = "gone"
+_SLOT = "slot"
+_RELEASE = "release"
+_TIMEOUT = "timeout"
+
+_T = TypeVar("_T")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,7 +205,10 @@ class RequestRecord:
 
     Times are `time.time()` wall-clock seconds, so other processes can line
     them up with their own logs. `started` is when a worker took the request
-    (None if none did); `status` is the HTTP status sent, None if none was.
+    (None if none did); `ended` is when its answer was completely written,
+    the connection closed, or the client went; `disconnected` is when the
+    server saw the client go (None if it did not); `status` is the HTTP
+    status sent, None if none was.
     """
 
     id: int
@@ -111,6 +218,7 @@ class RequestRecord:
     outcome: str
     status: int | None
     job: str | None
+    disconnected: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -141,19 +249,43 @@ class SimulatorStats:
 @dataclasses.dataclass(eq=False)
 class _Fault:
     kind: FaultKind
-    status: int
     until: float | None  # time.monotonic() deadline
     requests_left: int | None
-    hold_seconds: float | None
+    job: str | None
+    job_prefix: str | None
+    status: int | None = None
+    headers: tuple[tuple[str, str], ...] = ()
+    hold_seconds: float | None = None
+    interval: float = DEFAULT_TRICKLE_INTERVAL
+    size: int = DEFAULT_HUGE_BYTES
+    location: str | None = None
+
+    def matches(self, job: str | None) -> bool:
+        if self.job is not None and job != self.job:
+            return False
+        return self.job_prefix is None or (job is not None and job.startswith(self.job_prefix))
 
     def describe(self, now: float) -> dict[str, Any]:
-        return {
+        described: dict[str, Any] = {
             "kind": self.kind,
-            "status": self.status if self.kind == "status" else None,
             "seconds_left": None if self.until is None else max(0.0, self.until - now),
             "requests_left": self.requests_left,
-            "hold_seconds": self.hold_seconds,
+            "job": self.job,
+            "job_prefix": self.job_prefix,
         }
+        if self.kind in ("status", "echo_token", "redirect"):
+            described["status"] = self.status
+        if self.kind == "status":
+            described["headers"] = dict(self.headers)
+        if self.kind == "hang":
+            described["hold_seconds"] = self.hold_seconds
+        if self.kind == "trickle":
+            described["interval"] = self.interval
+        if self.kind in ("huge", "huge_raw"):
+            described["size"] = self.size
+        if self.kind == "redirect":
+            described["location"] = self.location
+        return described
 
 
 def parse_latency(text: str) -> tuple[float, float]:
@@ -185,34 +317,118 @@ def _latency_range(latency: object) -> tuple[float, float]:
     return _checked_latency(float(low), float(high))
 
 
-def _make_fault(
-    kind: str,
-    *,
-    seconds: float | None,
-    requests: int | None,
-    status: int,
-    hold_seconds: float | None,
-) -> _Fault:
+def _number(spec: Mapping[str, Any], key: str, *, minimum: float, above: bool) -> float | None:
+    value = spec.get(key)
+    if value is None:
+        return None
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not value < float("inf")
+        or (value <= minimum if above else value < minimum)
+    ):
+        bound = f"above {minimum:g}" if above else f"{minimum:g} or more"
+        raise ValueError(f"fault {key}: expected a number {bound}, got {value!r}")
+    return float(value)
+
+
+def _whole(spec: Mapping[str, Any], key: str, *, minimum: int) -> int | None:
+    value = spec.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"fault {key}: expected a whole number, at least {minimum}, got {value!r}")
+    return value
+
+
+def _text(spec: Mapping[str, Any], key: str) -> str | None:
+    value = spec.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"fault {key}: expected non-empty text, got {value!r}")
+    return value
+
+
+def _header_pairs(value: object) -> tuple[tuple[str, str], ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, Mapping):
+        raise ValueError("fault headers: expected an object of header names to values")
+    pairs = []
+    for name, text in value.items():
+        if (
+            not isinstance(name, str)
+            or not name
+            or any(not (c.isascii() and (c.isalnum() or c in "!#$%&'*+-.^_`|~")) for c in name)
+        ):
+            raise ValueError(f"fault headers: bad header name {name!r}")
+        if not isinstance(text, str) or any(c in text for c in "\r\n\0"):
+            raise ValueError(f"fault headers: bad value for {name}")
+        try:
+            text.encode("latin-1")
+        except UnicodeEncodeError:
+            raise ValueError(f"fault headers: value for {name} is not Latin-1") from None
+        pairs.append((name, text))
+    return tuple(pairs)
+
+
+def parse_fault(spec: Mapping[str, Any], *, over_http: bool = False) -> _Fault | None:
+    """A fault from its JSON form (see the module docstring); None for kind "none".
+
+    Raises ValueError with a one-line reason for anything it does not accept.
+    """
+    kind = spec.get("kind", "none")
+    if kind in (None, "none"):
+        unknown = set(spec) - {"kind"}
+        if unknown:
+            raise ValueError(f"fault none: takes no options, got {', '.join(sorted(unknown))}")
+        return None
     if kind not in FAULT_KINDS:
         raise ValueError(f"fault kind: expected one of {', '.join(FAULT_KINDS)}, got {kind!r}")
-    if seconds is not None and (isinstance(seconds, bool) or not 0 < seconds < float("inf")):
-        raise ValueError("fault seconds: expected a number above 0")
-    if requests is not None and (not isinstance(requests, int) or isinstance(requests, bool)):
-        raise ValueError("fault requests: expected a whole number")
-    if requests is not None and requests < 1:
-        raise ValueError("fault requests: expected at least 1")
-    if not isinstance(status, int) or isinstance(status, bool) or not 400 <= status <= 599:
-        raise ValueError("fault status: expected an HTTP error status, 400 to 599")
-    if hold_seconds is not None and (
-        isinstance(hold_seconds, bool) or not 0 <= hold_seconds < float("inf")
-    ):
-        raise ValueError("fault hold_seconds: expected a number of seconds, 0 or more")
-    if kind == "refuse" and seconds is None:
-        # While refusing, the control endpoint is unreachable too: without a
-        # deadline nothing over HTTP could end the refusal.
-        raise ValueError("fault refuse: needs seconds")
+    unknown = set(spec) - _COMMON_OPTIONS - _KIND_OPTIONS[kind]
+    if unknown:
+        raise ValueError(f"fault {kind}: unknown option {', '.join(sorted(map(str, unknown)))}")
+    seconds = _number(spec, "seconds", minimum=0, above=True)
+    requests = _whole(spec, "requests", minimum=1)
+    job, job_prefix = _text(spec, "job"), _text(spec, "job_prefix")
+    if job is not None and job_prefix is not None:
+        raise ValueError("fault: give job or job_prefix, not both")
+    if kind == "refuse":
+        if requests is not None or job is not None or job_prefix is not None:
+            raise ValueError(
+                "fault refuse: nothing listens while refusing, so it cannot count or "
+                "filter requests; end it with seconds or by clearing it"
+            )
+        if over_http and seconds is None:
+            raise ValueError("fault refuse: needs seconds when set over HTTP")
     until = None if seconds is None else time.monotonic() + seconds
-    return _Fault(cast(FaultKind, kind), status, until, requests, hold_seconds)
+    fault = _Fault(cast(FaultKind, kind), until, requests, job, job_prefix)
+
+    status = _whole(spec, "status", minimum=0)
+    if kind == "redirect":
+        fault.status = DEFAULT_REDIRECT_STATUS if status is None else status
+        if fault.status not in REDIRECT_STATUSES:
+            raise ValueError(f"fault status: expected a redirect status, got {status!r}")
+        fault.location = _text(spec, "location")
+        if fault.location is not None and (
+            any(c in fault.location for c in "\r\n\0") or not fault.location.isascii()
+        ):
+            raise ValueError("fault location: expected a URL in plain ASCII")
+    elif kind in ("status", "echo_token"):
+        default = DEFAULT_FAULT_STATUS if kind == "status" else DEFAULT_ECHO_STATUS
+        fault.status = default if status is None else status
+        if not 400 <= fault.status <= 599:
+            raise ValueError(
+                f"fault status: expected an HTTP error status, 400 to 599, got {status}"
+            )
+    fault.headers = _header_pairs(spec.get("headers"))
+    fault.hold_seconds = _number(spec, "hold_seconds", minimum=0, above=False)
+    interval = _number(spec, "interval", minimum=0, above=True)
+    fault.interval = DEFAULT_TRICKLE_INTERVAL if interval is None else interval
+    size = _whole(spec, "size", minimum=0)
+    fault.size = DEFAULT_HUGE_BYTES if size is None else size
+    return fault
 
 
 def _first_user_text(body: Mapping[str, Any]) -> str | None:
@@ -242,79 +458,157 @@ def _error_body(message: str, kind: str, code: int | None = None) -> dict[str, A
     return {"error": {"message": message, "type": kind, "code": code}}
 
 
-class _Server(http.server.ThreadingHTTPServer):
-    # The simulator starts, tracks and joins the connection threads itself:
-    # a refusal closes this server object while its requests are still served.
-    daemon_threads = True
-    block_on_close = False
-    allow_reuse_address = True  # take the same port back after a refusal
-    request_queue_size = LISTEN_BACKLOG
+def _json_bytes(payload: Any) -> bytes:
+    return json.dumps(payload).encode()
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _token_echo(token: str) -> bytes:
+    """An error body carrying `token` in every encoding a careless log might keep."""
+    url_upper = urllib.parse.quote(token, safe="")
+    url_lower = re.sub(r"%[0-9A-F]{2}", lambda escape: escape.group(0).lower(), url_upper)
+    utf16 = token.encode("utf-16-be")
+    unicode_escaped = "".join(
+        f"\\u{int.from_bytes(utf16[i : i + 2], 'big'):04x}" for i in range(0, len(utf16), 2)
+    )
+    plain = json.dumps(token, ensure_ascii=False)
+    fields = [
+        ("message", json.dumps(f"rejected bearer token {token}", ensure_ascii=False)),
+        ("type", '"simulator_fault"'),
+        ("token", plain),
+        ("token_slash_escaped", plain.replace("/", "\\/")),
+        ("token_unicode_escaped", f'"{unicode_escaped}"'),
+        ("token_url_upper", json.dumps(url_upper)),
+        ("token_url_lower", json.dumps(url_lower)),
+        ("token_base64", json.dumps(base64.b64encode(token.encode()).decode())),
+        (
+            "credentials_base64",
+            json.dumps(base64.b64encode(f"{ECHO_USER}:{token}".encode()).decode()),
+        ),
+    ]
+    inner = ", ".join(f'"{name}": {value}' for name, value in fields)
+    return ('{"error": {' + inner + "}}").encode()
+
+
+def _pattern_chunks(pattern: bytes, size: int) -> Iterator[bytes]:
+    """`size` bytes of `pattern` repeated, in chunks, never all in memory."""
+    block = pattern * (HUGE_CHUNK_BYTES // len(pattern) + 1)
+    block = block[:HUGE_CHUNK_BYTES]
+    left = size
+    while left > 0:
+        chunk = block[: min(left, len(block))]
+        left -= len(chunk)
+        yield chunk
+
+
+class _Config(uvicorn.Config):
+    """uvicorn's settings, carrying the simulator's table of open connections."""
 
     def __init__(
-        self, address: tuple[str, int], family: socket.AddressFamily, simulator: GatewaySimulator
+        self, app: Any, connections: dict[tuple[str, int], _Connection], **kwargs: Any
     ) -> None:
-        self.address_family = family
-        self.simulator = simulator
-        super().__init__(address, _Handler)
-
-    def server_bind(self) -> None:
-        # HTTPServer.server_bind resolves the host's FQDN, which can stall on
-        # DNS; the name is never used here.
-        socketserver.TCPServer.server_bind(self)
-        self.server_name = str(self.server_address[0])
-        self.server_port = int(self.server_address[1])
-
-    def process_request(self, request: Any, client_address: Any) -> None:
-        self.simulator._serve_connection(self, request, client_address)
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        # Clients that hang up mid-answer are routine in fault tests.
-        logger.debug("gateway simulator: error serving %s", client_address, exc_info=True)
+        super().__init__(app, **kwargs)
+        self.connections = connections
 
 
-class _Handler(http.server.BaseHTTPRequestHandler):
-    server: _Server
-    protocol_version = "HTTP/1.1"
-    timeout = REQUEST_READ_TIMEOUT
-    server_version = "insight-queue-gateway-simulator"
+class _Connection(H11Protocol):
+    """uvicorn's HTTP/1.1 connection, visible to the simulator's handler.
 
-    def do_GET(self) -> None:
-        self.server.simulator._route(self, "GET")
+    ASGI has no way to close a connection without answering, or to know when
+    an answer has left the process; this protocol lends the handler its
+    transport (found by the client's address), notes when the connection was
+    lost, and has the transport report "writable" only once its buffer is
+    empty, so waiting for it means the answer was completely written.
+    """
 
-    def do_POST(self) -> None:
-        self.server.simulator._route(self, "POST")
+    lost_at: float | None = None  # time.time() when the connection was lost
+    lost_error: Exception | None = None
 
-    def log_message(self, format: str, *args: Any) -> None:
-        logger.debug("gateway simulator: %s " + format, self.address_string(), *args)
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        transport.set_write_buffer_limits(high=0)
+        if self.client is not None and isinstance(self.config, _Config):
+            self.config.connections[self.client] = self
 
-    def send_json(self, status: int, payload: Any) -> bool:
-        """Send one JSON answer and close; False when the client was gone."""
-        data = json.dumps(payload).encode()
-        try:
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.send_header("Connection", "close")
-            self.end_headers()
-            self.wfile.write(data)
-        except OSError:
-            self.close_connection = True
-            return False
-        return True
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost_at = time.time()
+        self.lost_error = exc
+        if self.client is not None and isinstance(self.config, _Config):
+            connections = self.config.connections
+            if connections.get(self.client) is self:
+                del connections[self.client]
+        super().connection_lost(exc)
 
-    def read_body(self) -> bytes | None:
-        """The request body, or None after answering why it cannot be read."""
-        if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
-            self.send_json(411, _error_body("send a Content-Length", "invalid_request_error"))
-            return None
-        try:
-            length = int(self.headers.get("Content-Length") or 0)
-        except ValueError:
-            length = -1
-        if not 0 <= length <= MAX_BODY_BYTES:
-            self.send_json(413, _error_body("bad or too large body", "invalid_request_error"))
-            return None
-        return self.rfile.read(length)
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, telling when it listens and stopping without a poll."""
+
+    def __init__(self, config: uvicorn.Config, on_started: Callable[[], None]) -> None:
+        super().__init__(config)
+        self._on_started = on_started
+        self._exit_requested: asyncio.Event | None = None
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        self._exit_requested = asyncio.Event()
+        await super().startup(sockets=sockets)
+        self._on_started()
+
+    async def main_loop(self) -> None:
+        # uvicorn's own loop checks should_exit every tick; this one also
+        # wakes at once when an exit is requested.
+        assert self._exit_requested is not None
+        counter = 0
+        while not await self.on_tick(counter):
+            counter = (counter + 1) % 864_000
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._exit_requested.wait(), TICK_SECONDS)
+
+    def request_exit(self) -> None:
+        """Begin a graceful shutdown; call on the server's loop."""
+        self.should_exit = True
+        if self._exit_requested is not None:
+            self._exit_requested.set()
+
+    def protocol_factory(self) -> asyncio.Protocol:
+        """A connection, built as uvicorn's own startup builds one."""
+        return self.config.http_protocol_class(  # type: ignore[call-arg]
+            config=self.config,
+            server_state=self.server_state,
+            app_state=self.lifespan.state,
+        )
+
+
+@dataclasses.dataclass(eq=False)
+class _LoopState:
+    """What lives on the server's event loop; touched only from it."""
+
+    loop: asyncio.AbstractEventLoop
+    stopping: asyncio.Event
+    release: asyncio.Event  # set, and replaced, at every fault change
+    backlog: collections.deque[tuple[asyncio.Future[None], int]]
+    refusal_timer: asyncio.TimerHandle | None = None
+    background: set[asyncio.Task[None]] = dataclasses.field(default_factory=set)
+
+
+@dataclasses.dataclass(eq=False)
+class _Exchange:
+    """One chat-completions request being served."""
+
+    record_id: int
+    connection: _Connection
+    send: Send
+    gone: asyncio.Event
+    holds_worker: bool = False
+    closed_by_server: bool = False
+    status_sent: int | None = None
 
 
 class GatewaySimulator:
@@ -322,7 +616,7 @@ class GatewaySimulator:
 
     `latency` is seconds per answer: a number, or a (minimum, maximum) range
     drawn uniformly. `token`, when given, is required as a bearer token.
-    Start with `start()` or a `with` block; `stop()` ends every thread it
+    Start with `start()` or a `with` block; `stop()` ends the one thread it
     started.
     """
 
@@ -339,7 +633,7 @@ class GatewaySimulator:
     ) -> None:
         if workers < 1:
             raise ValueError("workers: expected at least 1")
-        if not path.startswith("/") or path.startswith("/_sim/"):
+        if not path.startswith("/") or path.startswith("/_sim/") or "{" in path:
             raise ValueError("path: expected an absolute path outside /_sim/")
         self._latency = _latency_range(latency)
         self._host = host
@@ -350,27 +644,25 @@ class GatewaySimulator:
         self._token = token
         self._random = random.Random(seed)
 
+        # Shared with other threads; every change notifies `_changed`.
         self._lock = threading.Lock()
-        self._slot_freed = threading.Condition(self._lock)
-        self._hang_released = threading.Condition(self._lock)
+        self._changed = threading.Condition(self._lock)
         self._in_flight = 0
         self._waiting = 0
         self._peak = 0
         self._ids = itertools.count(1)
         self._records: OrderedDict[int, RequestRecord] = OrderedDict()
         self._fault: _Fault | None = None
-        self._fault_changes = 0  # set_fault/clear_fault calls; a change releases hangs
+        self._listening = False
 
-        # Opening and closing the listener happen under this lock, never
-        # while holding `_lock` (order: _listener_lock, then _lock).
-        self._listener_lock = threading.Lock()
+        self._connections: dict[tuple[str, int], _Connection] = {}
+        self._app = self._build_app()
         self._server: _Server | None = None
-        self._serve_thread: threading.Thread | None = None
-        self._relisten_thread: threading.Thread | None = None
-        self._relisten_wakeup = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._failure: BaseException | None = None
+        self._state: _LoopState | None = None
         self._started = False
-        self._stopping = threading.Event()
-        self._connections: dict[threading.Thread, socket.socket] = {}
 
     # --- lifecycle ---------------------------------------------------------
 
@@ -391,11 +683,36 @@ class GatewaySimulator:
         return self._workers
 
     def start(self) -> Self:
+        """Listen, serving from a background thread; OSError if the port is taken."""
         if self._started:
             raise RuntimeError("the gateway simulator was already started")
-        with self._listener_lock:
-            self._open_listener()
+        sock = self._bind()
+        self._port = int(sock.getsockname()[1])
+        config = _Config(
+            self._app,
+            self._connections,
+            host=self._host,
+            port=self._port,
+            http=_Connection,
+            ws="none",
+            lifespan="off",
+            log_level="warning",
+            log_config=None,
+            proxy_headers=False,
+            server_header=False,
+            headers=[("server", SERVER_NAME)],
+            backlog=LISTEN_BACKLOG,
+            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
+        )
+        self._server = _Server(config, on_started=self._ready.set)
         self._started = True
+        self._thread = threading.Thread(
+            target=self._run, args=(self._server, sock), name=f"gateway-simulator-{self._port}"
+        )
+        self._thread.start()
+        if not self._ready.wait(START_TIMEOUT) or self._failure is not None:
+            self.stop()
+            raise RuntimeError("the gateway simulator did not start") from self._failure
         if not _is_loopback(self._host):
             logger.warning(
                 "gateway simulator bound to %s: anyone who can reach it can inject faults",
@@ -411,25 +728,18 @@ class GatewaySimulator:
         return self
 
     def stop(self) -> None:
-        """Stop listening, release held requests and join every thread started."""
-        self._stopping.set()
-        with self._lock:
-            self._slot_freed.notify_all()
-            self._hang_released.notify_all()
-        self._relisten_wakeup.set()
-        with self._listener_lock:
-            self._close_listener()
-            relisten = self._relisten_thread
-        if relisten is not None:
-            relisten.join(STOP_JOIN_TIMEOUT)
-        with self._lock:
-            connections = dict(self._connections)
-        for connection in connections.values():
-            # Wakes a handler blocked reading a request that will never come.
-            with contextlib.suppress(OSError):
-                connection.shutdown(socket.SHUT_RDWR)
-        for thread in connections:
-            thread.join(STOP_JOIN_TIMEOUT)
+        """Close held and waiting requests without an answer, stop listening,
+        and join the server thread."""
+        thread, state = self._thread, self._state
+        if thread is None:
+            return
+        if state is not None:
+            with contextlib.suppress(RuntimeError):  # the loop already ended
+                state.loop.call_soon_threadsafe(self._begin_stop)
+        thread.join(STOP_JOIN_TIMEOUT)
+        if thread.is_alive():
+            raise RuntimeError("the gateway simulator's thread did not stop")
+        self._thread = None
 
     def __enter__(self) -> Self:
         return self.start()
@@ -442,314 +752,695 @@ class GatewaySimulator:
     ) -> None:
         self.stop()
 
+    def _bind(self) -> socket.socket:
+        sock = socket.socket(self._family, socket.SOCK_STREAM)
+        try:
+            # Take the port back at once after a refusal; two listeners on
+            # one port are still refused.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((self._host, self._port))
+        except OSError:
+            sock.close()
+            raise
+        return sock
+
+    def _run(self, server: _Server, sock: socket.socket) -> None:
+        loop = asyncio.new_event_loop()
+        try:
+            loop.run_until_complete(self._serve(server, sock))
+        except BaseException as exc:  # handed to start(), or logged
+            self._failure = exc
+            logger.exception("gateway simulator: the server failed")
+        finally:
+            self._ready.set()
+            with self._lock:
+                self._listening = False
+                self._changed.notify_all()
+            _close_loop(loop)
+            sock.close()
+
+    async def _serve(self, server: _Server, sock: socket.socket) -> None:
+        self._state = _LoopState(
+            loop=asyncio.get_running_loop(),
+            stopping=asyncio.Event(),
+            release=asyncio.Event(),
+            backlog=collections.deque(),
+        )
+        with self._lock:
+            self._listening = True
+        await server.serve(sockets=[sock])
+
+    def _begin_stop(self) -> None:
+        state, server = self._state, self._server
+        assert state is not None and server is not None
+        state.stopping.set()
+        if state.refusal_timer is not None:
+            state.refusal_timer.cancel()
+        server.request_exit()
+
+    def _call_in_loop(self, make: Callable[[], Awaitable[_T]]) -> _T:
+        """Run a coroutine on the server's loop from another thread and wait for it."""
+        state = self._state
+        assert state is not None
+        if threading.current_thread() is self._thread:
+            raise RuntimeError("call the simulator's control methods from another thread")
+
+        async def call() -> _T:
+            return await make()
+
+        return asyncio.run_coroutine_threadsafe(call(), state.loop).result(CALL_TIMEOUT)
+
+    def _running(self) -> bool:
+        return self._thread is not None and self._state is not None and self._ready.is_set()
+
     # --- observation and control ------------------------------------------
 
     def stats(self) -> SimulatorStats:
         with self._lock:
-            fault = self._current_fault()
-            return SimulatorStats(
-                workers=self._workers,
-                latency=self._latency,
-                in_flight=self._in_flight,
-                waiting=self._waiting,
-                peak_in_flight=self._peak,
-                fault=None if fault is None else fault.describe(time.monotonic()),
-                requests=tuple(self._records.values()),
-            )
+            return self._stats_locked()
+
+    def _stats_locked(self) -> SimulatorStats:
+        fault = self._current_fault()
+        return SimulatorStats(
+            workers=self._workers,
+            latency=self._latency,
+            in_flight=self._in_flight,
+            waiting=self._waiting,
+            peak_in_flight=self._peak,
+            fault=None if fault is None else fault.describe(time.monotonic()),
+            requests=tuple(self._records.values()),
+        )
+
+    def wait_for(
+        self, predicate: Callable[[SimulatorStats], bool], timeout: float
+    ) -> SimulatorStats:
+        """Wait until `predicate(stats)` holds, woken by each change; TimeoutError if not."""
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while True:
+                stats = self._stats_locked()
+                if predicate(stats):
+                    return stats
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(
+                        f"gateway simulator: condition not met in {timeout} s; "
+                        f"in flight {stats.in_flight}, waiting {stats.waiting}, "
+                        f"outcomes {[r.outcome for r in stats.requests[-10:]]}"
+                    )
+                self._changed.wait(left)
 
     def set_latency(self, latency: float | tuple[float, float]) -> None:
-        """Seconds per answer for requests that start waiting from now on."""
+        """Seconds per answer for requests that start being served from now on."""
         checked = _latency_range(latency)
         with self._lock:
             self._latency = checked
+            self._changed.notify_all()
 
     def reset(self) -> None:
         """Forget recorded requests and the peak, and clear any fault."""
+        self._forget()
+        self.clear_fault()
+
+    def _forget(self) -> None:
         with self._lock:
             self._records.clear()
             self._peak = self._in_flight
-        self.clear_fault()
+            self._changed.notify_all()
 
     def set_fault(
         self,
         kind: FaultKind,
         *,
-        seconds: float | None = None,
         requests: int | None = None,
-        status: int = DEFAULT_FAULT_STATUS,
+        seconds: float | None = None,
+        job: str | None = None,
+        job_prefix: str | None = None,
+        status: int | None = None,
+        headers: Mapping[str, str] | None = None,
         hold_seconds: float | None = None,
+        interval: float | None = None,
+        size: int | None = None,
+        location: str | None = None,
     ) -> None:
-        """Inject a fault, replacing any current one (see the module docstring)."""
-        fault = _make_fault(
-            kind, seconds=seconds, requests=requests, status=status, hold_seconds=hold_seconds
-        )
-        self._apply_fault(fault)
+        """Inject a fault, replacing any current one (see the module docstring).
+
+        Once this returns the fault is in force: a refusal has stopped
+        listening, and requests held by the previous fault are released.
+        """
+        options = {
+            "kind": kind,
+            "requests": requests,
+            "seconds": seconds,
+            "job": job,
+            "job_prefix": job_prefix,
+            "status": status,
+            "headers": None if headers is None else dict(headers),
+            "hold_seconds": hold_seconds,
+            "interval": interval,
+            "size": size,
+            "location": location,
+        }
+        fault = parse_fault({key: value for key, value in options.items() if value is not None})
+        self._set(fault)
 
     def clear_fault(self) -> None:
-        """End the current fault: release hung requests, listen again if refusing."""
-        self._apply_fault(None)
+        """End the current fault: release held requests, listen again if refusing."""
+        self._set(None)
 
-    def _apply_fault(self, fault: _Fault | None) -> None:
-        with self._listener_lock:
-            with self._lock:
-                self._fault = fault
-                # Any change of fault releases every hung request, including
-                # those caught by a fault that has since run out of requests.
-                self._fault_changes += 1
-                self._hang_released.notify_all()
-            self._relisten_wakeup.set()
-            if fault is not None and fault.kind == "refuse" and not self._stopping.is_set():
-                self._close_listener()
-                if self._relisten_thread is None:
-                    self._relisten_thread = threading.Thread(
-                        target=self._relisten_when_due,
-                        name="gateway-simulator-relisten",
-                        daemon=True,
-                    )
-                    self._relisten_thread.start()
+    def _set(self, fault: _Fault | None) -> None:
+        if self._running():
+            self._call_in_loop(lambda: self._apply_fault(fault))
+            return
+        if fault is not None and fault.kind == "refuse":
+            raise RuntimeError("start the gateway simulator before refusing connections")
+        with self._lock:
+            self._fault = fault
+            self._changed.notify_all()
+
+    async def _apply_fault(self, fault: _Fault | None) -> None:
+        """Put `fault` in force; on the server's loop."""
+        state = self._state
+        assert state is not None
+        with self._lock:
+            self._fault = fault
+            self._changed.notify_all()
+        # Any change of fault releases every held request, including those
+        # caught by a fault that has since run out of requests.
+        released, state.release = state.release, asyncio.Event()
+        released.set()
+        if state.refusal_timer is not None:
+            state.refusal_timer.cancel()
+            state.refusal_timer = None
+        if fault is not None and fault.kind == "refuse":
+            self._stop_listening()
+            if fault.until is not None:
+                state.refusal_timer = state.loop.call_later(
+                    max(0.0, fault.until - time.monotonic()), self._refusal_over, fault
+                )
+        else:
+            await self._listen_again()
         logger.info("gateway simulator fault: %s", "cleared" if fault is None else fault.kind)
 
     def _current_fault(self) -> _Fault | None:
         """The fault in force, forgetting one whose time is up; holds `_lock`."""
         fault = self._fault
         if fault is not None and fault.until is not None and time.monotonic() >= fault.until:
-            # Hung requests track the deadline themselves; nothing to release.
             self._fault = fault = None
         return fault
 
-    def _take_fault(self) -> tuple[_Fault | None, int]:
+    def _take_fault(self, job: str | None) -> tuple[_Fault | None, asyncio.Event]:
         """The fault this request meets, counted against its `requests`, and
-        the fault-change count that a hung request waits to see move."""
+        the event that releases a request it holds; on the server's loop."""
+        state = self._state
+        assert state is not None
         with self._lock:
             fault = self._current_fault()
-            if fault is None or fault.kind == "refuse":
-                return None, self._fault_changes
+            if fault is None or fault.kind == "refuse" or not fault.matches(job):
+                return None, state.release
             if fault.requests_left is not None:
                 fault.requests_left -= 1
                 if fault.requests_left <= 0:
                     # Running out is not a release: the requests it caught
-                    # stay hung until the next fault change, their hold, or stop.
+                    # stay held until the next fault change, their hold, or stop.
                     self._fault = None
-            return fault, self._fault_changes
+                self._changed.notify_all()
+            return fault, state.release
 
     # --- listening and refusing -------------------------------------------
 
-    def _open_listener(self) -> None:
-        """Listen on the host and port; holds `_listener_lock`."""
-        # After a refusal the old socket may linger a moment; at start-up a
-        # busy port is the caller's problem, reported at once.
-        attempts = RELISTEN_BIND_ATTEMPTS if self._started else 1
-        for attempt in range(attempts):
+    def _stop_listening(self) -> None:
+        server = self._server
+        assert server is not None
+        for listener in server.servers:
+            listener.close()  # accepted connections stay open
+        with self._lock:
+            self._listening = False
+            self._changed.notify_all()
+        logger.info("gateway simulator: refusing connections on port %d", self._port)
+
+    async def _listen_again(self) -> None:
+        server, state = self._server, self._state
+        assert server is not None and state is not None
+        with self._lock:
+            if self._listening or state.stopping.is_set():
+                return
+        for attempt in range(RELISTEN_BIND_ATTEMPTS):
             try:
-                server = _Server((self._host, self._port), self._family, self)
+                sock = self._bind()
                 break
             except OSError:
-                if attempt + 1 == attempts:
-                    raise
-                self._stopping.wait(RELISTEN_BIND_PAUSE)
-        self._port = int(server.server_address[1])
-        self._server = server
-        self._serve_thread = threading.Thread(
-            target=server.serve_forever,
-            kwargs={"poll_interval": SHUTDOWN_POLL_INTERVAL},
-            name=f"gateway-simulator-{self._port}",
-            daemon=True,
+                if attempt + 1 == RELISTEN_BIND_ATTEMPTS:
+                    logger.exception(
+                        "gateway simulator: cannot listen on port %d again", self._port
+                    )
+                    return
+                await asyncio.sleep(RELISTEN_BIND_PAUSE)
+        listener = await state.loop.create_server(
+            server.protocol_factory, sock=sock, backlog=LISTEN_BACKLOG
         )
-        self._serve_thread.start()
-
-    def _close_listener(self) -> None:
-        """Stop accepting and close the listening socket; holds `_listener_lock`."""
-        server, thread = self._server, self._serve_thread
-        self._server = self._serve_thread = None
-        if server is None:
-            return
-        server.shutdown()
-        server.server_close()
-        if thread is not None:
-            thread.join(STOP_JOIN_TIMEOUT)
-
-    def _refusal_left(self) -> float:
-        """Seconds the current refusal still runs, 0 when none does."""
+        server.servers.append(listener)  # closed by uvicorn's shutdown
         with self._lock:
-            fault = self._current_fault()
-            if fault is None or fault.kind != "refuse" or fault.until is None:
-                return 0.0
-            return max(0.0, fault.until - time.monotonic())
+            self._listening = True
+            self._changed.notify_all()
+        logger.info("gateway simulator listening again on %s", self.url)
 
-    def _relisten_when_due(self) -> None:
-        while not self._stopping.is_set():
-            left = self._refusal_left()
-            if left > 0:
-                self._relisten_wakeup.wait(left)
-                self._relisten_wakeup.clear()
-                continue
-            with self._listener_lock:
-                # Checked again under the lock: a new refusal set meanwhile
-                # finds this thread still registered and relies on it.
-                if self._refusal_left() > 0:
-                    continue
-                self._relisten_thread = None
-                if not self._stopping.is_set() and self._server is None:
-                    try:
-                        self._open_listener()
-                    except OSError:
-                        logger.exception(
-                            "gateway simulator: cannot listen on port %d again", self._port
-                        )
-                        return
-                    logger.info("gateway simulator listening again on %s", self.url)
-                return
-
-    # --- serving -------------------------------------------------------------
-
-    def _serve_connection(self, server: _Server, request: Any, client_address: Any) -> None:
-        def serve() -> None:
-            try:
-                server.finish_request(request, client_address)
-            except Exception:  # noqa: BLE001 - one connection's failure is logged, not fatal
-                server.handle_error(request, client_address)
-            finally:
-                server.shutdown_request(request)
-                with self._lock:
-                    self._connections.pop(thread, None)
-
-        thread = threading.Thread(target=serve, name="gateway-simulator-request", daemon=True)
-        # Registered and started in one step, so stop() never sees a thread
-        # it cannot join yet.
+    def _refusal_over(self, fault: _Fault) -> None:
+        state = self._state
+        assert state is not None
+        state.refusal_timer = None
         with self._lock:
-            self._connections[thread] = request
-            thread.start()
+            if self._fault is fault:
+                self._fault = None
+            self._changed.notify_all()
+        task = state.loop.create_task(self._listen_again())
+        state.background.add(task)
+        task.add_done_callback(state.background.discard)
 
-    def _route(self, handler: _Handler, method: str) -> None:
-        path = handler.path.split("?", 1)[0]
-        if method == "GET" and path == "/_sim/stats":
-            handler.send_json(200, self.stats().to_json())
-        elif method == "POST" and path == "/_sim/reset":
-            if handler.read_body() is not None:
-                self.reset()
-                handler.send_json(200, {"reset": True})
-        elif method == "POST" and path == "/_sim/latency":
-            self._handle_latency_request(handler)
-        elif method == "POST" and path == "/_sim/fault":
-            self._handle_fault_request(handler)
-        elif method == "POST" and path == self._path:
-            self._handle_completion(handler)
-        else:
-            handler.send_json(404, _error_body(f"no {method} {path}", "not_found"))
+    # --- the HTTP app ---------------------------------------------------------
 
-    def _handle_latency_request(self, handler: _Handler) -> None:
-        raw = handler.read_body()
-        if raw is None:
-            return
+    def _build_app(self) -> Starlette:
+        async def not_found(request: Request, exc: Exception) -> Response:
+            status = exc.status_code if isinstance(exc, HTTPException) else 500
+            return _json(
+                status, _error_body(f"no {request.method} {request.url.path}", "not_found")
+            )
+
+        return Starlette(
+            routes=[
+                Route("/_sim/stats", self._http_stats, methods=["GET"]),
+                Route("/_sim/reset", self._http_reset, methods=["POST"]),
+                Route("/_sim/latency", self._http_latency, methods=["POST"]),
+                Route("/_sim/fault", self._http_fault, methods=["POST"]),
+                Route(self._path, _CompletionEndpoint(self)),
+            ],
+            exception_handlers={HTTPException: not_found},
+        )
+
+    async def _http_stats(self, request: Request) -> Response:
+        return _json(200, self.stats().to_json())
+
+    async def _http_reset(self, request: Request) -> Response:
+        self._forget()
+        await self._apply_fault(None)
+        return _json(200, {"reset": True})
+
+    async def _http_latency(self, request: Request) -> Response:
         try:
-            spec = json.loads(raw or b"{}")
-            value = spec.get("latency") if isinstance(spec, dict) else None
+            spec = await _json_object(request)
+            value = spec.get("latency")
             self.set_latency(
                 parse_latency(value) if isinstance(value, str) else _latency_range(value)
             )
         except ValueError as exc:
-            handler.send_json(400, _error_body(str(exc), "invalid_request_error"))
-            return
-        handler.send_json(200, {"latency": list(self.stats().latency)})
+            return _json(400, _error_body(str(exc), "invalid_request_error"))
+        return _json(200, {"latency": list(self.stats().latency)})
 
-    def _handle_fault_request(self, handler: _Handler) -> None:
-        raw = handler.read_body()
-        if raw is None:
-            return
+    async def _http_fault(self, request: Request) -> Response:
         try:
-            spec = json.loads(raw or b"{}")
-            if not isinstance(spec, dict):
-                raise ValueError("expected a JSON object")
-            kind = spec.get("kind", "none")
-            fault = (
-                None
-                if kind in (None, "none")
-                else _make_fault(
-                    kind,
-                    seconds=spec.get("seconds"),
-                    requests=spec.get("requests"),
-                    status=spec.get("status", DEFAULT_FAULT_STATUS),
-                    hold_seconds=spec.get("hold_seconds"),
-                )
-            )
-        except (ValueError, TypeError) as exc:
-            handler.send_json(400, _error_body(str(exc), "invalid_request_error"))
-            return
+            fault = parse_fault(await _json_object(request), over_http=True)
+        except ValueError as exc:
+            return _json(400, _error_body(str(exc), "invalid_request_error"))
         # Applied before answering, so the fault is in force once the caller
         # hears back; a refusal closes only the listener, not this connection.
-        self._apply_fault(fault)
-        described = None if fault is None else fault.describe(time.monotonic())
-        handler.send_json(200, {"fault": described})
+        await self._apply_fault(fault)
+        return _json(200, {"fault": None if fault is None else fault.describe(time.monotonic())})
 
-    def _handle_completion(self, handler: _Handler) -> None:
+    # --- serving a completion ---------------------------------------------------
+
+    async def _completion(self, scope: Scope, receive: Receive, send: Send) -> None:
+        client = scope.get("client")
+        connection = None if not client else self._connections.get((client[0], client[1]))
+        if connection is None:  # not served by _Connection: cannot happen
+            raise RuntimeError("gateway simulator: request on an unknown connection")
+        if scope["method"] != "POST":
+            await _send_json(send, 405, _error_body("use POST", "invalid_request_error"))
+            return
+        headers = {
+            name.decode("latin-1").lower(): value.decode("latin-1")
+            for name, value in scope["headers"]
+        }
         received = time.time()
-        raw = handler.read_body()
+        raw = await self._read_body(receive, send, headers)
         if raw is None:
             return
         try:
             body = json.loads(raw)
         except ValueError:
             body = None
-        job: str | None = None
-        header = handler.headers.get(JOB_HEADER)
-        if isinstance(body, dict) and isinstance(body.get("job"), str):
-            job = body["job"]
-        elif header is not None:
-            job = urllib.parse.unquote(header)
-        elif isinstance(body, dict):
-            job = _first_user_text(body)
-        job = None if job is None else job[:JOB_LABEL_CHARS]
-        record_id = self._record(received, job)
+        job = self._job_label(body, headers)
+        exchange = _Exchange(self._record(received, job), connection, send, asyncio.Event())
+        watcher = asyncio.ensure_future(self._watch(exchange, receive))
+        try:
+            await self._serve_completion(exchange, body, headers, job)
+        finally:
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
+            if exchange.holds_worker:  # an exception on the way: never leak a worker
+                self._finish(exchange, CLIENT_GONE, exchange.status_sent)
 
-        # Each answer is recorded, and its worker freed, just before it is
-        # sent: a client holding its answer then finds the stats up to date.
-        if self._token is not None and handler.headers.get("Authorization") != (
-            f"Bearer {self._token}"
-        ):
+    async def _read_body(
+        self, receive: Receive, send: Send, headers: Mapping[str, str]
+    ) -> bytes | None:
+        """The whole request body, or None after answering why not (or the client left)."""
+        try:
+            declared = int(headers.get("content-length") or 0)
+        except ValueError:
+            declared = -1
+        if not 0 <= declared <= MAX_BODY_BYTES:
+            await _send_json(
+                send, 413, _error_body("bad or too large body", "invalid_request_error")
+            )
+            return None
+        parts: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > MAX_BODY_BYTES:
+                await _send_json(send, 413, _error_body("body too large", "invalid_request_error"))
+                return None
+            parts.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(parts)
+
+    @staticmethod
+    def _job_label(body: object, headers: Mapping[str, str]) -> str | None:
+        if isinstance(body, dict) and isinstance(body.get("job"), str):
+            return str(body["job"])
+        header = headers.get(JOB_HEADER.lower())
+        if header is not None:
+            return urllib.parse.unquote(header)
+        if isinstance(body, dict):
+            return _first_user_text(body)
+        return None
+
+    async def _watch(self, exchange: _Exchange, receive: Receive) -> None:
+        """Notice the client going: the request body is read, so the next
+        message is the disconnect (or the end of the answer)."""
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                break
+        if exchange.connection.lost_at is not None:  # not merely the answer completing
+            exchange.gone.set()
+
+    async def _serve_completion(
+        self,
+        exchange: _Exchange,
+        body: object,
+        headers: Mapping[str, str],
+        job: str | None,
+    ) -> None:
+        if self._token is not None and headers.get("authorization") != f"Bearer {self._token}":
             error = _error_body("bad bearer token", "authentication_error")
-            self._answer_and_record(handler, record_id, 401, error, UNAUTHORIZED)
+            await self._answer(exchange, 401, _json_bytes(error), UNAUTHORIZED)
             return
         if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
             error = _error_body("body must be JSON with a messages list", "invalid_request_error")
-            self._answer_and_record(handler, record_id, 400, error, BAD_REQUEST)
+            await self._answer(exchange, 400, _json_bytes(error), BAD_REQUEST)
             return
 
-        fault, fault_changes = self._take_fault()
-        if fault is not None and fault.kind == "drop":
+        fault, release = self._take_fault(job)
+        kind = None if fault is None else fault.kind
+        if fault is not None and kind == "drop":
             # Closing without a byte of answer, as a crashed worker would.
-            handler.close_connection = True
-            self._finish(record_id, DROPPED, None)
+            await self._close(exchange, DROPPED)
             return
-        if fault is not None and fault.kind == "status":
+        if fault is not None and kind == "status":
+            assert fault.status is not None
             error = _error_body("simulated gateway fault", "simulator_fault", fault.status)
-            self._answer_and_record(handler, record_id, fault.status, error, INJECTED_STATUS)
+            extra = [
+                (name.encode("latin-1"), value.encode("latin-1")) for name, value in fault.headers
+            ]
+            await self._answer(exchange, fault.status, _json_bytes(error), INJECTED_STATUS, extra)
+            return
+        if fault is not None and kind == "echo_token":
+            assert fault.status is not None
+            authorization = headers.get("authorization", "")
+            token = authorization[7:] if authorization[:7].lower() == "bearer " else authorization
+            extra = [(b"x-echoed-token", token.encode("latin-1"))]
+            await self._answer(exchange, fault.status, _token_echo(token), ECHOED_TOKEN, extra)
+            return
+        if fault is not None and kind == "redirect":
+            assert fault.status is not None
+            location = fault.location or f"{DEFAULT_REDIRECT_HOST}{self._path}"
+            moved = _error_body(f"moved to {location}", "redirect", fault.status)
+            extra = [(b"location", location.encode("latin-1"))]
+            await self._answer(exchange, fault.status, _json_bytes(moved), REDIRECTED, extra)
             return
 
-        if not self._take_worker(record_id):
-            handler.close_connection = True
-            self._finish(record_id, STOPPED, None)
+        if not await self._take_worker(exchange):
             return
-        try:
-            if fault is not None and fault.kind == "hang":
-                self._hold(fault, fault_changes)
-                outcome = HUNG
-            else:
-                self._stopping.wait(self._latency_for(body))
-                outcome = OK
-        finally:
-            self._free_worker()
-        if self._stopping.is_set():
-            handler.close_connection = True
-            self._finish(record_id, STOPPED, None)
-            return
-        self._answer_and_record(handler, record_id, 200, self._answer(record_id, body), outcome)
+        answer = self._completion_body(exchange.record_id, body)
+        if fault is None:
+            why = await self._wait(exchange, self._latency_for(body))
+            if await self._ended_early(exchange, why):
+                return
+            await self._answer(exchange, 200, _json_bytes(answer), OK)
+        elif kind == "hang":
+            deadlines = [] if fault.hold_seconds is None else [fault.hold_seconds]
+            if fault.until is not None:
+                deadlines.append(max(0.0, fault.until - time.monotonic()))
+            why = await self._wait(exchange, min(deadlines, default=None), release=release)
+            if await self._ended_early(exchange, why):
+                return
+            await self._answer(exchange, 200, _json_bytes(answer), HUNG)
+        elif kind == "close_mid_body":
+            payload = _json_bytes(answer)
+            await self._start_answer(exchange, 200, len(payload))
+            await exchange.send(
+                {
+                    "type": "http.response.body",
+                    "body": payload[: len(payload) // 2],
+                    "more_body": True,
+                }
+            )
+            await self._close(exchange, CLOSED_MID_BODY)
+        elif kind == "trickle":
+            await self._trickle(exchange, _json_bytes(answer), fault.interval, release)
+        elif kind == "huge":
+            await self._stream_huge(exchange, answer, fault.size)
+        else:
+            await self._stream_chunks(
+                exchange,
+                fault.size,
+                _pattern_chunks(b"\xff\xfe<not json> \x00{[", fault.size),
+                HUGE_RAW,
+            )
 
-    def _answer_and_record(
-        self, handler: _Handler, record_id: int, status: int, payload: Any, outcome: str
+    async def _ended_early(self, exchange: _Exchange, why: str) -> bool:
+        """Finish a request whose wait ended by stop or by its client going."""
+        if why == _STOP:
+            await self._close(exchange, STOPPED)
+            return True
+        if why == _GONE:
+            self._finish(exchange, CLIENT_GONE, exchange.status_sent)
+            return True
+        return False
+
+    async def _trickle(
+        self, exchange: _Exchange, payload: bytes, interval: float, release: asyncio.Event
     ) -> None:
-        self._finish(record_id, outcome, status)
-        if not handler.send_json(status, payload):
-            self._finish(record_id, CLIENT_GONE, None)
+        await self._start_answer(exchange, 200, len(payload))
+        position = 0
+        while position < len(payload):
+            released = release.is_set()
+            step = len(payload) - position if released else 1
+            chunk = payload[position : position + step]
+            position += step
+            await exchange.send(
+                {"type": "http.response.body", "body": chunk, "more_body": position < len(payload)}
+            )
+            if position < len(payload):
+                why = await self._wait(exchange, interval, release=release)
+                if await self._ended_early(exchange, why):
+                    return
+        await self._written_and_finished(exchange, TRICKLED)
+
+    async def _stream_huge(self, exchange: _Exchange, answer: dict[str, Any], size: int) -> None:
+        marker = "@@content@@"
+        answer["choices"][0]["message"]["content"] = marker
+        answer["usage"]["completion_tokens"] = size // 8
+        answer["usage"]["total_tokens"] = answer["usage"]["prompt_tokens"] + size // 8
+        prefix, suffix = (part.encode() for part in json.dumps(answer).split(marker, 1))
+        chunks = itertools.chain([prefix], _pattern_chunks(b"insight ", size), [suffix])
+        await self._stream_chunks(exchange, len(prefix) + size + len(suffix), chunks, HUGE)
+
+    async def _stream_chunks(
+        self, exchange: _Exchange, length: int, chunks: Iterator[bytes], outcome: str
+    ) -> None:
+        await self._start_answer(exchange, 200, length)
+        for chunk in chunks:
+            # uvicorn waits here while the previous chunk is still being written.
+            await exchange.send({"type": "http.response.body", "body": chunk, "more_body": True})
+            state = self._state
+            assert state is not None
+            if state.stopping.is_set():
+                await self._close(exchange, STOPPED)
+                return
+            if exchange.connection.lost_at is not None:
+                self._finish(exchange, CLIENT_GONE, exchange.status_sent)
+                return
+        await exchange.send({"type": "http.response.body", "body": b"", "more_body": False})
+        await self._written_and_finished(exchange, outcome)
+
+    async def _start_answer(
+        self,
+        exchange: _Exchange,
+        status: int,
+        length: int,
+        extra: Sequence[tuple[bytes, bytes]] = (),
+    ) -> None:
+        exchange.status_sent = status
+        await exchange.send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(length).encode()),
+                    (b"connection", b"close"),
+                    *extra,
+                ],
+            }
+        )
+
+    async def _answer(
+        self,
+        exchange: _Exchange,
+        status: int,
+        payload: bytes,
+        outcome: str,
+        extra: Sequence[tuple[bytes, bytes]] = (),
+    ) -> None:
+        """Send a whole answer; finished once it is written or the client went."""
+        if exchange.connection.lost_at is not None:
+            self._finish(exchange, CLIENT_GONE, None)
+            return
+        await self._start_answer(exchange, status, len(payload), extra)
+        await exchange.send({"type": "http.response.body", "body": payload, "more_body": False})
+        await self._written_and_finished(exchange, outcome)
+
+    async def _written_and_finished(self, exchange: _Exchange, outcome: str) -> None:
+        connection = exchange.connection
+        # The transport reports "writable" only with an empty buffer, or once
+        # the connection is lost.
+        if connection.flow.write_paused:
+            await connection.flow.drain()
+        written = connection.lost_at is None or connection.lost_error is None
+        if connection.lost_at is not None and connection.cycle is not None:
+            # Lost before uvicorn could write the end of the answer.
+            written = written and connection.cycle.response_complete
+        self._finish(exchange, outcome if written else CLIENT_GONE, exchange.status_sent)
+
+    async def _close(self, exchange: _Exchange, outcome: str) -> None:
+        """Close the connection where it stands, and wait until it is gone."""
+        exchange.closed_by_server = True
+        exchange.connection.transport.close()  # writes what is buffered first
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(exchange.gone.wait(), CLOSE_NOTICE_TIMEOUT)
+        self._finish(exchange, outcome, exchange.status_sent)
+
+    async def _wait(
+        self,
+        exchange: _Exchange,
+        timeout: float | None,
+        *,
+        release: asyncio.Event | None = None,
+        slot: asyncio.Future[None] | None = None,
+    ) -> str:
+        """Wait for the first of: stop, the client going, a worker slot, a
+        release, or `timeout` seconds; says which (in that order of priority)."""
+        state = self._state
+        assert state is not None
+        helpers: dict[asyncio.Future[Any], str] = {
+            asyncio.ensure_future(state.stopping.wait()): _STOP,
+            asyncio.ensure_future(exchange.gone.wait()): _GONE,
+        }
+        if release is not None:
+            helpers[asyncio.ensure_future(release.wait())] = _RELEASE
+        waits: dict[asyncio.Future[Any], str] = dict(helpers)
+        if slot is not None:
+            waits[slot] = _SLOT
+        try:
+            done, _ = await asyncio.wait(
+                waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            for helper in helpers:
+                helper.cancel()
+        reasons = {waits[future] for future in done}
+        for reason in (_STOP, _GONE, _SLOT, _RELEASE):
+            if reason in reasons:
+                return reason
+        return _TIMEOUT
+
+    async def _take_worker(self, exchange: _Exchange) -> bool:
+        """Wait for a free worker, first come first served; False (and the
+        request finished) when the client goes or the simulator stops first."""
+        state = self._state
+        assert state is not None
+        with self._lock:
+            if self._in_flight < self._workers and not state.backlog:
+                self._in_flight += 1
+                self._peak = max(self._peak, self._in_flight)
+                self._update(exchange.record_id, started=time.time(), outcome=SERVING)
+                self._changed.notify_all()
+                exchange.holds_worker = True
+                return True
+            slot: asyncio.Future[None] = state.loop.create_future()
+            state.backlog.append((slot, exchange.record_id))
+            self._waiting += 1
+            self._changed.notify_all()
+        why = await self._wait(exchange, None, slot=slot)
+        handed = slot.done() and not slot.cancelled()
+        if not handed:
+            slot.cancel()
+            with contextlib.suppress(ValueError):
+                state.backlog.remove((slot, exchange.record_id))
+        with self._lock:
+            self._waiting -= 1
+            self._changed.notify_all()
+        exchange.holds_worker = handed
+        if why == _SLOT:
+            return True
+        await self._ended_early(exchange, why)  # frees the slot if it was handed over
+        return False
+
+    def _finish(self, exchange: _Exchange, outcome: str, status: int | None) -> None:
+        """Record the end of a request and free its worker, in one step."""
+        connection = exchange.connection
+        disconnected = None if exchange.closed_by_server else connection.lost_at
+        now = time.time()
+        with self._lock:
+            self._update(
+                exchange.record_id,
+                ended=now,
+                outcome=outcome,
+                status=status,
+                disconnected=disconnected,
+            )
+            if exchange.holds_worker:
+                exchange.holds_worker = False
+                self._hand_over_worker()
+            self._changed.notify_all()
+
+    def _hand_over_worker(self) -> None:
+        """Give a freed worker to the longest waiting request; holds `_lock`."""
+        state = self._state
+        assert state is not None
+        while state.backlog:
+            slot, record_id = state.backlog.popleft()
+            if not slot.done():
+                slot.set_result(None)
+                self._update(record_id, started=time.time(), outcome=SERVING)
+                return
+        self._in_flight -= 1
 
     def _latency_for(self, body: Mapping[str, Any]) -> float:
         override = body.get("sim_latency")
@@ -759,7 +1450,8 @@ class GatewaySimulator:
             low, high = self._latency
             return low if low == high else self._random.uniform(low, high)
 
-    def _answer(self, record_id: int, body: Mapping[str, Any]) -> dict[str, Any]:
+    @staticmethod
+    def _completion_body(record_id: int, body: Mapping[str, Any]) -> dict[str, Any]:
         user_text = _first_user_text(body)
         preview = "(no user message)" if user_text is None else user_text[:CONTENT_PREVIEW_CHARS]
         content = f"insight for {preview}"
@@ -785,49 +1477,18 @@ class GatewaySimulator:
             },
         }
 
-    def _take_worker(self, record_id: int) -> bool:
-        """Wait for a free worker; False when the simulator stops first."""
-        with self._lock:
-            self._waiting += 1
-            while self._in_flight >= self._workers and not self._stopping.is_set():
-                self._slot_freed.wait()
-            self._waiting -= 1
-            if self._stopping.is_set():
-                return False
-            self._in_flight += 1
-            self._peak = max(self._peak, self._in_flight)
-            self._update(record_id, started=time.time(), outcome=SERVING)
-            return True
-
-    def _free_worker(self) -> None:
-        with self._lock:
-            self._in_flight -= 1
-            self._slot_freed.notify()
-
-    def _hold(self, fault: _Fault, fault_changes: int) -> None:
-        """Keep a hung request until its fault ends or changes, its hold is over, or stop."""
-        now = time.monotonic()
-        deadlines = [fault.until] if fault.until is not None else []
-        if fault.hold_seconds is not None:
-            deadlines.append(now + fault.hold_seconds)
-        deadline = min(deadlines) if deadlines else None
-        with self._lock:
-            while self._fault_changes == fault_changes and not self._stopping.is_set():
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return
-                self._hang_released.wait(left)
-
     # --- records -------------------------------------------------------------
 
     def _record(self, received: float, job: str | None) -> int:
         with self._lock:
             record_id = next(self._ids)
+            label = None if job is None else job[:JOB_LABEL_CHARS]
             self._records[record_id] = RequestRecord(
-                record_id, received, None, None, WAITING, None, job
+                record_id, received, None, None, WAITING, None, label
             )
             while len(self._records) > MAX_RECORDS:
                 self._records.popitem(last=False)
+            self._changed.notify_all()
             return record_id
 
     def _update(self, record_id: int, **changes: Any) -> None:
@@ -836,18 +1497,65 @@ class GatewaySimulator:
         if record is not None:
             self._records[record_id] = dataclasses.replace(record, **changes)
 
-    def _finish(self, record_id: int, outcome: str, status: int | None) -> None:
-        with self._lock:
-            self._update(record_id, ended=time.time(), outcome=outcome, status=status)
+
+def _close_loop(loop: asyncio.AbstractEventLoop) -> None:
+    """Cancel what still runs on a loop whose main coroutine ended, and close it."""
+    pending = asyncio.all_tasks(loop)
+    for task in pending:
+        task.cancel()
+
+    async def settle() -> None:
+        await asyncio.gather(*pending, return_exceptions=True)
+        await loop.shutdown_asyncgens()
+
+    loop.run_until_complete(settle())
+    loop.close()
 
 
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
+class _CompletionEndpoint:
+    """The chat-completions path as a plain ASGI app (Starlette routes it as one)."""
+
+    def __init__(self, simulator: GatewaySimulator) -> None:
+        self._simulator = simulator
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._simulator._completion(scope, receive, send)
+
+
+def _json(status: int, payload: Any) -> JSONResponse:
+    return JSONResponse(payload, status_code=status, headers={"connection": "close"})
+
+
+async def _send_json(send: Send, status: int, payload: Any) -> None:
+    data = _json_bytes(payload)
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(data)).encode()),
+                (b"connection", b"close"),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": data, "more_body": False})
+
+
+async def _json_object(request: Request) -> dict[str, Any]:
+    raw = await request.body()
     try:
-        return ipaddress.ip_address(host).is_loopback
+        spec = json.loads(raw or b"{}")
     except ValueError:
-        return False
+        raise ValueError("expected a JSON object") from None
+    if not isinstance(spec, dict):
+        raise ValueError("expected a JSON object")
+    return spec
+
+
+# --- the command line ------------------------------------------------------------
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 def run(
@@ -859,16 +1567,17 @@ def run(
     *,
     announce: Callable[[str], None] | None = None,
 ) -> None:
-    """Serve a gateway simulator until SIGINT or SIGTERM; call from the main thread.
+    """Serve a gateway simulator until SIGINT, SIGTERM or SIGHUP; call from the main thread.
 
     `announce` receives one line with the URL once listening (default: the log).
+    Raises OSError when the port cannot be had.
     """
     stop = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         stop.set()
 
-    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = {sig: signal.signal(sig, on_signal) for sig in STOP_SIGNALS}
     try:
         latency = (latency_min, latency_min if latency_max is None else latency_max)
         with GatewaySimulator(host, port, workers, latency) as simulator:
@@ -877,8 +1586,7 @@ def run(
                 f" with {workers} workers; stats at {simulator.url}/_sim/stats"
             )
             (announce or logger.warning)(line)
-            while not stop.wait(SIGNAL_POLL_INTERVAL):
-                pass
+            stop.wait()  # a signal handler runs in this thread and sets it
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -921,6 +1629,11 @@ def gateway_sim_command(host: str, port: int, workers: int, latency: tuple[float
     try:
         run(host, port, workers, latency[0], latency[1], announce=click.echo)
     except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            raise click.ClickException(
+                f"cannot listen on {host}:{port}: the port is taken (is another gateway "
+                "simulator running?); pick another with --port, or --port 0 for any free one"
+            ) from exc
         raise click.ClickException(f"cannot listen on {host}:{port}: {exc}") from exc
 
 
