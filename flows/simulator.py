@@ -1103,30 +1103,38 @@ class GatewaySimulator:
     async def _read_body(
         self, receive: Receive, send: Send, headers: Mapping[str, str]
     ) -> bytes | None:
-        """The whole request body, or None after answering why not (or the client left)."""
+        """The whole request body, or None after answering why not (or the client left).
+
+        A body over the limit is read to its end and dropped before the 413:
+        closing on a client still sending would reset the connection and
+        lose the answer.
+        """
         try:
             declared = int(headers.get("content-length") or 0)
         except ValueError:
             declared = -1
-        if not 0 <= declared <= MAX_BODY_BYTES:
-            await _send_json(
-                send, 413, _error_body("bad or too large body", "invalid_request_error")
-            )
+        if declared < 0:
+            await _send_json(send, 400, _error_body("bad Content-Length", "invalid_request_error"))
             return None
         parts: list[bytes] = []
         size = 0
+        too_large = declared > MAX_BODY_BYTES
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
                 return None
             chunk = message.get("body", b"")
             size += len(chunk)
-            if size > MAX_BODY_BYTES:
-                await _send_json(send, 413, _error_body("body too large", "invalid_request_error"))
-                return None
-            parts.append(chunk)
+            too_large = too_large or size > MAX_BODY_BYTES
+            if not too_large:
+                parts.append(chunk)
             if not message.get("more_body", False):
-                return b"".join(parts)
+                break
+        if too_large:
+            error = _error_body(f"body over {MAX_BODY_BYTES} bytes", "invalid_request_error")
+            await _send_json(send, 413, error)
+            return None
+        return b"".join(parts)
 
     @staticmethod
     def _job_label(body: object, headers: Mapping[str, str]) -> str | None:
@@ -1253,14 +1261,13 @@ class GatewaySimulator:
             step = len(payload) - position if released else 1
             chunk = payload[position : position + step]
             position += step
-            await exchange.send(
-                {"type": "http.response.body", "body": chunk, "more_body": position < len(payload)}
-            )
-            if position < len(payload):
-                why = await self._wait(exchange, interval, release=release)
-                if await self._ended_early(exchange, why):
-                    return
-        await self._written_and_finished(exchange, TRICKLED)
+            if position == len(payload):
+                await self._send_last(exchange, chunk, TRICKLED)
+                return
+            await exchange.send({"type": "http.response.body", "body": chunk, "more_body": True})
+            why = await self._wait(exchange, interval, release=release)
+            if await self._ended_early(exchange, why):
+                return
 
     async def _stream_huge(self, exchange: _Exchange, answer: dict[str, Any], size: int) -> None:
         marker = "@@content@@"
@@ -1286,8 +1293,7 @@ class GatewaySimulator:
             if exchange.connection.lost_at is not None:
                 self._finish(exchange, CLIENT_GONE, exchange.status_sent)
                 return
-        await exchange.send({"type": "http.response.body", "body": b"", "more_body": False})
-        await self._written_and_finished(exchange, outcome)
+        await self._send_last(exchange, b"", outcome)
 
     async def _start_answer(
         self,
@@ -1323,20 +1329,36 @@ class GatewaySimulator:
             self._finish(exchange, CLIENT_GONE, None)
             return
         await self._start_answer(exchange, status, len(payload), extra)
-        await exchange.send({"type": "http.response.body", "body": payload, "more_body": False})
-        await self._written_and_finished(exchange, outcome)
+        await self._send_last(exchange, payload, outcome)
 
-    async def _written_and_finished(self, exchange: _Exchange, outcome: str) -> None:
+    async def _send_last(self, exchange: _Exchange, data: bytes, outcome: str) -> None:
+        """Send the end of an answer; finished once it is written or the client went."""
         connection = exchange.connection
         # The transport reports "writable" only with an empty buffer, or once
         # the connection is lost.
         if connection.flow.write_paused:
             await connection.flow.drain()
-        written = connection.lost_at is None or connection.lost_error is None
-        if connection.lost_at is not None and connection.cycle is not None:
-            # Lost before uvicorn could write the end of the answer.
-            written = written and connection.cycle.response_complete
-        self._finish(exchange, outcome if written else CLIENT_GONE, exchange.status_sent)
+        last = {"type": "http.response.body", "body": data, "more_body": False}
+        # Writing is not paused, so uvicorn's send does not wait: the last
+        # write and, when the kernel took it whole, the record of its end
+        # happen under one hold of the lock. A client holding its whole
+        # answer then never finds the request still in flight.
+        with self._lock:
+            await exchange.send(last)
+            if self._written(connection) and connection.transport.get_write_buffer_size() == 0:
+                self._finish_locked(exchange, outcome, exchange.status_sent)
+                return
+        if connection.flow.write_paused:
+            await connection.flow.drain()
+        outcome = outcome if self._written(connection) else CLIENT_GONE
+        self._finish(exchange, outcome, exchange.status_sent)
+
+    @staticmethod
+    def _written(connection: _Connection) -> bool:
+        """Whether uvicorn wrote the end of the answer and the connection
+        was not lost to an error before the kernel had it all."""
+        complete = connection.cycle is not None and connection.cycle.response_complete
+        return complete and (connection.lost_at is None or connection.lost_error is None)
 
     async def _close(self, exchange: _Exchange, outcome: str) -> None:
         """Close the connection where it stands, and wait until it is gone."""
@@ -1414,21 +1436,23 @@ class GatewaySimulator:
 
     def _finish(self, exchange: _Exchange, outcome: str, status: int | None) -> None:
         """Record the end of a request and free its worker, in one step."""
-        connection = exchange.connection
-        disconnected = None if exchange.closed_by_server else connection.lost_at
-        now = time.time()
         with self._lock:
-            self._update(
-                exchange.record_id,
-                ended=now,
-                outcome=outcome,
-                status=status,
-                disconnected=disconnected,
-            )
-            if exchange.holds_worker:
-                exchange.holds_worker = False
-                self._hand_over_worker()
-            self._changed.notify_all()
+            self._finish_locked(exchange, outcome, status)
+
+    def _finish_locked(self, exchange: _Exchange, outcome: str, status: int | None) -> None:
+        """`_finish`, holding `_lock`."""
+        connection = exchange.connection
+        self._update(
+            exchange.record_id,
+            ended=time.time(),
+            outcome=outcome,
+            status=status,
+            disconnected=None if exchange.closed_by_server else connection.lost_at,
+        )
+        if exchange.holds_worker:
+            exchange.holds_worker = False
+            self._hand_over_worker()
+        self._changed.notify_all()
 
     def _hand_over_worker(self) -> None:
         """Give a freed worker to the longest waiting request; holds `_lock`."""

@@ -1,14 +1,23 @@
-"""The gateway simulator, driven by the real gateway client over local HTTP."""
+"""The gateway simulator over local HTTP, driven by plain httpx and raw sockets.
+
+Every fault is injected by count (`requests=`) or by event (set, cleared,
+a client closing); waits are on the simulator's own change notifications.
+"""
 
 from __future__ import annotations
 
+import base64
+import email.utils
+import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+import tracemalloc
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,146 +25,195 @@ import httpx
 import pytest
 from click.testing import CliRunner
 
-from flows.gateway import (
-    GatewayAbandoned,
-    GatewayClient,
-    GatewayRejected,
-    GatewayTimeout,
-    GatewayUnavailable,
+from deployments.embedded import stop_process_group
+from flows.simulator import (
+    DEFAULT_HUGE_BYTES,
+    DEFAULT_PORT,
+    GatewaySimulator,
+    RequestRecord,
+    SimulatorStats,
+    gateway_sim_command,
+    parse_latency,
 )
-from flows.simulator import GatewaySimulator, RequestRecord, gateway_sim_command, parse_latency
-from queue_store.settings import Secret, Settings
 
 WAIT_LIMIT = 5.0  # seconds a test waits for something that should take far less
+NOTICE_LIMIT = 0.1  # seconds within which a client's close must be noticed
+PATH = "/v1/chat/completions"
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
 
-def messages(text: str = "sleep for user 42") -> list[dict[str, str]]:
-    return [
-        {"role": "system", "content": "You write short insights."},
-        {"role": "user", "content": text},
+def body(text: str = "sleep for user 42", **extra: Any) -> dict[str, Any]:
+    return {
+        "model": "small",
+        "messages": [
+            {"role": "system", "content": "You write short insights."},
+            {"role": "user", "content": text},
+        ],
+        **extra,
+    }
+
+
+def post(
+    simulator: GatewaySimulator,
+    text: str = "sleep for user 42",
+    *,
+    headers: dict[str, str] | None = None,
+    timeout: float = WAIT_LIMIT,
+    **extra: Any,
+) -> httpx.Response:
+    return httpx.post(
+        f"{simulator.url}{PATH}", json=body(text, **extra), headers=headers, timeout=timeout
+    )
+
+
+def open_request(port: int, payload: dict[str, Any], headers: dict[str, str] | None = None):
+    """A raw connection that has sent one whole request; the test closes it."""
+    data = json.dumps(payload).encode()
+    lines = [
+        f"POST {PATH} HTTP/1.1",
+        "Host: 127.0.0.1",
+        "Content-Type: application/json",
+        f"Content-Length: {len(data)}",
+        *(f"{name}: {value}" for name, value in (headers or {}).items()),
     ]
+    sock = socket.create_connection(("127.0.0.1", port), timeout=WAIT_LIMIT)
+    sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode() + data)
+    return sock
 
 
-def make_client(simulator: GatewaySimulator, **overrides: Any) -> GatewayClient:
-    values: dict[str, Any] = {"gateway_url": simulator.url, "gateway_read_timeout": 5.0}
-    values.update(overrides)
-    return GatewayClient(Settings(**values))
+class Call(threading.Thread):
+    """One request in the background; `response` or `error` once joined."""
 
+    def __init__(self, simulator: GatewaySimulator, text: str, **extra: Any) -> None:
+        super().__init__(daemon=True)
+        self.simulator, self.text, self.extra = simulator, text, extra
+        self.response: httpx.Response | None = None
+        self.error: BaseException | None = None
+        self.start()
 
-def eventually(check: Callable[[], bool]) -> None:
-    deadline = time.monotonic() + WAIT_LIMIT
-    while not check():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.02)
+    def run(self) -> None:
+        try:
+            self.response = post(self.simulator, self.text, **self.extra)
+        except Exception as exc:  # noqa: BLE001 - the test asserts on it
+            self.error = exc
 
-
-def succeeds(client: GatewayClient) -> bool:
-    try:
-        client.complete(messages("probe"))
-    except GatewayUnavailable:
-        return False
-    return True
+    def result(self) -> httpx.Response:
+        self.join(WAIT_LIMIT)
+        assert not self.is_alive(), "the call did not end"
+        assert self.error is None, repr(self.error)
+        assert self.response is not None
+        return self.response
 
 
 def simulator_threads() -> set[threading.Thread]:
     return {t for t in threading.enumerate() if t.name.startswith("gateway-simulator")}
 
 
+def last(simulator: GatewaySimulator) -> RequestRecord:
+    return simulator.stats().requests[-1]
+
+
+def settled(stats: SimulatorStats) -> bool:
+    return stats.in_flight == 0 and all(r.ended is not None for r in stats.requests)
+
+
 @pytest.fixture
 def simulator() -> Iterator[GatewaySimulator]:
-    with GatewaySimulator(workers=4, latency=0.05) as running:
+    with GatewaySimulator(workers=4, latency=0.02) as running:
         yield running
     assert not simulator_threads()
-
-
-@pytest.fixture
-def client(simulator: GatewaySimulator) -> Iterator[GatewayClient]:
-    with make_client(simulator) as gateway:
-        yield gateway
 
 
 # --- answers and records ------------------------------------------------------
 
 
-def test_answers_like_a_chat_completions_gateway(
-    simulator: GatewaySimulator, client: GatewayClient
-) -> None:
-    completion = client.complete(messages("sleep for user 42"), model="small")
+def test_answers_like_a_chat_completions_gateway(simulator: GatewaySimulator) -> None:
+    answer = post(simulator, "sleep for user 42")
 
-    assert completion.content == "insight for sleep for user 42"
-    assert completion.raw["object"] == "chat.completion"
-    assert completion.raw["model"] == "small"
-    assert completion.raw["choices"][0]["finish_reason"] == "stop"
-    (record,) = simulator.stats().requests
+    assert answer.status_code == 200
+    assert answer.headers["connection"] == "close"
+    completion = answer.json()
+    assert completion["object"] == "chat.completion"
+    assert completion["model"] == "small"
+    assert completion["choices"][0]["message"] == {
+        "role": "assistant",
+        "content": "insight for sleep for user 42",
+    }
+    assert completion["choices"][0]["finish_reason"] == "stop"
+    usage = completion["usage"]
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"] > 0
+    record = simulator.wait_for(settled, WAIT_LIMIT).requests[0]
     assert (record.outcome, record.status, record.job) == ("ok", 200, "sleep for user 42")
     assert record.started is not None and record.ended is not None
     assert record.received <= record.started <= record.ended
+    assert record.disconnected is None
 
 
-def test_the_answer_is_deterministic_and_the_job_hint_labels_the_record(
-    simulator: GatewaySimulator, client: GatewayClient
+def test_the_answer_is_deterministic(simulator: GatewaySimulator) -> None:
+    first = post(simulator, "steps").json()["choices"][0]["message"]["content"]
+    second = post(simulator, "steps").json()["choices"][0]["message"]["content"]
+    assert first == second == "insight for steps"
+
+
+def test_the_job_label_comes_from_the_body_then_the_header_then_the_user_message(
+    simulator: GatewaySimulator,
 ) -> None:
-    first = client.complete(messages("steps"), job="steps:2024-05")
-    second = client.complete(messages("steps"), job="steps:2024-05")
-
-    assert first.content == second.content == "insight for steps"
-    assert [record.job for record in simulator.stats().requests] == ["steps:2024-05"] * 2
-
-
-def test_the_client_job_label_names_the_record(
-    simulator: GatewaySimulator, client: GatewayClient
-) -> None:
-    client.complete(messages(), job="recovery:2024-05-01 Zoë")
-    assert [r.job for r in simulator.stats().requests] == ["recovery:2024-05-01 Zoë"]
+    header = {"X-Insight-Job": "recovery:2024-05-01%20Zo%C3%AB"}
+    post(simulator, "steps", job="steps:2024-05", headers=header)
+    post(simulator, "steps", headers=header)
+    post(simulator, "heart rate")
+    stats = simulator.wait_for(settled, WAIT_LIMIT)
+    assert [r.job for r in stats.requests] == [
+        "steps:2024-05",
+        "recovery:2024-05-01 Zoë",
+        "heart rate",
+    ]
 
 
-def test_latency_can_be_set_per_request(simulator: GatewaySimulator, client: GatewayClient) -> None:
-    client.complete(messages(), sim_latency=0.3)
-    (record,) = simulator.stats().requests
+def test_latency_can_be_set_per_request(simulator: GatewaySimulator) -> None:
+    post(simulator, sim_latency=0.3)
+    record = simulator.wait_for(settled, WAIT_LIMIT).requests[0]
     assert record.ended is not None and record.started is not None
     assert record.ended - record.started >= 0.3
 
 
-def test_latency_can_be_changed_at_run_time(
-    simulator: GatewaySimulator, client: GatewayClient
-) -> None:
+def test_latency_can_be_changed_at_run_time(simulator: GatewaySimulator) -> None:
     simulator.set_latency(0.25)
     assert simulator.stats().latency == (0.25, 0.25)
-    assert client.complete(messages()).elapsed_seconds >= 0.25
+    asked = time.monotonic()
+    post(simulator)
+    assert time.monotonic() - asked >= 0.25
 
     answer = httpx.post(f"{simulator.url}/_sim/latency", json={"latency": "0-0.01"})
     assert answer.json() == {"latency": [0.0, 0.01]}
-    assert httpx.post(f"{simulator.url}/_sim/latency", json={"latency": [2, 1]}).status_code == 400
-    assert httpx.post(f"{simulator.url}/_sim/latency", json={"latency": True}).status_code == 400
+    for bad in ([2, 1], True, "soon", None):
+        reply = httpx.post(f"{simulator.url}/_sim/latency", json={"latency": bad})
+        assert reply.status_code == 400
     assert simulator.stats().latency == (0.0, 0.01)
 
 
-def test_at_most_workers_requests_are_served_at_once() -> None:
-    with GatewaySimulator(workers=2, latency=0.2) as simulator, make_client(simulator) as client:
-        barrier = threading.Barrier(8)
-        results: list[str] = []
-        errors: list[BaseException] = []
+def test_at_most_workers_requests_are_served_at_once_the_rest_wait_in_order() -> None:
+    with GatewaySimulator(workers=2) as simulator:
+        simulator.set_fault("hang")  # every request held until cleared
+        calls = []
+        for number in range(8):
+            calls.append(Call(simulator, f"job {number}"))
+            # One at a time, so the order of arrival is known.
+            simulator.wait_for(lambda s, n=number: len(s.requests) == n + 1, WAIT_LIMIT)
+        stats = simulator.wait_for(lambda s: s.waiting == 6, WAIT_LIMIT)
+        assert stats.in_flight == stats.peak_in_flight == 2
+        simulator.clear_fault()
 
-        def call(number: int) -> None:
-            barrier.wait()
-            try:
-                results.append(client.complete(messages(f"job {number}")).content)
-            except Exception as exc:  # noqa: BLE001 - reported by the assertion below
-                errors.append(exc)
-
-        threads = [threading.Thread(target=call, args=(n,)) for n in range(8)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(WAIT_LIMIT)
-
-        assert not errors
-        assert sorted(results) == sorted(f"insight for job {n}" for n in range(8))
-        stats = simulator.stats()
+        contents = [call.result().json()["choices"][0]["message"]["content"] for call in calls]
+        assert contents == [f"insight for job {n}" for n in range(8)]
+        stats = simulator.wait_for(settled, WAIT_LIMIT)
         assert stats.peak_in_flight == 2
         assert stats.in_flight == stats.waiting == 0
+        assert {r.outcome for r in stats.requests} == {"hung"}
         assert max_overlap(stats.requests) == 2
+        # First come, first served.
+        started = [r.started or 0.0 for r in stats.requests]
+        assert started == sorted(started)
 
 
 def max_overlap(records: tuple[RequestRecord, ...]) -> int:
@@ -171,158 +229,436 @@ def max_overlap(records: tuple[RequestRecord, ...]) -> int:
     return peak
 
 
+def test_a_client_that_leaves_the_backlog_never_takes_a_worker() -> None:
+    with GatewaySimulator(workers=1) as simulator:
+        simulator.set_fault("hang")
+        holder = open_request(simulator.port, body("holder"))
+        simulator.wait_for(lambda s: s.in_flight == 1, WAIT_LIMIT)
+        waiter = open_request(simulator.port, body("waiter"))
+        simulator.wait_for(lambda s: s.waiting == 1, WAIT_LIMIT)
+
+        waiter.close()
+        stats = simulator.wait_for(lambda s: s.waiting == 0, WAIT_LIMIT)
+        gone = stats.requests[1]
+        assert (gone.job, gone.outcome, gone.started) == ("waiter", "client_gone", None)
+        assert gone.disconnected is not None
+        assert stats.in_flight == 1
+        holder.close()
+        simulator.wait_for(settled, WAIT_LIMIT)
+
+
+def test_a_request_is_in_flight_until_its_client_leaves(simulator: GatewaySimulator) -> None:
+    sock = open_request(simulator.port, body(sim_latency=60))
+    simulator.wait_for(lambda s: s.in_flight == 1, WAIT_LIMIT)
+
+    closed_at = time.time()
+    sock.close()
+    stats = simulator.wait_for(settled, WAIT_LIMIT)
+    record = stats.requests[0]
+    assert (record.outcome, record.status) == ("client_gone", None)
+    assert record.disconnected is not None and record.ended is not None
+    assert record.disconnected - closed_at < NOTICE_LIMIT
+    assert record.disconnected <= record.ended
+
+
 # --- faults -----------------------------------------------------------------------
 
 
-def test_status_fault_for_some_requests_then_recovery(
-    simulator: GatewaySimulator, client: GatewayClient
-) -> None:
+def test_status_fault_for_some_requests_then_recovery(simulator: GatewaySimulator) -> None:
     simulator.set_fault("status", status=503, requests=2)
 
     for _ in range(2):
-        with pytest.raises(GatewayUnavailable) as caught:
-            client.complete(messages())
-        assert caught.value.status == 503
-    assert client.complete(messages()).content
+        answer = post(simulator)
+        assert answer.status_code == 503
+        assert answer.json()["error"]["type"] == "simulator_fault"
+    assert post(simulator).status_code == 200
 
-    outcomes = [(r.outcome, r.status) for r in simulator.stats().requests]
-    assert outcomes == [("injected_status", 503)] * 2 + [("ok", 200)]
+    stats = simulator.wait_for(settled, WAIT_LIMIT)
+    outcomes = [(r.outcome, r.status, r.started) for r in stats.requests]
+    assert outcomes[:2] == [("injected_status", 503, None)] * 2
+    assert outcomes[2][:2] == ("ok", 200)
+    assert stats.fault is None
 
 
-def test_status_fault_for_some_seconds_set_over_http(
-    simulator: GatewaySimulator, client: GatewayClient
+@pytest.mark.parametrize(
+    ("status", "headers"),
+    [
+        (429, {"Retry-After": "30"}),
+        (503, {"Retry-After": email.utils.formatdate(1_900_000_000, usegmt=True)}),
+        (429, {"retry-after-ms": "1500"}),
+        (429, {"llm_provider-retry-after": "60"}),
+        (429, {"x-ratelimit-reset-requests": "2s", "x-ratelimit-remaining-requests": "0"}),
+    ],
+)
+def test_status_fault_sends_extra_headers(
+    simulator: GatewaySimulator, status: int, headers: dict[str, str]
 ) -> None:
+    simulator.set_fault("status", status=status, headers=headers, requests=1)
+    answer = post(simulator)
+    assert answer.status_code == status
+    for name, value in headers.items():
+        assert answer.headers[name] == value
+    assert answer.json()["error"]["code"] == status
+
+
+def test_a_fault_can_poison_one_job_while_others_are_answered(
+    simulator: GatewaySimulator,
+) -> None:
+    simulator.set_fault("status", status=500, job="steps:2024-05", requests=2)
+
+    assert post(simulator, job="sleep:2024-05").status_code == 200
+    assert post(simulator, job="steps:2024-05").status_code == 500
+    assert post(simulator, headers={"X-Insight-Job": "steps:2024-05"}).status_code == 500
+    # Other jobs did not spend the fault's count; now it is spent.
+    assert post(simulator, job="steps:2024-05").status_code == 200
+    stats = simulator.wait_for(settled, WAIT_LIMIT)
+    assert [(r.job, r.status) for r in stats.requests] == [
+        ("sleep:2024-05", 200),
+        ("steps:2024-05", 500),
+        ("steps:2024-05", 500),
+        ("steps:2024-05", 200),
+    ]
+
+
+def test_a_fault_can_apply_to_jobs_by_prefix(simulator: GatewaySimulator) -> None:
     answer = httpx.post(
-        f"{simulator.url}/_sim/fault", json={"kind": "status", "status": 502, "seconds": 0.3}
+        f"{simulator.url}/_sim/fault",
+        json={"kind": "status", "status": 502, "job_prefix": "steps:"},
+    )
+    assert answer.json()["fault"]["job_prefix"] == "steps:"
+    assert post(simulator, job="steps:2024-05").status_code == 502
+    assert post(simulator, job="steps:2024-06").status_code == 502
+    assert post(simulator, job="sleep:2024-05").status_code == 200
+    assert post(simulator).status_code == 200  # labelled by its user message
+
+
+def test_a_fault_set_over_http_is_in_force_once_answered(simulator: GatewaySimulator) -> None:
+    answer = httpx.post(
+        f"{simulator.url}/_sim/fault",
+        json={"kind": "status", "status": 502, "requests": 1, "seconds": 600},
     )
     assert answer.status_code == 200
-    assert answer.json()["fault"]["kind"] == "status"
+    fault = answer.json()["fault"]
+    assert (fault["kind"], fault["status"], fault["requests_left"]) == ("status", 502, 1)
+    assert 0 < fault["seconds_left"] <= 600
+    assert post(simulator).status_code == 502
+    assert post(simulator).status_code == 200
 
-    with pytest.raises(GatewayUnavailable) as caught:
-        client.complete(messages())
-    assert caught.value.status == 502
-    eventually(lambda: succeeds(client))
 
-
-def test_dropped_connection_is_unavailable(
-    simulator: GatewaySimulator, client: GatewayClient
-) -> None:
+def test_dropped_connection(simulator: GatewaySimulator) -> None:
     simulator.set_fault("drop", requests=1)
 
-    with pytest.raises(GatewayUnavailable) as caught:
-        client.complete(messages())
-    assert caught.value.status is None
-    assert client.complete(messages()).content
-    assert [r.outcome for r in simulator.stats().requests] == ["dropped", "ok"]
+    with pytest.raises(httpx.RemoteProtocolError, match="without sending a response"):
+        post(simulator)
+    assert post(simulator).status_code == 200
+    stats = simulator.wait_for(settled, WAIT_LIMIT)
+    assert [(r.outcome, r.status) for r in stats.requests] == [("dropped", None), ("ok", 200)]
 
 
-def test_refused_connections_then_listening_again_on_the_same_port(
-    simulator: GatewaySimulator, client: GatewayClient
+def test_close_mid_body_sends_headers_and_part_of_the_body(
+    simulator: GatewaySimulator,
 ) -> None:
-    port = simulator.port
-    simulator.set_fault("refuse", seconds=0.3)
+    simulator.set_fault("close_mid_body", requests=1)
+    with (
+        httpx.Client(timeout=WAIT_LIMIT) as client,
+        client.stream("POST", f"{simulator.url}{PATH}", json=body()) as answer,
+    ):
+        assert answer.status_code == 200
+        length = int(answer.headers["content-length"])
+        received = bytearray()
+        with pytest.raises(httpx.RemoteProtocolError, match="complete message body"):
+            for chunk in answer.iter_raw():
+                received += chunk
+    assert 0 < len(received) < length
+    record = simulator.wait_for(settled, WAIT_LIMIT).requests[0]
+    assert (record.outcome, record.status) == ("closed_mid_body", 200)
+    assert record.started is not None
 
-    with pytest.raises(GatewayUnavailable, match="cannot connect"):
-        client.complete(messages())
-    eventually(lambda: succeeds(client))
-    assert simulator.port == port
-    assert simulator.stats().fault is None
 
-
-def test_refusal_set_over_http_is_in_force_once_answered(
-    simulator: GatewaySimulator, client: GatewayClient
+def test_trickle_sends_a_byte_then_the_rest_when_the_fault_is_cleared(
+    simulator: GatewaySimulator,
 ) -> None:
-    answer = httpx.post(f"{simulator.url}/_sim/fault", json={"kind": "refuse", "seconds": 0.3})
-    assert answer.json()["fault"]["kind"] == "refuse"
-    with pytest.raises(GatewayUnavailable, match="cannot connect"):
-        client.complete(messages())
-    eventually(lambda: succeeds(client))
+    simulator.set_fault("trickle", interval=600, requests=1)
+    with (
+        httpx.Client(timeout=WAIT_LIMIT) as client,
+        client.stream("POST", f"{simulator.url}{PATH}", json=body("steps")) as answer,
+    ):
+        assert answer.status_code == 200
+        chunks = answer.iter_raw()
+        first = next(chunks)
+        assert first == b"{"  # then the next byte is 600 s away
+        assert simulator.stats().in_flight == 1
+        simulator.clear_fault()
+        rest = b"".join(chunks)
+    completion = json.loads(first + rest)
+    assert completion["choices"][0]["message"]["content"] == "insight for steps"
+    record = simulator.wait_for(settled, WAIT_LIMIT).requests[0]
+    assert (record.outcome, record.status) == ("trickled", 200)
 
 
-def test_clearing_a_refusal_listens_again_at_once(
-    simulator: GatewaySimulator, client: GatewayClient
+def test_trickle_stops_when_the_client_leaves(simulator: GatewaySimulator) -> None:
+    simulator.set_fault("trickle", interval=600)
+    sock = open_request(simulator.port, body())
+    assert sock.recv(1024).startswith(b"HTTP/1.1 200 ")
+    simulator.wait_for(lambda s: s.in_flight == 1, WAIT_LIMIT)
+
+    closed_at = time.time()
+    sock.close()
+    record = simulator.wait_for(settled, WAIT_LIMIT).requests[0]
+    assert (record.outcome, record.status) == ("client_gone", 200)
+    assert record.disconnected is not None and record.disconnected - closed_at < NOTICE_LIMIT
+
+
+def test_huge_answer_is_a_valid_completion(simulator: GatewaySimulator) -> None:
+    size = 1_000_000
+    simulator.set_fault("huge", size=size, requests=1)
+    answer = post(simulator)
+    assert answer.status_code == 200
+    content = answer.json()["choices"][0]["message"]["content"]
+    assert len(content) == size
+    assert content.startswith("insight insight ")
+    record = simulator.wait_for(settled, WAIT_LIMIT).requests[0]
+    assert (record.outcome, record.status) == ("huge", 200)
+
+
+def test_huge_answer_of_50_mib_is_streamed_not_built_in_memory(
+    simulator: GatewaySimulator,
 ) -> None:
-    simulator.set_fault("refuse", seconds=60)
-    with pytest.raises(GatewayUnavailable):
-        client.complete(messages())
-    simulator.clear_fault()
-    eventually(lambda: succeeds(client))
+    simulator.set_fault("huge", requests=1)
+    tracemalloc.start()
+    try:
+        with (
+            httpx.Client(timeout=WAIT_LIMIT * 4) as client,
+            client.stream("POST", f"{simulator.url}{PATH}", json=body()) as answer,
+        ):
+            length = int(answer.headers["content-length"])
+            received = 0
+            head = tail = b""
+            for chunk in answer.iter_raw():
+                if len(head) < 200:
+                    head = (head + chunk)[:200]
+                received += len(chunk)
+                tail = (tail + chunk)[-200:]
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert received == length > DEFAULT_HUGE_BYTES
+    assert head.startswith(b'{"id": "chatcmpl-sim-') and b'"content": "insight ' in head
+    assert tail.endswith(b"}}")
+    assert peak < 8 * 1024 * 1024, f"{peak} bytes allocated at once"
 
 
-def test_hang_beyond_the_read_timeout_is_a_timeout(simulator: GatewaySimulator) -> None:
+def test_huge_raw_answer_is_not_json(simulator: GatewaySimulator) -> None:
+    simulator.set_fault("huge_raw", size=300_000, requests=1)
+    answer = post(simulator)
+    assert answer.status_code == 200
+    assert answer.headers["content-type"] == "application/json"
+    assert len(answer.content) == 300_000
+    with pytest.raises(ValueError):
+        json.loads(answer.content)
+    record = simulator.wait_for(settled, WAIT_LIMIT).requests[0]
+    assert (record.outcome, record.status) == ("huge_raw", 200)
+
+
+def test_echo_token_echoes_the_bearer_token_in_many_encodings(
+    simulator: GatewaySimulator,
+) -> None:
+    token = "sk-test/abc+def="
+    simulator.set_fault("echo_token", requests=1)
+    answer = post(simulator, headers={"Authorization": f"Bearer {token}"})
+
+    assert answer.status_code == 500
+    assert answer.headers["x-echoed-token"] == token
+    text = answer.text
+    for encoded in (
+        token,
+        "sk-test\\/abc+def=",
+        "\\u0073\\u006b\\u002d\\u0074",
+        "sk-test%2Fabc%2Bdef%3D",
+        "sk-test%2fabc%2bdef%3d",
+        base64.b64encode(token.encode()).decode(),
+        base64.b64encode(f"user:{token}".encode()).decode(),
+    ):
+        assert encoded in text, encoded
+    error = answer.json()["error"]  # still valid JSON, every field the token
+    assert error["token_slash_escaped"] == error["token_unicode_escaped"] == token
+    record = simulator.wait_for(settled, WAIT_LIMIT).requests[0]
+    assert (record.outcome, record.status) == ("echoed_token", 500)
+
+
+@pytest.mark.parametrize(
+    ("spec", "status", "location"),
+    [
+        ({}, 307, "http://gateway-moved.invalid/v1/chat/completions"),
+        (
+            {"status": 301, "location": "http://127.0.0.2:9/v1/chat/completions"},
+            301,
+            "http://127.0.0.2:9/v1/chat/completions",
+        ),
+    ],
+)
+def test_redirect_points_at_another_host(
+    simulator: GatewaySimulator, spec: dict[str, Any], status: int, location: str
+) -> None:
+    answer = httpx.post(f"{simulator.url}/_sim/fault", json={"kind": "redirect", **spec})
+    assert answer.status_code == 200
+    moved = post(simulator)  # httpx does not follow redirects unless asked
+    assert moved.status_code == status
+    assert moved.headers["location"] == location
+    assert simulator.wait_for(settled, WAIT_LIMIT).requests[0].outcome == "redirected"
+
+
+def test_hang_holds_its_worker_until_the_fault_is_cleared(
+    simulator: GatewaySimulator,
+) -> None:
     simulator.set_fault("hang", requests=1)
-    with make_client(simulator, gateway_read_timeout=0.2) as client:
-        with pytest.raises(GatewayTimeout):
-            client.complete(messages())
-        # The hung request still holds its worker; the others serve on.
-        assert client.complete(messages()).content
+    hung = Call(simulator, "held")
+    simulator.wait_for(lambda s: s.in_flight == 1, WAIT_LIMIT)
+    # The fault's one request is spent: others are answered meanwhile.
+    assert post(simulator).status_code == 200
     assert simulator.stats().in_flight == 1
 
     simulator.clear_fault()
-    eventually(lambda: simulator.stats().in_flight == 0)
-    assert simulator.stats().requests[0].outcome in ("hung", "client_gone")
+    assert hung.result().status_code == 200
+    stats = simulator.wait_for(settled, WAIT_LIMIT)
+    assert [r.outcome for r in stats.requests] == ["hung", "ok"]
 
 
-def test_hang_with_a_hold_answers_late(simulator: GatewaySimulator, client: GatewayClient) -> None:
+def test_hang_with_a_hold_answers_late(simulator: GatewaySimulator) -> None:
     simulator.set_fault("hang", requests=1, hold_seconds=0.2)
-    completion = client.complete(messages())
-    assert completion.elapsed_seconds >= 0.2
-    assert simulator.stats().requests[0].outcome == "hung"
+    asked = time.monotonic()
+    assert post(simulator).status_code == 200
+    assert time.monotonic() - asked >= 0.2
+    assert simulator.wait_for(settled, WAIT_LIMIT).requests[0].outcome == "hung"
 
 
-def test_closing_the_client_abandons_a_hung_call(simulator: GatewaySimulator) -> None:
+def test_a_hung_request_ends_as_soon_as_its_client_leaves(
+    simulator: GatewaySimulator,
+) -> None:
     simulator.set_fault("hang", requests=1)
-    client = make_client(simulator, gateway_read_timeout=0.5)
-    outcome: list[BaseException] = []
+    sock = open_request(simulator.port, body(), {"X-Insight-Job": "steps:2024-05"})
+    simulator.wait_for(lambda s: s.in_flight == 1, WAIT_LIMIT)
 
-    def call() -> None:
-        try:
-            client.complete(messages())
-        except Exception as exc:  # noqa: BLE001 - the assertion below names the type
-            outcome.append(exc)
-
-    thread = threading.Thread(target=call)
-    thread.start()
-    eventually(lambda: simulator.stats().in_flight == 1)
-    client.close()
-    thread.join(WAIT_LIMIT)
-
-    assert not thread.is_alive()
-    assert [type(exc) for exc in outcome] == [GatewayAbandoned]
+    closed_at = time.time()
+    sock.close()
+    stats = simulator.wait_for(settled, WAIT_LIMIT)
+    record = stats.requests[0]
+    assert (record.job, record.outcome, record.status) == ("steps:2024-05", "client_gone", None)
+    assert record.disconnected is not None and record.ended is not None
+    assert record.disconnected - closed_at < NOTICE_LIMIT
+    assert record.ended - record.disconnected < NOTICE_LIMIT
 
 
-def test_a_required_token_is_checked(simulator: GatewaySimulator) -> None:
+def test_a_read_timeout_frees_the_hung_worker(simulator: GatewaySimulator) -> None:
+    simulator.set_fault("hang")
+    with pytest.raises(httpx.ReadTimeout):
+        post(simulator, timeout=0.2)
+    # httpx closes the connection it gave up on; the simulator sees it go.
+    record = simulator.wait_for(settled, WAIT_LIMIT).requests[0]
+    assert record.outcome == "client_gone"
+
+
+def test_refused_connections_until_cleared_then_listening_on_the_same_port(
+    simulator: GatewaySimulator,
+) -> None:
+    port = simulator.port
+    simulator.set_fault("refuse")
+    assert simulator.stats().fault is not None
+
+    for _ in range(3):
+        with pytest.raises(httpx.ConnectError):
+            post(simulator)
+    simulator.clear_fault()
+    assert post(simulator).status_code == 200
+    assert simulator.port == port
+    assert [r.outcome for r in simulator.stats().requests] == ["ok"]
+
+
+def test_another_fault_ends_a_refusal(simulator: GatewaySimulator) -> None:
+    simulator.set_fault("refuse")
+    with pytest.raises(httpx.ConnectError):
+        post(simulator)
+    simulator.set_fault("status", status=503, requests=1)
+    assert post(simulator).status_code == 503
+
+
+def test_a_refusal_set_over_http_is_in_force_once_answered(
+    simulator: GatewaySimulator,
+) -> None:
+    answer = httpx.post(f"{simulator.url}/_sim/fault", json={"kind": "refuse", "seconds": 600})
+    assert answer.json()["fault"]["kind"] == "refuse"
+    with pytest.raises(httpx.ConnectError):
+        post(simulator)
+    simulator.clear_fault()
+    assert post(simulator).status_code == 200
+
+
+def test_a_fault_that_runs_out_does_not_release_what_it_holds(
+    simulator: GatewaySimulator,
+) -> None:
+    simulator.set_fault("hang", requests=2)
+    first, second = Call(simulator, "a"), Call(simulator, "b")
+    stats = simulator.wait_for(lambda s: s.in_flight == 2, WAIT_LIMIT)
+    assert stats.fault is None  # spent
+    assert post(simulator).status_code == 200
+    assert simulator.stats().in_flight == 2
+    simulator.clear_fault()
+    assert first.result().status_code == second.result().status_code == 200
+
+
+def test_a_required_token_is_checked() -> None:
     with GatewaySimulator(token="sim-token") as guarded:
-        with make_client(guarded) as client, pytest.raises(GatewayRejected) as caught:
-            client.complete(messages())
-        assert caught.value.status == 401
-        with make_client(guarded, gateway_token=Secret("sim-token")) as client:
-            assert client.complete(messages()).content
+        assert post(guarded).status_code == 401
+        assert post(guarded, headers={"Authorization": "Bearer wrong"}).status_code == 401
+        answer = post(guarded, headers={"Authorization": "Bearer sim-token"})
+        assert answer.status_code == 200
+        stats = guarded.wait_for(settled, WAIT_LIMIT)
+        assert [r.outcome for r in stats.requests] == ["unauthorized"] * 2 + ["ok"]
+
+
+def test_faults_can_be_set_before_start_except_a_refusal() -> None:
+    simulator = GatewaySimulator()
+    simulator.set_fault("status", status=502, requests=1)
+    with pytest.raises(RuntimeError, match="start"):
+        simulator.set_fault("refuse")
+    with simulator:
+        assert post(simulator).status_code == 502
 
 
 # --- the control endpoints ------------------------------------------------------------
 
 
-def test_stats_and_reset_over_http(simulator: GatewaySimulator, client: GatewayClient) -> None:
-    client.complete(messages("heart rate"))
+def test_stats_and_reset_over_http(simulator: GatewaySimulator) -> None:
+    post(simulator, "heart rate")
+    simulator.wait_for(settled, WAIT_LIMIT)
 
     stats = httpx.get(f"{simulator.url}/_sim/stats").json()
-    assert stats["peak_in_flight"] == 1
-    assert stats["in_flight"] == 0
+    assert (stats["workers"], stats["peak_in_flight"], stats["in_flight"]) == (4, 1, 0)
     assert stats["fault"] is None
     (record,) = stats["requests"]
     assert record["job"] == "heart rate"
-    assert set(record) == {"id", "received", "started", "ended", "outcome", "status", "job"}
+    assert set(record) == {
+        "id",
+        "received",
+        "started",
+        "ended",
+        "outcome",
+        "status",
+        "job",
+        "disconnected",
+    }
 
+    simulator.set_fault("status", requests=5)
     assert httpx.post(f"{simulator.url}/_sim/reset").status_code == 200
     stats = httpx.get(f"{simulator.url}/_sim/stats").json()
-    assert (stats["requests"], stats["peak_in_flight"]) == ([], 0)
+    assert (stats["requests"], stats["peak_in_flight"], stats["fault"]) == ([], 0, None)
 
 
 def test_fault_kind_none_clears_the_fault(simulator: GatewaySimulator) -> None:
     simulator.set_fault("status", status=503)
     assert httpx.get(f"{simulator.url}/_sim/stats").json()["fault"]["status"] == 503
-    assert httpx.post(f"{simulator.url}/_sim/fault", json={"kind": "none"}).status_code == 200
+    answer = httpx.post(f"{simulator.url}/_sim/fault", json={"kind": "none"})
+    assert answer.json() == {"fault": None}
     assert simulator.stats().fault is None
 
 
@@ -331,63 +667,88 @@ def test_fault_kind_none_clears_the_fault(simulator: GatewaySimulator) -> None:
     [
         {"kind": "explode"},
         {"kind": "status", "status": 200},
+        {"kind": "status", "status": "503"},
         {"kind": "status", "seconds": -1},
         {"kind": "status", "seconds": "soon"},
+        {"kind": "status", "headers": {"Bad Name": "1"}},
+        {"kind": "status", "headers": {"Retry-After": "1\r\nX: y"}},
+        {"kind": "status", "headers": ["Retry-After"]},
         {"kind": "drop", "requests": 0},
+        {"kind": "drop", "requests": 1.5},
+        {"kind": "drop", "status": 503},
+        {"kind": "hang", "hold_seconds": -1},
+        {"kind": "trickle", "interval": 0},
+        {"kind": "huge", "size": -1},
+        {"kind": "redirect", "status": 404},
+        {"kind": "echo_token", "status": 302},
+        {"kind": "status", "job": ""},
+        {"kind": "status", "job": "a", "job_prefix": "b"},
         {"kind": "refuse"},
+        {"kind": "refuse", "seconds": 5, "requests": 2},
+        {"kind": "refuse", "seconds": 5, "job": "a"},
+        {"kind": "none", "requests": 2},
         ["status"],
     ],
 )
-def test_a_bad_fault_is_refused_with_400(simulator: GatewaySimulator, spec: Any) -> None:
+def test_a_bad_fault_is_refused_with_a_one_line_400(simulator: GatewaySimulator, spec: Any) -> None:
     answer = httpx.post(f"{simulator.url}/_sim/fault", json=spec)
     assert answer.status_code == 400
+    assert "\n" not in answer.text
+    assert answer.json()["error"]["message"]
+    assert simulator.stats().fault is None
+
+
+def test_a_bad_fault_is_a_value_error_in_python(simulator: GatewaySimulator) -> None:
+    with pytest.raises(ValueError, match="requests"):
+        simulator.set_fault("drop", requests=0)
+    with pytest.raises(ValueError, match="refuse"):
+        simulator.set_fault("refuse", requests=1)
     assert simulator.stats().fault is None
 
 
 def test_bad_requests_and_unknown_paths(simulator: GatewaySimulator) -> None:
-    completions = f"{simulator.url}/v1/chat/completions"
+    completions = f"{simulator.url}{PATH}"
     assert httpx.post(completions, content=b"not json").status_code == 400
     assert httpx.post(completions, json={"model": "x"}).status_code == 400
-    assert httpx.get(f"{simulator.url}/nowhere").status_code == 404
-    assert [r.outcome for r in simulator.stats().requests] == ["bad_request"] * 2
+    too_large = httpx.post(completions, content=b"x" * (10 * 1024 * 1024 + 1))
+    assert too_large.status_code == 413
+    assert httpx.get(completions).status_code == 405
+    missing = httpx.get(f"{simulator.url}/nowhere")
+    assert missing.status_code == 404
+    assert missing.json()["error"]["type"] == "not_found"
+    stats = simulator.wait_for(settled, WAIT_LIMIT)
+    assert [r.outcome for r in stats.requests] == ["bad_request"] * 2
 
 
 def test_a_custom_path_is_served() -> None:
     with GatewaySimulator(path="/api/chat") as simulator:
-        with make_client(simulator, gateway_path="/api/chat") as client:
-            assert client.complete(messages()).content
-        with make_client(simulator) as client, pytest.raises(GatewayRejected) as caught:
-            client.complete(messages())
-        assert caught.value.status == 404
+        assert httpx.post(f"{simulator.url}/api/chat", json=body()).status_code == 200
+        assert post(simulator).status_code == 404
 
 
-def test_stop_releases_waiting_and_hung_requests_and_joins_every_thread() -> None:
+def test_stop_closes_waiting_and_hung_requests_and_joins_its_thread() -> None:
     simulator = GatewaySimulator(workers=1).start()
-    simulator.set_fault("hang", requests=1)
-    client = make_client(simulator, gateway_read_timeout=5.0)
-    failures: list[Exception] = []
-
-    def call() -> None:
-        try:
-            client.complete(messages())
-        except GatewayUnavailable as exc:
-            failures.append(exc)
-
-    callers = [threading.Thread(target=call) for _ in range(2)]
-    for caller in callers:
-        caller.start()
-    eventually(lambda: simulator.stats().waiting == 1)
+    simulator.set_fault("hang")
+    calls = [Call(simulator, "held"), Call(simulator, "waiting")]
+    simulator.wait_for(lambda s: s.in_flight == 1 and s.waiting == 1, WAIT_LIMIT)
 
     simulator.stop()
 
-    for caller in callers:
-        caller.join(WAIT_LIMIT)
-        assert not caller.is_alive()
-    client.close()
-    # Closed without an answer: to the client, the gateway went away.
-    assert len(failures) == 2
+    for call in calls:
+        call.join(WAIT_LIMIT)
+        assert not call.is_alive()
+        # Closed without an answer: to the client, the gateway went away.
+        assert isinstance(call.error, httpx.RemoteProtocolError)
     assert not simulator_threads()
-    assert {r.outcome for r in simulator.stats().requests} == {"stopped"}
+    stats = simulator.stats()
+    assert {r.outcome for r in stats.requests} == {"stopped"}
+    assert stats.in_flight == stats.waiting == 0
+    simulator.stop()  # a second stop is harmless
+
+
+def test_wait_for_says_when_the_condition_is_not_met(simulator: GatewaySimulator) -> None:
+    with pytest.raises(TimeoutError, match="not met"):
+        simulator.wait_for(lambda s: s.in_flight == 1, 0.05)
 
 
 # --- configuration and the command line ----------------------------------------
@@ -411,38 +772,77 @@ def test_command_help_and_bad_latency() -> None:
     runner = CliRunner()
     shown = runner.invoke(gateway_sim_command, ["--help"])
     assert shown.exit_code == 0
-    for option in ("--host", "--port", "--workers", "--latency"):
+    for option in ("--host", "--port", "--workers", "--latency", str(DEFAULT_PORT)):
         assert option in shown.output
     assert runner.invoke(gateway_sim_command, ["--latency", "soon"]).exit_code == 2
 
 
-def test_command_reports_a_busy_port() -> None:
+def test_command_reports_a_taken_port() -> None:
     with GatewaySimulator() as busy:
         result = CliRunner().invoke(gateway_sim_command, ["--port", str(busy.port)])
     assert result.exit_code == 1
-    assert "cannot listen" in result.output
+    assert f"cannot listen on 127.0.0.1:{busy.port}" in result.output
+    assert "taken" in result.output
 
 
-def test_command_serves_until_sigterm() -> None:
+def start_command(*args: str) -> tuple[subprocess.Popen[str], str]:
+    """`gateway-sim` in its own session; returns it and the URL it announced."""
     code = "import sys; from flows.simulator import main; sys.exit(main(sys.argv[1:]))"
     process = subprocess.Popen(
-        [sys.executable, "-c", code, "--port", "0", "--latency", "0", "--workers", "2"],
+        [sys.executable, "-c", code, *args],
         cwd=PROJECT_ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        start_new_session=True,
     )
+    assert process.stdout is not None
+    line = process.stdout.readline()
+    if "development tool" not in line:
+        stop_process_group(process, 5)
+        raise AssertionError(f"no announcement: {line!r} {process.stderr.read()[-2000:]}")
+    return process, line.split(" at ", 1)[1].split()[0]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
+def test_command_serves_until_a_stop_signal(sig: signal.Signals) -> None:
+    process, url = start_command("--port", "0", "--latency", "0", "--workers", "2")
     try:
-        assert process.stdout is not None
-        line = process.stdout.readline()
-        assert "development tool" in line
-        url = line.split(" at ", 1)[1].split()[0]
         assert url.startswith("http://127.0.0.1:")
         assert httpx.get(f"{url}/_sim/stats").json()["workers"] == 2
+        assert httpx.post(f"{url}{PATH}", json=body()).status_code == 200
+        process.send_signal(sig)
+        assert process.wait(WAIT_LIMIT) == 0
+    finally:
+        stop_process_group(process, 5)
+
+
+def test_command_listens_on_8765_when_it_is_free() -> None:
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", DEFAULT_PORT))
+        except OSError:
+            pytest.skip(f"port {DEFAULT_PORT} is in use on this machine")
+    try:
+        process, url = start_command("--latency", "0")
+    except AssertionError as exc:
+        if "the port is taken" not in str(exc):
+            raise
+        pytest.skip(f"port {DEFAULT_PORT} was taken meanwhile")
+    try:
+        assert url == f"http://127.0.0.1:{DEFAULT_PORT}"
+        # A second one says the port is taken.
+        second = subprocess.run(
+            [sys.executable, "-c", "from flows.simulator import main; raise SystemExit(main())"],
+            cwd=PROJECT_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert second.returncode == 1
+        assert f"{DEFAULT_PORT}: the port is taken" in second.stderr
         process.send_signal(signal.SIGTERM)
         assert process.wait(WAIT_LIMIT) == 0
     finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
+        stop_process_group(process, 5)
