@@ -17,16 +17,26 @@ from queue_store.models import (
     PREFETCH,
     Blocked,
     Claim,
+    EnqueueRequest,
+    Failure,
     GateState,
     Job,
+    PauseKind,
     Position,
+    QueueEntry,
+    QueueView,
+    Renewal,
     Result,
+    Settlement,
     Status,
+    Worker,
     job_id,
     priority_class,
 )
-from queue_store.settings import Secret, Settings
-from queue_store.store import JobStore, check_user_id
+from queue_store.redact import Redactor
+from queue_store.settings import Settings
+from queue_store.store import JobStore
+from queue_store.validation import user_id as check_user_id
 
 __all__ = [
     "INTERACTIVE",
@@ -35,19 +45,27 @@ __all__ = [
     "Claim",
     "ClaimLost",
     "DatabaseError",
+    "EnqueueRequest",
+    "Failure",
     "GateState",
     "InvalidArgument",
     "Job",
     "JobStore",
+    "PauseKind",
     "Position",
+    "QueueEntry",
+    "QueueView",
+    "Redactor",
+    "Renewal",
     "Result",
     "SchemaConflict",
     "SchemaOutdated",
-    "Secret",
     "Settings",
     "SettingsError",
+    "Settlement",
     "Status",
     "StoreError",
+    "Worker",
     "check_user_id",
     "job_id",
     "priority_class",

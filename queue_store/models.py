@@ -1,6 +1,8 @@
-"""Plain typed data the store hands out: jobs, claims, positions, results.
+"""Plain typed data the store hands out: jobs, claims, outcomes, positions, results.
 
-Nothing here talks to a database; these are the store's return values.
+Nothing here talks to a database; these are the store's arguments and return
+values. Every `as_dict()` speaks one JSON vocabulary: snake_case keys, ISO 8601
+UTC times, seconds as numbers.
 """
 
 from __future__ import annotations
@@ -19,16 +21,22 @@ MAX_ID_LENGTH = 200  # characters, for user_id
 MAX_KIND_LENGTH = 100
 MAX_SUBJECT_LENGTH = 500
 MAX_FINGERPRINT_LENGTH = 200
-MAX_HOLDER_LENGTH = 150
+MAX_WORKER_LENGTH = 150
+HOLDER_NONCE_HEX = 12  # hex characters after "<worker>/" in a claim's token
+MAX_HOLDER_LENGTH = MAX_WORKER_LENGTH + 1 + HOLDER_NONCE_HEX
 MAX_ERROR_LENGTH = 2000  # longer messages are cut, not refused: they come from failures
 MAX_PRIORITY = 1_000_000
+MAX_RUN_ID_LENGTH = 64
 
 
 class Status(enum.StrEnum):
+    """Where a job stands. `UNKNOWN` is only ever reported, never stored: the store was down."""
+
     PENDING = "pending"
     RUNNING = "running"
     DONE = "done"
     FAILED = "failed"
+    UNKNOWN = "unknown"
 
 
 class Blocked(enum.StrEnum):
@@ -37,7 +45,42 @@ class Blocked(enum.StrEnum):
     EMPTY = "empty"  # nothing is runnable
     CONCURRENCY = "concurrency"  # AI_JOB_CONCURRENCY calls are already in flight
     GAP = "gap"  # the global quiet period after the last call has not passed
-    PAUSED = "paused"  # the circuit breaker paused claiming after an outage
+    PAUSED = "paused"  # claiming is paused (operator, outage, rate limit, refused credentials)
+
+
+class PauseKind(enum.StrEnum):
+    """Who or what paused claiming."""
+
+    OPERATOR = "operator"
+    OUTAGE = "outage"  # the gateway was unreachable (G2: not a poisoned job)
+    TIMEOUT = "timeout"  # a call got no complete answer in time; the gateway may still be busy
+    RATE_LIMIT = "rate_limit"  # the gateway asked everyone to slow down (G1)
+    REFUSED = "refused"  # the gateway refused our credentials or redirected us (G4)
+
+
+class Failure(enum.StrEnum):
+    """How an attempt ended without a result; the store's rule for each is in docs/rules.md."""
+
+    BUILD = "build"  # the prompt could not be built; no call was made (spends the attempt)
+    REJECTED = "rejected"  # the gateway answered with something unusable (spends)
+    PARSE = "parse"  # the answer could not be turned into a result (spends)
+    TIMEOUT = "timeout"  # no complete answer in time (spends, and pauses)
+    UNAVAILABLE = "unavailable"  # connect error, 502/503/504, cut mid-answer (G2)
+    RATE_LIMITED = "rate_limited"  # 429, or 503 with Retry-After (G1: refund, pause)
+    REFUSED = "refused"  # 401/403 or a redirect (G4: refund, stop the line)
+    STOPPED = "stopped"  # this side stopped the call: shutdown, lease (refund, no pause)
+
+
+class Renewal(enum.StrEnum):
+    """What a heartbeat found."""
+
+    RENEWED = "renewed"
+    LAPSED = "lapsed"  # not renewed in time: the claim is dead and cannot be revived
+    LOST = "lost"  # another worker took the job over, or it was settled
+
+    def __bool__(self) -> bool:
+        """True only for RENEWED: `if store.heartbeat(...)` reads as "still ours"."""
+        return self is Renewal.RENEWED
 
 
 def job_id(user_id: str, kind: str, subject: str) -> str:
@@ -47,6 +90,27 @@ def job_id(user_id: str, kind: str, subject: str) -> str:
 
 def priority_class(priority: int) -> str:
     return "interactive" if priority <= INTERACTIVE else "prefetch"
+
+
+def iso(value: dt.datetime | None) -> str | None:
+    """An aware time as ISO 8601 UTC with seconds, or None."""
+    if value is None:
+        return None
+    return value.astimezone(dt.UTC).isoformat(timespec="seconds")
+
+
+@dataclasses.dataclass(frozen=True)
+class EnqueueRequest:
+    """One entry of `JobStore.enqueue_many`: what `enqueue` takes, plus `supersede`."""
+
+    user_id: str
+    kind: str
+    subject: str
+    fingerprint: str | None = None
+    priority: int = PREFETCH
+    # A kind with one live subject: queuing it drops the user's pending jobs of
+    # that kind for other subjects (R7).
+    supersede: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,12 +125,15 @@ class Job:
     attempts: int
     error: str | None
     holder: str | None
+    worker: str | None
     claimed_at: dt.datetime | None
     heartbeat_at: dt.datetime | None
     queued_at: dt.datetime
     created_at: dt.datetime
     updated_at: dt.datetime
     finished_at: dt.datetime | None
+    requested_at: dt.datetime | None  # when a screen last asked for it while it waited
+    unavailable_since: dt.datetime | None  # first "unavailable" of its current streak (G2)
     flow_run_id: str | None
 
     @property
@@ -74,9 +141,37 @@ class Job:
         return self.priority <= INTERACTIVE
 
     @property
+    def priority_class(self) -> str:
+        return priority_class(self.priority)
+
+    @property
     def run_name(self) -> str:
         """How the job is named in run history: `kind:subject`."""
         return f"{self.kind}:{self.subject}"
+
+    def as_dict(self, max_attempts: int | None = None) -> dict[str, Any]:
+        shown: dict[str, Any] = {
+            "id": self.id,
+            "user_id": self.user_id,
+            "kind": self.kind,
+            "subject": self.subject,
+            "status": str(self.status),
+            "priority": self.priority,
+            "priority_class": self.priority_class,
+            "attempts": self.attempts,
+            "error": self.error,
+            "fingerprint": self.fingerprint,
+            "worker": self.worker,
+            "queued_at": iso(self.queued_at),
+            "claimed_at": iso(self.claimed_at),
+            "finished_at": iso(self.finished_at),
+            "updated_at": iso(self.updated_at),
+            "requested_at": iso(self.requested_at),
+            "flow_run_id": self.flow_run_id,
+        }
+        if max_attempts is not None:
+            shown["max_attempts"] = max_attempts
+        return shown
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +187,16 @@ class Claim:
 
 
 @dataclasses.dataclass(frozen=True)
+class Settlement:
+    """What the store did with an attempt that ended without a result."""
+
+    status: Status  # the job's status afterwards
+    attempt_spent: bool
+    pause_seconds: float | None = None  # claiming paused for this long, if it was
+    verdict: str = ""  # one line: why the store chose this, for logs and run history
+
+
+@dataclasses.dataclass(frozen=True)
 class Position:
     """Where a job stands in line, for a screen that is waiting on it."""
 
@@ -102,10 +207,9 @@ class Position:
 
     def as_dict(self) -> dict[str, Any]:
         return {
-            "status": str(self.status),
             "ahead": self.ahead,
-            "inFlight": self.in_flight,
-            "etaSeconds": round(self.eta_seconds, 1),
+            "in_flight": self.in_flight,
+            "eta_seconds": round(self.eta_seconds, 1),
         }
 
 
@@ -113,6 +217,7 @@ class Position:
 class Result:
     """The latest finished generation for a key (N1)."""
 
+    job_id: str
     user_id: str
     kind: str
     subject: str
@@ -120,21 +225,130 @@ class Result:
     output: Any
     produced_at: dt.datetime
     duration_seconds: float | None
+    flow_run_id: str | None
+    size_bytes: int
+
+    def is_fresh_for(self, fingerprint: str | None, job: Job | None) -> bool:
+        """Whether this answers the data `fingerprint` describes, with no newer request since."""
+        if fingerprint is not None and fingerprint != self.fingerprint:
+            return False
+        return job is None or job.status == Status.DONE or self.produced_at >= job.queued_at
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "fingerprint": self.fingerprint,
             "output": self.output,
-            "producedAt": self.produced_at.isoformat(timespec="seconds"),
-            "durationSeconds": self.duration_seconds,
+            "produced_at": iso(self.produced_at),
+            "duration_seconds": self.duration_seconds,
+            "flow_run_id": self.flow_run_id,
         }
 
 
 @dataclasses.dataclass(frozen=True)
 class GateState:
-    """The deployment-wide guard of the gateway: last call's end, and any pause."""
+    """The deployment-wide guard of the gateway: last call's end, any pause, the outage streak."""
 
+    now: dt.datetime  # the store's clock when this was read
     last_finished_at: dt.datetime | None
     paused_until: dt.datetime | None
+    pause_kind: PauseKind | None
     pause_reason: str | None
     outages_in_a_row: int
+    last_answer_at: dt.datetime | None
+
+    @property
+    def paused(self) -> bool:
+        return self.paused_until is not None and self.paused_until > self.now
+
+    @property
+    def pause_seconds_left(self) -> float:
+        if self.paused_until is None:
+            return 0.0
+        return max(0.0, (self.paused_until - self.now).total_seconds())
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "paused": self.paused,
+            "paused_until": iso(self.paused_until) if self.paused else None,
+            "pause_seconds_left": round(self.pause_seconds_left, 1),
+            "pause_kind": str(self.pause_kind) if self.paused and self.pause_kind else None,
+            "pause_reason": self.pause_reason if self.paused else None,
+            "outages_in_a_row": self.outages_in_a_row,
+            "last_finished_at": iso(self.last_finished_at),
+            "last_answer_at": iso(self.last_answer_at),
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class Worker:
+    """A consumer process that said it is alive (presence, for the operator and the triggers)."""
+
+    name: str
+    role: str
+    host: str
+    pid: int
+    started_at: dt.datetime
+    seen_at: dt.datetime
+    alive: bool
+    info: dict[str, Any]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "role": self.role,
+            "host": self.host,
+            "pid": self.pid,
+            "started_at": iso(self.started_at),
+            "seen_at": iso(self.seen_at),
+            "alive": self.alive,
+            **({"info": self.info} if self.info else {}),
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class QueueEntry:
+    """One job in the operator's whole-queue view."""
+
+    job: Job
+    place: int | None  # 1 = next to be claimed; None for running and finished jobs
+    eta_seconds: float | None
+    running_seconds: float | None  # how long its call has been in flight
+
+    def as_dict(self, max_attempts: int) -> dict[str, Any]:
+        return {
+            **self.job.as_dict(max_attempts),
+            "place": self.place,
+            "eta_seconds": None if self.eta_seconds is None else round(self.eta_seconds, 1),
+            "running_seconds": None
+            if self.running_seconds is None
+            else round(self.running_seconds, 1),
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class QueueView:
+    """The whole queue at a glance: what runs, what waits (in worker order), what failed."""
+
+    now: dt.datetime
+    gate: GateState
+    running: list[QueueEntry]
+    waiting: list[QueueEntry]
+    waiting_total: int
+    recent_failures: list[QueueEntry]
+    failed_total: int
+    workers: list[Worker]
+    max_attempts: int
+    concurrency: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "now": iso(self.now),
+            "concurrency": self.concurrency,
+            "gate": self.gate.as_dict(),
+            "running": [e.as_dict(self.max_attempts) for e in self.running],
+            "waiting": [e.as_dict(self.max_attempts) for e in self.waiting],
+            "waiting_total": self.waiting_total,
+            "recent_failures": [e.as_dict(self.max_attempts) for e in self.recent_failures],
+            "failed_total": self.failed_total,
+            "workers": [w.as_dict() for w in self.workers],
+        }

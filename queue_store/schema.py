@@ -19,6 +19,7 @@ from sqlalchemy import (
     Index,
     Integer,
     MetaData,
+    Row,
     String,
     Table,
     Text,
@@ -26,8 +27,10 @@ from sqlalchemy import (
     text,
 )
 
+from queue_store.models import Job, Status
+
 # The migration this code expects; `JobStore` refuses an older database.
-SCHEMA_REVISION = "0002"
+SCHEMA_REVISION = "0003"
 VERSION_TABLE = "insight_queue_version"
 
 GATE_ROW_ID = 1
@@ -90,6 +93,8 @@ jobs = Table(
     # The claim's fencing token: every write a worker makes about its job names
     # it, so a worker whose claim was taken over changes nothing.
     Column("holder", String(200)),
+    # The worker part of the token, for recovering exactly one worker's claims.
+    Column("worker", String(150)),
     Column("claimed_at", UTCDateTime),
     Column("heartbeat_at", UTCDateTime),
     # When the job last entered the queue: its age for the claim order.
@@ -101,6 +106,11 @@ jobs = Table(
     Column("flow_run_id", String(64)),
     # Bumped by every write; an enqueue writes only if nobody wrote in between.
     Column("revision", Integer, nullable=False, server_default=text("0")),
+    # When a screen asked for it while it waited: how long a user waits.
+    Column("requested_at", UTCDateTime),
+    # First "gateway unavailable" of its current streak: tells an outage from
+    # a job the gateway keeps failing while it answers others (G2).
+    Column("unavailable_since", UTCDateTime),
 )
 
 # The claim: the first pending job by priority then age, found in the index
@@ -129,6 +139,9 @@ results = Table(
     Column("output", JSONText, nullable=False),
     Column("produced_at", UTCDateTime, nullable=False),
     Column("duration_seconds", Float),
+    # The run history entry of the generation that produced it.
+    Column("flow_run_id", String(64)),
+    Column("size_bytes", Integer),
 )
 
 # Recent durations per kind, for the ETA.
@@ -144,4 +157,62 @@ gate = Table(
     Column("paused_until", UTCDateTime),
     Column("pause_reason", Text),
     Column("outages_in_a_row", Integer, nullable=False, server_default=text("0")),
+    Column("pause_kind", String(16)),
+    # Last time the gateway answered a call (any answer but unavailable,
+    # rate-limited or refused): evidence that it is up (G2).
+    Column("last_answer_at", UTCDateTime),
+    # SQLite only: the anchor of the host's monotonic clock (see clock.py).
+    Column("clock_boot_id", String(64)),
+    Column("clock_anchor_wall", UTCDateTime),
+    Column("clock_anchor_mono", Float),
 )
+
+# The mean call duration per kind, kept as a moving average by every finish:
+# the ETA reads one small row per kind instead of scanning results.
+kind_durations = Table(
+    "ai_job_kind_durations",
+    metadata,
+    Column("kind", String(100), primary_key=True),
+    Column("mean_seconds", Float, nullable=False),
+    Column("samples", Integer, nullable=False),
+)
+
+# Consumers that said they are alive: the operator's view, and how a screen's
+# trigger knows a warm consumer will take its job without a new run.
+workers = Table(
+    "ai_job_workers",
+    metadata,
+    Column("name", String(150), primary_key=True),
+    Column("role", String(32), nullable=False),
+    Column("host", String(200), nullable=False),
+    Column("pid", Integer, nullable=False),
+    Column("started_at", UTCDateTime, nullable=False),
+    Column("seen_at", UTCDateTime, nullable=False),
+    Column("info", JSONText),
+)
+
+
+def job_from_row(row: Row[Any]) -> Job:
+    """A row of `ai_jobs` as the store hands it out."""
+    return Job(
+        id=row.id,
+        user_id=row.user_id,
+        kind=row.kind,
+        subject=row.subject,
+        fingerprint=row.fingerprint,
+        priority=row.priority,
+        status=Status(row.status),
+        attempts=row.attempts,
+        error=row.error,
+        holder=row.holder,
+        worker=row.worker,
+        claimed_at=row.claimed_at,
+        heartbeat_at=row.heartbeat_at,
+        queued_at=row.queued_at or row.created_at,
+        created_at=row.created_at,
+        updated_at=row.updated_at,
+        finished_at=row.finished_at,
+        requested_at=row.requested_at,
+        unavailable_since=row.unavailable_since,
+        flow_run_id=row.flow_run_id,
+    )

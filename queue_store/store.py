@@ -2,29 +2,36 @@
 
 The store alone decides what the gateway works on next (priority, promotion,
 fingerprints, attempts, cooldowns) and guards the gateway for the whole
-deployment (concurrency, gap, pause). Flows call these methods and never see
-SQL. It must not import Prefect, httpx or anything from `flows`.
+deployment (concurrency, gap, pauses, the lease). Flows call these methods and
+never see SQL. It must not import Prefect, httpx or anything from `flows`.
+
+How the work is split:
+- `validation`: every argument checked before the database is touched (FIX8);
+- `rules`: what an enqueue does to an existing job, as a pure decision;
+- `lease`: the SQL of claiming, renewing, reaping and settling, always under
+  the gate lock and on the store's one clock (`clock`);
+- `positions`: place in line, ETA and the whole-queue view;
+- this module: transactions, and the verbs that tie those together.
 
 Concurrency model:
-- `claim_next` serialises on the single `ai_job_gate` row (PostgreSQL:
-  `SELECT … FOR UPDATE`; SQLite: `BEGIN IMMEDIATE`), so counting the calls in
-  flight, checking the gap and taking a job are one atomic step.
+- Lease decisions (claim, renew, reap, settle, pause, recover) lock the single
+  `ai_job_gate` row first (PostgreSQL `SELECT ... FOR UPDATE`, SQLite
+  `BEGIN IMMEDIATE`), then read the clock: one order, one clock.
 - Every write a worker makes about its job names the claim's token in
-  `holder`; a worker whose claim was taken over changes nothing.
-- `enqueue` reads first and writes only when something changes; its write is
-  a compare-and-swap on `revision`, retried if another writer got there first.
+  `holder` (FIX2); a worker whose claim was taken over changes nothing.
+- `enqueue` reads first and writes only when something changes (FIX7); its
+  write is a compare-and-swap on `revision`, which every write bumps (a
+  heartbeat too), retried if another writer got there first.
 """
 
 from __future__ import annotations
 
-import collections
-import dataclasses
 import datetime as dt
-import json
-import math
-import secrets
-from collections.abc import Callable, Iterator, Mapping, Sequence
+import os
+import socket
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy import (
@@ -34,200 +41,109 @@ from sqlalchemy import (
     delete,
     func,
     insert,
-    literal,
     select,
-    tuple_,
     update,
 )
+from sqlalchemy.engine import make_url
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
-from queue_store import migrate, schema
-from queue_store.engine import (
-    SQLITE_BEGIN,
-    create_store_engine,
-    shown_url,
-    wrap_database_error,
-)
+from queue_store import lease, migrate, positions, schema, validation
+from queue_store.clock import Clock, ClockFunction, DatabaseClock, HostClock, InjectedClock
+from queue_store.engine import SQLITE_BEGIN, create_store_engine, shown_url, wrap_database_error
 from queue_store.errors import ClaimLost, DatabaseError, InvalidArgument, SchemaOutdated
 from queue_store.models import (
     INTERACTIVE,
-    MAX_ERROR_LENGTH,
-    MAX_FINGERPRINT_LENGTH,
-    MAX_HOLDER_LENGTH,
-    MAX_ID_LENGTH,
-    MAX_KIND_LENGTH,
-    MAX_PRIORITY,
-    MAX_SUBJECT_LENGTH,
     PREFETCH,
-    Blocked,
     Claim,
+    EnqueueRequest,
+    Failure,
     GateState,
     Job,
+    PauseKind,
     Position,
+    QueueEntry,
+    QueueView,
+    Renewal,
     Result,
+    Settlement,
     Status,
+    Worker,
     job_id,
 )
-from queue_store.schema import UTCDateTime
+from queue_store.redact import Redactor
+from queue_store.rules import decide, lapsed
+from queue_store.schema import job_from_row
 from queue_store.settings import Settings
 
 jobs = schema.jobs
 results = schema.results
 gate = schema.gate
+workers = schema.workers
 
-Clock = Callable[[], dt.datetime]
-
-MAX_LIST_LIMIT = 1000
-MAX_SECONDS = 10 * 365 * 24 * 3600.0  # longest pause or duration the store accepts
 # An enqueue that keeps losing its compare-and-swap is being raced by writers
 # on the same key; a few rounds always settle it.
 MAX_ENQUEUE_ROUNDS = 8
-# How many recent results per kind the ETA averages.
-DURATION_SAMPLE = 20
-
-WORKER_LOST = "worker lost: its claim lapsed on the last allowed attempt"
+# Rows read and written per statement by `enqueue_many`.
+BULK_CHUNK = 500
+# Failed jobs shown by the queue view.
+RECENT_FAILURES = 20
+# A worker not seen for this many leases is forgotten.
+FORGET_WORKERS_AFTER_LEASES = 60
 
 _MISSING: Any = object()
 
 
-def utcnow() -> dt.datetime:
-    return dt.datetime.now(dt.UTC)
-
-
-def _iso(value: dt.datetime | None) -> str | None:
-    return value.isoformat(timespec="seconds") if value else None
-
-
-# ---------------------------------------------------------------------------
-# Input checks: every public argument is checked before the database is touched.
-
-
-def _text(name: str, value: object, max_length: int) -> str:
-    if not isinstance(value, str):
-        raise InvalidArgument(name, f"must be a string, got {type(value).__name__}")
-    if not value:
-        raise InvalidArgument(name, "must not be empty")
-    if len(value) > max_length:
-        raise InvalidArgument(name, f"is {len(value)} characters; at most {max_length}")
-    if "\x00" in value:
-        raise InvalidArgument(name, "must not contain NUL characters")
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        raise InvalidArgument(name, "is not valid Unicode text (lone surrogate)") from None
-    return value
-
-
-def _key(user_id: object, kind: object, subject: object) -> tuple[str, str, str]:
-    user_id = _text("user_id", user_id, MAX_ID_LENGTH)
-    kind = _text("kind", kind, MAX_KIND_LENGTH)
-    # The id hashes "user|kind|subject": a "|" in the first two parts would let
-    # two different keys (and two users) share one job.
-    for name, value in (("user_id", user_id), ("kind", kind)):
-        if "|" in value:
-            raise InvalidArgument(name, "must not contain '|'")
-    return user_id, kind, _text("subject", subject, MAX_SUBJECT_LENGTH)
-
-
-def check_user_id(value: object) -> str:
-    """A user id as the store accepts it, or `InvalidArgument` naming `user_id`.
-
-    For callers that take a user id before anything reaches the store (the
-    post-sync trigger), so they refuse what the store would refuse.
-    """
-    user_id = _text("user_id", value, MAX_ID_LENGTH)
-    if "|" in user_id:
-        raise InvalidArgument("user_id", "must not contain '|'")
-    return user_id
-
-
-def _fingerprint(value: object) -> str | None:
-    # An empty fingerprint means "none given", as it did in the original.
-    if value is None or value == "":
-        return None
-    return _text("fingerprint", value, MAX_FINGERPRINT_LENGTH)
-
-
-def _priority(value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidArgument("priority", f"must be an int, got {type(value).__name__}")
-    if not 0 <= value <= MAX_PRIORITY:
-        raise InvalidArgument("priority", f"must be between 0 and {MAX_PRIORITY}, got {value}")
-    return value
-
-
-def _positive_int(name: str, value: object, maximum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidArgument(name, f"must be an int, got {type(value).__name__}")
-    if not 1 <= value <= maximum:
-        raise InvalidArgument(name, f"must be between 1 and {maximum}, got {value}")
-    return value
-
-
-def _seconds(name: str, value: object, maximum: float = MAX_SECONDS) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise InvalidArgument(name, f"must be a number of seconds, got {type(value).__name__}")
-    try:
-        seconds = float(value)
-    except OverflowError:
-        raise InvalidArgument(name, "is too large") from None
-    if not math.isfinite(seconds) or not 0 <= seconds <= maximum:
-        raise InvalidArgument(name, f"must be between 0 and {maximum:.0f} seconds; got {value}")
-    return seconds
-
-
-def _job_id(value: object) -> str:
-    text = _text("job_id", value, 64)
-    if len(text) != 64 or any(c not in "0123456789abcdef" for c in text):
-        raise InvalidArgument("job_id", "must be 64 lowercase hex characters")
-    return text
-
-
-def _output(value: object) -> Any:
-    try:
-        json.dumps(value, allow_nan=False)
-    except (TypeError, ValueError, RecursionError) as exc:
-        raise InvalidArgument("result", f"must be JSON-serialisable ({exc})") from None
-    return value
-
-
-def _error_text(value: object, name: str = "error") -> str:
-    if not isinstance(value, str) or not value.strip():
-        raise InvalidArgument(name, "must be a non-empty string")
-    cleaned = value.replace("\x00", "").encode("utf-8", "replace").decode("utf-8")
-    return cleaned[:MAX_ERROR_LENGTH]
-
-
-# ---------------------------------------------------------------------------
-
-
 class JobStore:
-    """The queue. Thread-safe; one instance per process is enough."""
+    """The queue. Thread-safe; one instance per process is enough.
+
+    `create`: a SQLite store whose file or schema is missing or behind is
+    created or upgraded on first use (PostgreSQL always needs an explicit
+    `insight-queue db upgrade`). With `create=False` a missing SQLite file is
+    an error and nothing is created: for read-only commands.
+    """
 
     def __init__(
         self,
         url: str | None = None,
         *,
         settings: Settings | None = None,
-        clock: Clock | None = None,
+        clock: ClockFunction | None = None,
         check_schema: bool = True,
+        create: bool = True,
     ) -> None:
         self._settings = settings or Settings.from_env()
-        self._engine = create_store_engine(url or self._settings.database_url)
-        self._clock = clock or utcnow
-        self._is_sqlite = self._engine.dialect.name == "sqlite"
+        target = url or self._settings.database_url
+        self._is_sqlite = make_url(target).get_backend_name() == "sqlite"
+        if self._is_sqlite and not create:
+            _require_sqlite_file(target)
+        self._engine = create_store_engine(target)
+        self._clock: Clock
+        if clock is not None:
+            self._clock = InjectedClock(clock)
+        elif self._is_sqlite:
+            self._clock = HostClock()
+        else:
+            self._clock = DatabaseClock()
+        self._redact = Redactor.for_settings(self._settings)
         if check_schema:
+            if create and self._is_sqlite and not self._schema_is_current():
+                self.upgrade()
             self.check_schema()
 
     # -- lifecycle ---------------------------------------------------------
 
     @property
-    def settings_object(self) -> Settings:
+    def config(self) -> Settings:
+        """The settings this store was made with."""
         return self._settings
 
     @property
     def url(self) -> str:
         return shown_url(self._engine.url)
+
+    @property
+    def is_sqlite(self) -> bool:
+        return self._is_sqlite
 
     def close(self) -> None:
         self._engine.dispose()
@@ -237,6 +153,12 @@ class JobStore:
 
     def __exit__(self, *_: object) -> None:
         self.close()
+
+    def _schema_is_current(self) -> bool:
+        try:
+            return migrate.current_revision(self._engine) == schema.SCHEMA_REVISION
+        except SQLAlchemyError as exc:
+            raise wrap_database_error(exc, self._engine.url, "schema check") from exc
 
     def check_schema(self) -> None:
         try:
@@ -256,12 +178,6 @@ class JobStore:
 
     # -- plumbing ------------------------------------------------------------
 
-    def _now(self) -> dt.datetime:
-        now = self._clock()
-        if now.tzinfo is None:
-            raise InvalidArgument("clock", "must return timezone-aware UTC times")
-        return now.astimezone(dt.UTC)
-
     @contextmanager
     def _transaction(self, operation: str, *, write: bool) -> Iterator[Connection]:
         try:
@@ -272,7 +188,7 @@ class JobStore:
                     )
                 with connection.begin():
                     yield connection
-        except IntegrityError:
+        except (IntegrityError, InvalidArgument, ClaimLost, SchemaOutdated):
             raise
         except SQLAlchemyError as exc:
             raise wrap_database_error(exc, self._engine.url, operation) from exc
@@ -283,33 +199,31 @@ class JobStore:
     def _write(self, operation: str) -> Any:
         return self._transaction(operation, write=True)
 
-    def _lock_gate(self, connection: Connection) -> Row[Any]:
-        # On SQLite the IMMEDIATE transaction already holds the write lock.
-        row = connection.execute(
-            select(gate).where(gate.c.id == schema.GATE_ROW_ID).with_for_update()
-        ).one_or_none()
+    @contextmanager
+    def _gated(self, operation: str) -> Iterator[tuple[Connection, dt.datetime, Row[Any]]]:
+        """A write transaction holding the gate lock, with the clock read after it."""
+        with self._write(operation) as connection:
+            state = connection.execute(
+                select(gate).where(gate.c.id == schema.GATE_ROW_ID).with_for_update()
+            ).one_or_none()
+            if state is None:
+                raise SchemaOutdated("the gate row is missing; run `insight-queue db upgrade`")
+            self._clock.prepare(connection)
+            now = self._clock.now(connection)
+            yield connection, now, state
+
+    def _gate_row(self, connection: Connection) -> Row[Any]:
+        row = connection.execute(select(gate).where(gate.c.id == schema.GATE_ROW_ID)).one_or_none()
         if row is None:
             raise SchemaOutdated("the gate row is missing; run `insight-queue db upgrade`")
         return row
 
-    def _live_claim(self, now: dt.datetime) -> Any:
-        """SQL condition: a running job whose claim is still live (FIX3)."""
-        s = self._settings
-        return (
-            (jobs.c.status == Status.RUNNING)
-            & (jobs.c.heartbeat_at >= now - dt.timedelta(seconds=s.lease_seconds))
-            & (jobs.c.claimed_at >= now - dt.timedelta(seconds=s.claim_timeout_seconds))
-        )
+    def _now(self, connection: Connection) -> dt.datetime:
+        return self._clock.now(connection)
 
-    def _is_live(self, row: Row[Any], now: dt.datetime) -> bool:
-        s = self._settings
-        return (
-            row.status == Status.RUNNING
-            and row.heartbeat_at is not None
-            and row.claimed_at is not None
-            and now - row.heartbeat_at <= dt.timedelta(seconds=s.lease_seconds)
-            and now - row.claimed_at <= dt.timedelta(seconds=s.claim_timeout_seconds)
-        )
+    def _error(self, value: object, name: str = "error") -> str:
+        """An error text as stored: checked, cut, and with every secret removed (G5)."""
+        return validation.error_text(self._redact(validation.error_text(value, name)), name)
 
     # -- R1-R6: enqueue ------------------------------------------------------
 
@@ -320,159 +234,195 @@ class JobStore:
         subject: str,
         fingerprint: str | None = None,
         priority: int = PREFETCH,
-    ) -> str:
+    ) -> Status:
         """Queue one generation, or promote it; returns the job's status after the call.
 
         Idempotent: a screen calls this on every poll, so a call that changes
         nothing writes nothing.
         """
-        user_id, kind, subject = _key(user_id, kind, subject)
-        fingerprint = _fingerprint(fingerprint)
-        priority = _priority(priority)
+        user_id, kind, subject = validation.key(user_id, kind, subject)
+        fingerprint = validation.fingerprint(fingerprint)
+        priority = validation.priority(priority)
         jid = job_id(user_id, kind, subject)
 
         for _ in range(MAX_ENQUEUE_ROUNDS):
-            now = self._now()
             with self._read("enqueue") as connection:
                 row = connection.execute(select(jobs).where(jobs.c.id == jid)).one_or_none()
+                now = self._now(connection)
             if row is None:
                 try:
                     with self._write("enqueue") as connection:
+                        now = self._now(connection)
                         connection.execute(
                             insert(jobs).values(
-                                id=jid,
-                                user_id=user_id,
-                                kind=kind,
-                                subject=subject,
-                                fingerprint=fingerprint,
-                                priority=priority,
-                                status=Status.PENDING,
-                                attempts=0,
-                                queued_at=now,
-                                created_at=now,
-                                updated_at=now,
-                                revision=0,
+                                _new_job(user_id, kind, subject, fingerprint, priority, now)
                             )
                         )
-                    return Status.PENDING.value
+                    return Status.PENDING
                 except IntegrityError:
                     continue  # another caller inserted it first: decide again
-            status, changes = self._decide(row, fingerprint, priority, now)
-            if changes is None:
-                return status
+            decision = decide(row, fingerprint, priority, now, self._settings)
+            if decision.reap_first:
+                self._take_back(jid)
+                continue
+            if decision.changes is None:
+                return decision.status
             with self._write("enqueue") as connection:
                 written = connection.execute(
                     update(jobs)
                     .where(jobs.c.id == jid, jobs.c.revision == row.revision)
-                    .values(**changes, updated_at=now, revision=row.revision + 1)
+                    .values(**decision.changes, updated_at=now, revision=row.revision + 1)
                 ).rowcount
             if written == 1:
-                return status
+                return decision.status
         raise DatabaseError(f"enqueue: job {jid[:12]}… kept changing under this call; retry")
 
-    def _decide(
-        self, row: Row[Any], fingerprint: str | None, priority: int, now: dt.datetime
-    ) -> tuple[str, dict[str, Any] | None]:
-        s = self._settings
-        stale = fingerprint is not None and fingerprint != row.fingerprint
-        exhausted = row.attempts >= s.max_attempts
-        requeue: dict[str, Any] = {
-            "status": Status.PENDING,
-            "holder": None,
-            "claimed_at": None,
-            "heartbeat_at": None,
-        }
+    def _take_back(self, jid: str) -> None:
+        """Reap one job whose claim looked lapsed, if it still is (a lease decision)."""
+        with self._gated("enqueue") as (connection, now, _state):
+            row = connection.execute(
+                select(jobs).where(jobs.c.id == jid, jobs.c.status == Status.RUNNING)
+            ).one_or_none()
+            if row is not None and lapsed(row, now, self._settings):
+                lease.reap(connection, self._settings, now, [row])
 
-        if row.status == Status.RUNNING:
-            if self._is_live(row, now):
-                return Status.RUNNING.value, None  # R3: promoting it would not speed it up
-            if exhausted and not stale:
-                # FIX4: the last allowed attempt died with its worker.
-                return Status.FAILED.value, {
-                    "status": Status.FAILED,
-                    "error": WORKER_LOST,
-                    "holder": None,
-                    "finished_at": now,
-                }
-        elif row.status == Status.DONE and not stale:
-            return Status.DONE.value, None  # R4
-        elif row.status == Status.FAILED and exhausted and not stale:
-            gave_up = row.finished_at or row.updated_at
-            if now - gave_up < dt.timedelta(seconds=s.retry_after_seconds):
-                return Status.FAILED.value, None  # R5: still cooling down
-            return Status.PENDING.value, {
-                **requeue,
-                "attempts": 0,
-                "error": None,
-                "priority": min(priority, row.priority),
-                "fingerprint": fingerprint or row.fingerprint,
-                "queued_at": now,
+    def enqueue_many(self, requests: Iterable[EnqueueRequest]) -> list[Status]:
+        """`enqueue` (and `supersede` where asked) for many keys, in one transaction.
+
+        For backfills: a user's scopes, or every user's after a data import.
+        Returns each request's status, in order. A running job whose claim has
+        lapsed is reported as it will be once taken back, and left to the
+        next claim to take back.
+        """
+        checked = [_checked_request(r) for r in requests]
+        statuses: list[Status] = []
+        for start in range(0, len(checked), BULK_CHUNK):
+            statuses += self._enqueue_chunk(checked[start : start + BULK_CHUNK])
+        return statuses
+
+    def _enqueue_chunk(self, chunk: Sequence[EnqueueRequest]) -> list[Status]:
+        ids = [job_id(r.user_id, r.kind, r.subject) for r in chunk]
+        with self._write("enqueue_many") as connection:
+            now = self._now(connection)
+            existing = {
+                row.id: row
+                for row in connection.execute(
+                    select(jobs).where(jobs.c.id.in_(set(ids))).with_for_update()
+                )
             }
+            inserts: dict[str, dict[str, Any]] = {}
+            statuses: list[Status] = []
+            for jid, request in zip(ids, chunk, strict=True):
+                row = existing.get(jid)
+                if row is None:
+                    if jid not in inserts:
+                        inserts[jid] = _new_job(
+                            request.user_id,
+                            request.kind,
+                            request.subject,
+                            request.fingerprint,
+                            request.priority,
+                            now,
+                        )
+                    else:  # the same key twice in one call: promote, never demote
+                        entry = inserts[jid]
+                        entry["priority"] = min(entry["priority"], request.priority)
+                        entry["fingerprint"] = request.fingerprint or entry["fingerprint"]
+                    statuses.append(Status.PENDING)
+                    continue
+                decision = decide(row, request.fingerprint, request.priority, now, self._settings)
+                statuses.append(decision.status)
+                if decision.changes is not None and not decision.reap_first:
+                    connection.execute(
+                        update(jobs)
+                        .where(jobs.c.id == jid)
+                        .values(**decision.changes, updated_at=now, revision=row.revision + 1)
+                    )
+                    existing[jid] = connection.execute(select(jobs).where(jobs.c.id == jid)).one()
+            if inserts:
+                connection.execute(insert(jobs), list(inserts.values()))
+            for request in chunk:
+                if request.supersede:
+                    self._supersede(connection, request.user_id, request.kind, request.subject)
+        return statuses
 
-        # R6: (re-)queue; promote, never demote.
-        changes = {
-            **requeue,
-            "priority": min(priority, row.priority),
-            "fingerprint": fingerprint or row.fingerprint,
-            "attempts": 0 if stale else row.attempts,
-        }
-        if row.status in (Status.DONE, Status.FAILED):
-            changes["queued_at"] = now
-        if row.status == Status.PENDING and all(
-            getattr(row, name) == value for name, value in changes.items()
-        ):
-            return Status.PENDING.value, None  # FIX7: an unchanged poll writes nothing
-        return Status.PENDING.value, changes
+    def requeue(self, kinds: Sequence[str] | None = None) -> int:
+        """Queue every finished job again (of these kinds, or all): after a prompt change.
+
+        Done and failed jobs go back to pending at prefetch priority (or their
+        own, if more urgent), attempts 0; their results stay readable but are
+        no longer fresh. Running and pending jobs are left as they are.
+        Returns how many were queued.
+        """
+        checked = [validation.kind(k) for k in kinds] if kinds is not None else None
+        with self._write("requeue") as connection:
+            now = self._now(connection)
+            query = update(jobs).where(jobs.c.status.in_([Status.DONE, Status.FAILED]))
+            if checked is not None:
+                query = query.where(jobs.c.kind.in_(checked))
+            return int(
+                connection.execute(
+                    query.values(
+                        status=Status.PENDING,
+                        priority=func.min(jobs.c.priority, PREFETCH)
+                        if self._is_sqlite
+                        else func.least(jobs.c.priority, PREFETCH),
+                        attempts=0,
+                        error=None,
+                        unavailable_since=None,
+                        queued_at=now,
+                        requested_at=None,
+                        updated_at=now,
+                        revision=jobs.c.revision + 1,
+                    )
+                ).rowcount
+            )
 
     # -- R7, R10, R11: the user's queue ------------------------------------
 
     def supersede(self, user_id: str, kind: str, subject: str) -> int:
         """Drop the user's pending jobs of `kind` for any other subject; returns how many."""
-        user_id, kind, subject = _key(user_id, kind, subject)
+        user_id, kind, subject = validation.key(user_id, kind, subject)
         with self._write("supersede") as connection:
-            return int(
-                connection.execute(
-                    delete(jobs).where(
-                        jobs.c.user_id == user_id,
-                        jobs.c.kind == kind,
-                        jobs.c.subject != subject,
-                        jobs.c.status == Status.PENDING,
-                    )
-                ).rowcount
-            )
+            return self._supersede(connection, user_id, kind, subject)
+
+    def _supersede(self, connection: Connection, user_id: str, kind: str, subject: str) -> int:
+        return int(
+            connection.execute(
+                delete(jobs).where(
+                    jobs.c.user_id == user_id,
+                    jobs.c.kind == kind,
+                    jobs.c.subject != subject,
+                    jobs.c.status == Status.PENDING,
+                )
+            ).rowcount
+        )
 
     def job(self, user_id: str, kind: str, subject: str) -> Job | None:
-        user_id, kind, subject = _key(user_id, kind, subject)
+        user_id, kind, subject = validation.key(user_id, kind, subject)
         return self.get(job_id(user_id, kind, subject))
 
     def get(self, jid: str) -> Job | None:
-        jid = _job_id(jid)
+        jid = validation.job_id(jid)
         with self._read("get") as connection:
             row = connection.execute(select(jobs).where(jobs.c.id == jid)).one_or_none()
-        return _job(row) if row is not None else None
+        return job_from_row(row) if row is not None else None
 
     def status_of(self, user_id: str, kind: str, subject: str) -> dict[str, Any] | None:
+        """The job's status, priority, attempts, error and times (R11), or None."""
         found = self.job(user_id, kind, subject)
         if found is None:
             return None
-        return {
-            "status": found.status.value,
-            "priority": found.priority,
-            "attempts": found.attempts,
-            "error": found.error,
-            "updatedAt": _iso(found.updated_at),
-            "fingerprint": found.fingerprint,
-            "flowRunId": found.flow_run_id,
-        }
+        return found.as_dict(self._settings.max_attempts)
 
     def list_jobs(self, user_id: str, limit: int = 60) -> list[dict[str, Any]]:
-        """The user's queue in the order the worker will take it.
+        """The user's queue in the order the worker will take it (R11).
 
         Running, then pending, then failed, then done; within each, priority
         then age. Pending and running entries carry their place in line and ETA.
         """
-        user_id = _text("user_id", user_id, MAX_ID_LENGTH)
-        limit = _positive_int("limit", limit, MAX_LIST_LIMIT)
+        user_id = validation.user_id(user_id)
+        limit = validation.limit(limit)
         order = case(
             (jobs.c.status == Status.RUNNING, 0),
             (jobs.c.status == Status.PENDING, 1),
@@ -480,39 +430,35 @@ class JobStore:
             else_=3,
         )
         with self._read("list_jobs") as connection:
-            now = self._now()
-            rows = connection.execute(
-                select(jobs)
-                .where(jobs.c.user_id == user_id)
-                .order_by(order, jobs.c.priority, jobs.c.queued_at, jobs.c.id)
-                .limit(limit)
-            ).all()
-            positions = self._positions(connection, [_job(r) for r in rows], now)
-        listed = []
-        for row in rows:
-            entry = {
-                "kind": row.kind,
-                "subject": row.subject,
-                "status": row.status,
-                "priority": row.priority,
-                "interactive": row.priority <= INTERACTIVE,
-                "attempts": row.attempts,
-                "maxAttempts": self._settings.max_attempts,
-                "error": row.error,
-                "updatedAt": _iso(row.updated_at),
-            }
-            position = positions.get(row.id)
+            now = self._now(connection)
+            listed = [
+                job_from_row(r)
+                for r in connection.execute(
+                    select(jobs)
+                    .where(jobs.c.user_id == user_id)
+                    .order_by(order, jobs.c.priority, jobs.c.queued_at, jobs.c.id)
+                    .limit(limit)
+                )
+            ]
+            found = positions.positions(
+                connection, self._settings, now, self._gate_row(connection), listed
+            )
+        entries = []
+        for j in listed:
+            entry = j.as_dict(self._settings.max_attempts)
+            entry["interactive"] = j.interactive
+            position = found.get(j.id)
             if position is not None:
                 entry.update(position.as_dict())
-            listed.append(entry)
-        return listed
+            entries.append(entry)
+        return entries
 
     def pending_count(self, user_id: str | None = None) -> int:
         """Jobs pending or running, for one user or for everyone."""
         query = select(func.count()).select_from(jobs)
         query = query.where(jobs.c.status.in_([Status.PENDING, Status.RUNNING]))
         if user_id is not None:
-            query = query.where(jobs.c.user_id == _text("user_id", user_id, MAX_ID_LENGTH))
+            query = query.where(jobs.c.user_id == validation.user_id(user_id))
         with self._read("pending_count") as connection:
             return int(connection.execute(query).scalar_one())
 
@@ -527,200 +473,83 @@ class JobStore:
     def calls_in_flight(self) -> int:
         """Running jobs whose claim is live: gateway calls under way right now."""
         with self._read("calls_in_flight") as connection:
-            now = self._now()
-            return int(
-                connection.execute(
-                    select(func.count()).select_from(jobs).where(self._live_claim(now))
-                ).scalar_one()
+            now = self._now(connection)
+            return sum(
+                1 for row in lease.running_rows(connection) if not lapsed(row, now, self._settings)
             )
 
     def retry_failed(self, user_id: str) -> int:
-        """Every failed job of the user back in the queue now; returns the pending count."""
-        user_id = _text("user_id", user_id, MAX_ID_LENGTH)
-        now = self._now()
+        """Every failed job of the user back in the queue now (R10); returns how many."""
+        user_id = validation.user_id(user_id)
         with self._write("retry_failed") as connection:
-            connection.execute(
-                update(jobs)
-                .where(jobs.c.user_id == user_id, jobs.c.status == Status.FAILED)
-                .values(
-                    status=Status.PENDING,
-                    attempts=0,
-                    error=None,
-                    holder=None,
-                    claimed_at=None,
-                    heartbeat_at=None,
-                    queued_at=now,
-                    updated_at=now,
-                    revision=jobs.c.revision + 1,
-                )
+            now = self._now(connection)
+            return int(
+                connection.execute(
+                    update(jobs)
+                    .where(jobs.c.user_id == user_id, jobs.c.status == Status.FAILED)
+                    .values(
+                        status=Status.PENDING,
+                        attempts=0,
+                        error=None,
+                        holder=None,
+                        worker=None,
+                        claimed_at=None,
+                        heartbeat_at=None,
+                        unavailable_since=None,
+                        queued_at=now,
+                        updated_at=now,
+                        revision=jobs.c.revision + 1,
+                    )
+                ).rowcount
             )
-        return self.pending_count(user_id)
 
     def settings(self) -> dict[str, Any]:
-        """What the consumer is configured to do."""
+        """What the consumer is configured to do (R11)."""
         s = self._settings
         return {
             "enabled": s.enabled,
             "concurrency": s.concurrency,
-            "gapSeconds": s.gap_seconds,
-            "maxAttempts": s.max_attempts,
-            "retryAfterSeconds": s.retry_after_seconds,
-            "claimTimeoutSeconds": s.claim_timeout_seconds,
-            "leaseSeconds": s.lease_seconds,
-            "heartbeatSeconds": s.heartbeat_seconds,
+            "gap_seconds": s.gap_seconds,
+            "max_attempts": s.max_attempts,
+            "retry_after_seconds": s.retry_after_seconds,
+            "claim_timeout_seconds": s.claim_timeout_seconds,
+            "lease_seconds": s.lease_seconds,
+            "lease_margin_seconds": s.lease_margin_seconds,
+            "heartbeat_seconds": s.heartbeat_seconds,
         }
 
     # -- R8, R9, FIX1, FIX6: claim -------------------------------------------
 
-    def claim_next(self, holder: str) -> Claim:
-        """Take the highest-priority runnable job, if the gateway guard allows one.
+    def claim_next(self, worker: str) -> Claim:
+        """Take the highest-priority runnable job, if the gateway guard allows a call now.
 
-        `holder` names the worker; the claimed job's `holder` is a fresh token
-        built from it, which every later write about the job must present.
+        `worker` names the worker (no "/"); the claimed job's `holder` is a
+        fresh token `<worker>/<nonce>`, which every later write about the job
+        must present.
         """
-        holder = _text("holder", holder, MAX_HOLDER_LENGTH)
-        s = self._settings
-        with self._write("claim_next") as connection:
-            state = self._lock_gate(connection)
-            now = self._now()
-            # The few running rows tell both how many calls are in flight and
-            # whether any claim died; the reap's writes happen only then.
-            running = connection.execute(
-                select(jobs.c.status, jobs.c.holder, jobs.c.heartbeat_at, jobs.c.claimed_at).where(
-                    jobs.c.status == Status.RUNNING
-                )
-            ).all()
-            in_flight = sum(1 for row in running if self._is_live(row, now))
-            if in_flight < len(running):
-                self._reap(connection, now)
+        worker = validation.worker(worker)
+        with self._gated("claim_next") as (connection, now, state):
+            return lease.claim(connection, self._settings, now, state, worker)
 
-            if state.paused_until is not None and state.paused_until > now:
-                wait = (state.paused_until - now).total_seconds()
-                return Claim(None, Blocked.PAUSED, wait)
-            if in_flight >= s.concurrency:
-                return Claim(None, Blocked.CONCURRENCY, None)
-            if state.last_finished_at is not None:
-                quiet_until = state.last_finished_at + dt.timedelta(seconds=s.gap_seconds)
-                if quiet_until > now:
-                    return Claim(None, Blocked.GAP, (quiet_until - now).total_seconds())
+    # -- FIX2, FIX3, L3: the holder's writes ------------------------------------
 
-            while True:
-                candidate = connection.execute(
-                    select(jobs)
-                    .where(jobs.c.status == Status.PENDING)
-                    .order_by(jobs.c.priority, jobs.c.queued_at)
-                    .limit(1)
-                    .with_for_update(skip_locked=True)
-                ).one_or_none()
-                if candidate is None:
-                    return Claim(None, Blocked.EMPTY, None)
-                if candidate.attempts >= s.max_attempts:
-                    # Only reachable if AI_JOB_MAX_ATTEMPTS was lowered: give up
-                    # on it rather than let it block the head of the queue.
-                    connection.execute(
-                        update(jobs)
-                        .where(jobs.c.id == candidate.id)
-                        .values(
-                            status=Status.FAILED,
-                            error=f"attempts exhausted: AI_JOB_MAX_ATTEMPTS is {s.max_attempts}",
-                            finished_at=now,
-                            updated_at=now,
-                            revision=jobs.c.revision + 1,
-                        )
-                    )
-                    continue
-                claimed = {
-                    "status": Status.RUNNING,
-                    "holder": f"{holder}/{secrets.token_hex(6)}",
-                    "claimed_at": now,
-                    "heartbeat_at": now,
-                    "attempts": candidate.attempts + 1,
-                    "updated_at": now,
-                }
-                connection.execute(
-                    update(jobs)
-                    .where(jobs.c.id == candidate.id)
-                    .values(**claimed, revision=candidate.revision + 1)
-                )
-                return Claim(dataclasses.replace(_job(candidate), **claimed))
-
-    def _reap(self, connection: Connection, now: dt.datetime, worker: str | None = None) -> int:
-        """Release dead claims (FIX3/FIX5); the last attempt's death fails the job (FIX4).
-
-        With `worker`, that worker's own claims are released too: it is
-        starting up, so whatever it held before belongs to a dead process.
-        """
-        s = self._settings
-        dead = (jobs.c.status == Status.RUNNING) & ~self._live_claim(now)
-        # Rows written by another tool may lack a heartbeat; NULL is not live.
-        dead = dead | ((jobs.c.status == Status.RUNNING) & (jobs.c.heartbeat_at.is_(None)))
-        if worker is not None:
-            mine = (jobs.c.status == Status.RUNNING) & jobs.c.holder.startswith(
-                f"{worker}/", autoescape=True
-            )
-            dead = dead | mine
-        lost = connection.execute(
-            update(jobs)
-            .where(dead, jobs.c.attempts >= s.max_attempts)
-            .values(
-                status=Status.FAILED,
-                error=WORKER_LOST,
-                holder=None,
-                finished_at=now,
-                updated_at=now,
-                revision=jobs.c.revision + 1,
-            )
-        ).rowcount
-        released = connection.execute(
-            update(jobs)
-            .where(dead)
-            .values(
-                status=Status.PENDING,
-                holder=None,
-                claimed_at=None,
-                heartbeat_at=None,
-                updated_at=now,
-                revision=jobs.c.revision + 1,
-            )
-        ).rowcount
-        return int(lost + released)
-
-    def recover(self, worker: str | None = None) -> int:
-        """Start-up recovery: release dead claims and this worker's own, never live ones."""
-        if worker is not None:
-            worker = _text("worker", worker, MAX_HOLDER_LENGTH)
-        with self._write("recover") as connection:
-            self._lock_gate(connection)
-            return self._reap(connection, self._now(), worker)
-
-    # -- FIX2: fenced writes by the holder ------------------------------------
-
-    def _held(self, jid: str, holder: str) -> Any:
-        return (jobs.c.id == jid) & (jobs.c.holder == holder) & (jobs.c.status == Status.RUNNING)
-
-    def heartbeat(self, jid: str, holder: str) -> bool:
-        """Renew the claim; False means it was lost and the call must be abandoned."""
-        jid = _job_id(jid)
-        holder = _text("holder", holder, MAX_HOLDER_LENGTH + 13)
-        now = self._now()
-        timeout = dt.timedelta(seconds=self._settings.claim_timeout_seconds)
-        with self._write("heartbeat") as connection:
-            return bool(
-                connection.execute(
-                    update(jobs)
-                    .where(self._held(jid, holder), jobs.c.claimed_at >= now - timeout)
-                    .values(heartbeat_at=now)
-                ).rowcount
-            )
+    def heartbeat(self, jid: str, holder: str) -> Renewal:
+        """Renew the claim. Anything but RENEWED means: stop the call now."""
+        jid = validation.job_id(jid)
+        holder = validation.holder(holder)
+        with self._gated("heartbeat") as (connection, now, _state):
+            return lease.renew(connection, self._settings, now, jid, holder)
 
     def set_flow_run(self, jid: str, holder: str, flow_run_id: str) -> None:
         """Record which orchestrator run is working on the job (N4)."""
-        jid = _job_id(jid)
-        holder = _text("holder", holder, MAX_HOLDER_LENGTH + 13)
-        flow_run_id = _text("flow_run_id", flow_run_id, 64)
+        jid = validation.job_id(jid)
+        holder = validation.holder(holder)
+        flow_run_id = validation.run_id(flow_run_id)
         with self._write("set_flow_run") as connection:
             written = connection.execute(
-                update(jobs).where(self._held(jid, holder)).values(flow_run_id=flow_run_id)
+                update(jobs)
+                .where(jobs.c.id == jid, jobs.c.holder == holder, jobs.c.status == Status.RUNNING)
+                .values(flow_run_id=flow_run_id)
             ).rowcount
         if not written:
             raise ClaimLost(jid, holder)
@@ -733,189 +562,165 @@ class JobStore:
         result: Any = _MISSING,
         error: str | None = None,
         duration_seconds: float | None = None,
+        flow_run_id: str | None = None,
     ) -> Status:
         """Record the attempt's outcome; returns the job's status afterwards.
 
         A result marks it done and becomes the key's latest result (N1). An
-        error spends the attempt: below the limit the job is queued again in
-        its old place, at the limit it is failed. Raises `ClaimLost` if the
-        claim was taken over, having changed nothing.
+        error spends the attempt (as `fail(..., Failure.BUILD, ...)`): below
+        the limit the job is queued again in its old place, at the limit it is
+        failed. Raises `ClaimLost` if the claim was taken over, having changed
+        nothing.
         """
-        jid = _job_id(jid)
-        holder = _text("holder", holder, MAX_HOLDER_LENGTH + 13)
         if (result is _MISSING) == (error is None):
             raise InvalidArgument("result", "give exactly one of result= or error=")
-        if result is not _MISSING:
-            result = _output(result)
-        else:
-            error = _error_text(error)
+        if error is not None:
+            return self.fail(jid, holder, Failure.BUILD, error).status
+        jid = validation.job_id(jid)
+        holder = validation.holder(holder)
+        output, size = validation.result(result, self._settings.max_result_bytes)
         if duration_seconds is not None:
-            duration_seconds = _seconds("duration_seconds", duration_seconds)
+            duration_seconds = validation.seconds("duration_seconds", duration_seconds)
+        if flow_run_id is not None:
+            flow_run_id = validation.run_id(flow_run_id)
 
-        with self._write("finish") as connection:
-            now = self._now()
-            row = connection.execute(
-                select(jobs).where(self._held(jid, holder)).with_for_update()
-            ).one_or_none()
+        with self._gated("finish") as (connection, now, _state):
+            row = lease.held_row(connection, jid, holder)
             if row is None:
                 raise ClaimLost(jid, holder)
-            if error is not None:
-                status = (
-                    Status.FAILED if row.attempts >= self._settings.max_attempts else Status.PENDING
-                )
-                changes: dict[str, Any] = {"status": status, "error": error}
-            else:
-                status = Status.DONE
-                changes = {"status": status, "error": None}
-                if duration_seconds is None and row.claimed_at is not None:
-                    duration_seconds = (now - row.claimed_at).total_seconds()
-                self._save_result(connection, row, result, now, duration_seconds)
-            connection.execute(
-                update(jobs)
-                .where(jobs.c.id == jid)
-                .values(
-                    **changes,
-                    holder=None,
-                    heartbeat_at=None,
-                    finished_at=now,
-                    updated_at=now,
-                    revision=row.revision + 1,
-                )
-            )
-            gate_changes: dict[str, Any] = {"last_finished_at": now}
-            if error is None:
-                gate_changes["outages_in_a_row"] = 0  # the gateway answered
-            connection.execute(
-                update(gate).where(gate.c.id == schema.GATE_ROW_ID).values(**gate_changes)
-            )
-        return status
+            if duration_seconds is None and row.claimed_at is not None:
+                duration_seconds = (now - row.claimed_at).total_seconds()
+            values = {
+                "user_id": row.user_id,
+                "kind": row.kind,
+                "subject": row.subject,
+                "fingerprint": row.fingerprint,
+                "output": output,
+                "produced_at": now,
+                "duration_seconds": duration_seconds,
+                "flow_run_id": flow_run_id or row.flow_run_id,
+                "size_bytes": size,
+            }
+            updated = connection.execute(
+                update(results).where(results.c.job_id == row.id).values(**values)
+            ).rowcount
+            if not updated:
+                connection.execute(insert(results).values(job_id=row.id, **values))
+            if duration_seconds is not None:
+                positions.record_duration(connection, row.kind, duration_seconds)
+            lease.settle_done(connection, now, row)
+        return Status.DONE
 
-    def _save_result(
+    def fail(
         self,
-        connection: Connection,
-        row: Row[Any],
-        output: Any,
-        now: dt.datetime,
-        duration_seconds: float | None,
-    ) -> None:
-        values = {
-            "user_id": row.user_id,
-            "kind": row.kind,
-            "subject": row.subject,
-            "fingerprint": row.fingerprint,
-            "output": output,
-            "produced_at": now,
-            "duration_seconds": duration_seconds,
-        }
-        updated = connection.execute(
-            update(results).where(results.c.job_id == row.id).values(**values)
-        ).rowcount
-        if not updated:
-            connection.execute(insert(results).values(job_id=row.id, **values))
+        jid: str,
+        holder: str,
+        failure: Failure,
+        error: str,
+        *,
+        retry_after: float | None = None,
+    ) -> Settlement:
+        """Settle an attempt that ended without a result, by the rule for `failure`.
+
+        The rules (docs/rules.md): build, rejected and parse failures spend
+        the attempt; a timeout spends it and pauses claiming; "unavailable"
+        keeps the attempt and pauses (an outage) unless the gateway has
+        answered other calls since this job began failing so (G2); a rate
+        limit keeps it and pauses for `retry_after` (G1); refused credentials
+        keep it and stop the line (G4); a stop on this side keeps it. Raises
+        `ClaimLost` if the claim was taken over, having changed nothing.
+        """
+        jid = validation.job_id(jid)
+        holder = validation.holder(holder)
+        if not isinstance(failure, Failure):
+            raise InvalidArgument("failure", f"must be a Failure, got {failure!r}")
+        error = self._error(error)
+        if retry_after is not None:
+            retry_after = validation.seconds("retry_after", retry_after)
+        with self._gated("fail") as (connection, now, state):
+            row = lease.held_row(connection, jid, holder)
+            if row is None:
+                raise ClaimLost(jid, holder)
+            return lease.settle_failure(
+                connection, self._settings, now, state, row, failure, error, retry_after
+            )
 
     def release(self, jid: str, holder: str, *, error: str | None = None) -> None:
-        """Hand the job back without spending its attempt (shutdown, gateway outage: N2).
+        """Hand the job back without spending its attempt (a stop on this side).
 
         It goes back to its old place in the queue. Raises `ClaimLost` if the
         claim was taken over, having changed nothing.
         """
-        jid = _job_id(jid)
-        holder = _text("holder", holder, MAX_HOLDER_LENGTH + 13)
-        if error is not None:
-            error = _error_text(error)
-        now = self._now()
-        with self._write("release") as connection:
-            written = connection.execute(
-                update(jobs)
-                .where(self._held(jid, holder))
-                .values(
-                    status=Status.PENDING,
-                    attempts=func.max(jobs.c.attempts - 1, 0)
-                    if self._is_sqlite
-                    else func.greatest(jobs.c.attempts - 1, 0),
-                    error=error,
-                    holder=None,
-                    claimed_at=None,
-                    heartbeat_at=None,
-                    updated_at=now,
-                    revision=jobs.c.revision + 1,
-                )
-            ).rowcount
-        if not written:
-            raise ClaimLost(jid, holder)
+        self.fail(
+            jid, holder, Failure.STOPPED, "handed back by its worker" if error is None else error
+        )
 
-    # -- N2: the circuit breaker's state, shared by every worker ----------------
+    # -- N2, G1, G4: pauses, shared by every worker ------------------------------
 
     def gate_state(self) -> GateState:
         with self._read("gate_state") as connection:
-            row = connection.execute(
-                select(gate).where(gate.c.id == schema.GATE_ROW_ID)
-            ).one_or_none()
-        if row is None:
-            raise SchemaOutdated("the gate row is missing; run `insight-queue db upgrade`")
-        return GateState(
-            last_finished_at=row.last_finished_at,
-            paused_until=row.paused_until,
-            pause_reason=row.pause_reason,
-            outages_in_a_row=row.outages_in_a_row,
-        )
+            row = self._gate_row(connection)
+            now = self._now(connection)
+        return _gate_state(row, now)
 
     def pause(self, seconds: float, reason: str) -> dt.datetime:
         """Stop every worker from claiming for `seconds`; returns when claiming resumes."""
-        seconds = _seconds("seconds", seconds)
-        reason = _error_text(reason, "reason")
-        with self._write("pause") as connection:
-            self._lock_gate(connection)
-            until = self._now() + dt.timedelta(seconds=seconds)
-            connection.execute(
-                update(gate)
-                .where(gate.c.id == schema.GATE_ROW_ID)
-                .values(paused_until=until, pause_reason=reason)
-            )
-        return until
+        seconds = validation.seconds("seconds", seconds)
+        reason = self._error(reason, "reason")
+        with self._gated("pause") as (connection, now, _state):
+            lease.pause(connection, now, seconds, PauseKind.OPERATOR, reason)
+        return now + dt.timedelta(seconds=seconds)
 
     def resume(self) -> None:
         """Lift any pause and forget the outage streak."""
-        with self._write("resume") as connection:
+        with self._gated("resume") as (connection, _now, _state):
             connection.execute(
                 update(gate)
                 .where(gate.c.id == schema.GATE_ROW_ID)
-                .values(paused_until=None, pause_reason=None, outages_in_a_row=0)
+                .values(paused_until=None, pause_reason=None, pause_kind=None, outages_in_a_row=0)
             )
 
     def report_outage(self, reason: str) -> float:
-        """The gateway is unreachable: pause claiming with a growing backoff.
+        """The gateway is unreachable (no job involved): pause claiming with a growing backoff.
 
         Returns the seconds until claiming resumes. While a pause is already
         running, further reports (other workers seeing the same outage) only
         read it: the streak grows once per pause, not once per worker.
         """
-        reason = _error_text(reason, "reason")
-        s = self._settings
-        with self._write("report_outage") as connection:
-            state = self._lock_gate(connection)
-            now = self._now()
+        reason = self._error(reason, "reason")
+        with self._gated("report_outage") as (connection, now, state):
             if state.paused_until is not None and state.paused_until > now:
                 return float((state.paused_until - now).total_seconds())
             streak = state.outages_in_a_row + 1
-            pause = min(s.backoff_seconds * 2 ** min(streak - 1, 30), s.backoff_max_seconds)
-            connection.execute(
-                update(gate)
-                .where(gate.c.id == schema.GATE_ROW_ID)
-                .values(
-                    paused_until=now + dt.timedelta(seconds=pause),
-                    pause_reason=reason,
-                    outages_in_a_row=streak,
-                    last_finished_at=now,
-                )
-            )
-        return float(pause)
+            seconds = lease._backoff(self._settings, streak)
+            lease.pause(connection, now, seconds, PauseKind.OUTAGE, reason, outages_in_a_row=streak)
+        return seconds
+
+    # -- FIX5: recovery ------------------------------------------------------
+
+    def recover(self, worker: str | None = None) -> list[Job]:
+        """Take back dead claims, and this worker's own; never another's live claim (FIX5).
+
+        `worker` is matched exactly (case-sensitive) against the worker part
+        of each claim's token. Returns the jobs taken back, as they were.
+        """
+        if worker is not None:
+            worker = validation.worker(worker)
+        with self._gated("recover") as (connection, now, _state):
+            rows = connection.execute(select(jobs).where(jobs.c.status == Status.RUNNING)).all()
+            taken = [
+                row
+                for row in rows
+                if lapsed(row, now, self._settings) or (worker is not None and row.worker == worker)
+            ]
+            lease.reap(connection, self._settings, now, taken)
+        return [job_from_row(row) for row in taken]
 
     # -- N1: results ------------------------------------------------------------
 
     def result_of(self, user_id: str, kind: str, subject: str) -> Result | None:
         """The latest output for the key, even while a newer one is being made."""
-        user_id, kind, subject = _key(user_id, kind, subject)
+        user_id, kind, subject = validation.key(user_id, kind, subject)
         with self._read("result_of") as connection:
             row = connection.execute(
                 select(results).where(results.c.job_id == job_id(user_id, kind, subject))
@@ -923,6 +728,7 @@ class JobStore:
         if row is None:
             return None
         return Result(
+            job_id=row.job_id,
             user_id=row.user_id,
             kind=row.kind,
             subject=row.subject,
@@ -930,9 +736,11 @@ class JobStore:
             output=row.output,
             produced_at=row.produced_at,
             duration_seconds=row.duration_seconds,
+            flow_run_id=row.flow_run_id,
+            size_bytes=row.size_bytes or 0,
         )
 
-    # -- N3: position and ETA -----------------------------------------------------
+    # -- N3: position, ETA and the whole queue ------------------------------------
 
     def position(self, user_id: str, kind: str, subject: str) -> Position | None:
         """Place in line and expected wait, for a pending or running job; else None."""
@@ -940,119 +748,187 @@ class JobStore:
         if found is None:
             return None
         with self._read("position") as connection:
-            return self._positions(connection, [found], self._now()).get(found.id)
+            now = self._now(connection)
+            return positions.positions(
+                connection, self._settings, now, self._gate_row(connection), [found]
+            ).get(found.id)
 
-    def _positions(
-        self, connection: Connection, listed: Sequence[Job], now: dt.datetime
-    ) -> dict[str, Position]:
-        waiting = sorted(
-            (j for j in listed if j.status == Status.PENDING),
-            key=lambda j: (j.priority, j.queued_at),
-        )
-        running_jobs = [j for j in listed if j.status == Status.RUNNING]
-        if not waiting and not running_jobs:
-            return {}
-        s = self._settings
-        durations = _DurationCache(connection, s.default_duration_seconds)
-        in_flight = connection.execute(
-            select(jobs.c.kind, jobs.c.claimed_at).where(self._live_claim(now))
-        ).all()
-
-        positions: dict[str, Position] = {}
-        for j in running_jobs:
-            elapsed = (now - j.claimed_at).total_seconds() if j.claimed_at else 0.0
-            positions[j.id] = Position(
-                Status.RUNNING, 0, len(in_flight), max(durations.of(j.kind) - elapsed, 0.0)
+    def queue_view(self, limit: int = 50) -> QueueView:
+        """The whole queue: running calls, the first `limit` waiting jobs, recent failures."""
+        limit = validation.limit(limit)
+        with self._read("queue_view") as connection:
+            now = self._now(connection)
+            state = self._gate_row(connection)
+            running = [
+                job_from_row(r)
+                for r in connection.execute(
+                    select(jobs).where(jobs.c.status == Status.RUNNING).order_by(jobs.c.claimed_at)
+                )
+            ]
+            waiting = [
+                job_from_row(r)
+                for r in connection.execute(
+                    select(jobs)
+                    .where(jobs.c.status == Status.PENDING)
+                    .order_by(jobs.c.priority, jobs.c.queued_at, jobs.c.id)
+                    .limit(limit)
+                )
+            ]
+            counts = dict(
+                connection.execute(
+                    select(jobs.c.status, func.count())
+                    .where(jobs.c.status.in_([Status.PENDING, Status.FAILED]))
+                    .group_by(jobs.c.status)
+                ).all()
             )
-        if not waiting:
-            return positions
-
-        remaining = sum(
-            max(durations.of(kind) - (now - claimed_at).total_seconds(), 0.0)
-            for kind, claimed_at in in_flight
-        )
-        state = connection.execute(select(gate).where(gate.c.id == schema.GATE_ROW_ID)).one()
-        held_back = 0.0
-        if state.paused_until is not None and state.paused_until > now:
-            held_back = (state.paused_until - now).total_seconds()
-        if not in_flight and state.last_finished_at is not None:
-            quiet_until = state.last_finished_at + dt.timedelta(seconds=s.gap_seconds)
-            held_back = max(held_back, (quiet_until - now).total_seconds())
-
-        # Walk the user's waiting jobs in queue order, counting what lies
-        # between one and the next: one pass over the queue, however many.
-        ahead: collections.Counter[str] = collections.Counter()
-        previous: Job | None = None
-        for j in waiting:
-            ahead.update(self._count_between(connection, previous, j))
-            if previous is not None:
-                ahead[previous.kind] += 1
-            count = sum(ahead.values())
-            work = remaining + sum(n * durations.of(kind) for kind, n in ahead.items())
-            gaps = s.gap_seconds * (count + len(in_flight))
-            eta = held_back + (work + gaps) / s.concurrency + durations.of(j.kind)
-            positions[j.id] = Position(Status.PENDING, count, len(in_flight), eta)
-            previous = j
-        return positions
-
-    def _count_between(
-        self, connection: Connection, after: Job | None, before: Job
-    ) -> Mapping[str, int]:
-        order = tuple_(jobs.c.priority, jobs.c.queued_at)
-        query = (
-            select(jobs.c.kind, func.count())
-            .where(jobs.c.status == Status.PENDING)
-            .where(order < tuple_(literal(before.priority), literal(before.queued_at, UTCDateTime)))
-            .group_by(jobs.c.kind)
-        )
-        if after is not None:
-            bound = tuple_(literal(after.priority), literal(after.queued_at, UTCDateTime))
-            query = query.where(order > bound)
-        return {kind: int(n) for kind, n in connection.execute(query).all()}
-
-
-class _DurationCache:
-    """Recent call durations per kind, read once per kind per query."""
-
-    def __init__(self, connection: Connection, default: float) -> None:
-        self._connection = connection
-        self._default = default
-        self._seen: dict[str, float] = {}
-
-    def of(self, kind: str) -> float:
-        if kind not in self._seen:
-            recent = (
-                select(results.c.duration_seconds)
-                .where(results.c.kind == kind, results.c.duration_seconds.is_not(None))
-                .order_by(results.c.produced_at.desc())
-                .limit(DURATION_SAMPLE)
-                .subquery()
+            failures = [
+                job_from_row(r)
+                for r in connection.execute(
+                    select(jobs)
+                    .where(jobs.c.status == Status.FAILED)
+                    .order_by(jobs.c.finished_at.desc())
+                    .limit(RECENT_FAILURES)
+                )
+            ]
+            running_entries, waiting_entries = positions.queue_entries(
+                connection, self._settings, now, state, running, waiting
             )
-            mean = self._connection.execute(select(func.avg(recent.c.duration_seconds))).scalar()
-            self._seen[kind] = float(mean) if mean is not None else self._default
-        return self._seen[kind]
+            present = self._workers(connection, now)
+        return QueueView(
+            now=now,
+            gate=_gate_state(state, now),
+            running=running_entries,
+            waiting=waiting_entries,
+            waiting_total=int(counts.get(Status.PENDING, 0)),
+            recent_failures=[QueueEntry(j, None, None, None) for j in failures],
+            failed_total=int(counts.get(Status.FAILED, 0)),
+            workers=present,
+            max_attempts=self._settings.max_attempts,
+            concurrency=self._settings.concurrency,
+        )
+
+    # -- presence of consumers ----------------------------------------------------
+
+    def worker_seen(self, name: str, role: str, info: dict[str, Any] | None = None) -> None:
+        """Say that this consumer is alive (call it every few seconds)."""
+        name = validation.worker(name)
+        role = validation.text("role", role, 32)
+        with self._write("worker_seen") as connection:
+            now = self._now(connection)
+            written = connection.execute(
+                update(workers).where(workers.c.name == name).values(seen_at=now, info=info or {})
+            ).rowcount
+            if not written:
+                connection.execute(
+                    insert(workers).values(
+                        name=name,
+                        role=role,
+                        host=socket.gethostname()[:200],
+                        pid=os.getpid(),
+                        started_at=now,
+                        seen_at=now,
+                        info=info or {},
+                    )
+                )
+                forget = now - dt.timedelta(
+                    seconds=self._settings.lease_seconds * FORGET_WORKERS_AFTER_LEASES
+                )
+                connection.execute(delete(workers).where(workers.c.seen_at < forget))
+
+    def worker_gone(self, name: str) -> None:
+        """This consumer stops: forget it at once."""
+        name = validation.worker(name)
+        with self._write("worker_gone") as connection:
+            connection.execute(delete(workers).where(workers.c.name == name))
+
+    def workers(self) -> list[Worker]:
+        """Consumers that said they are alive, newest first; `alive` within one lease."""
+        with self._read("workers") as connection:
+            return self._workers(connection, self._now(connection))
+
+    def consumer_standing_by(self) -> bool:
+        """Whether a live consumer will take queued work without a new run being started."""
+        return any(w.alive and w.role == "consumer" for w in self.workers())
+
+    def _workers(self, connection: Connection, now: dt.datetime) -> list[Worker]:
+        alive_after = now - dt.timedelta(seconds=self._settings.lease_seconds)
+        return [
+            Worker(
+                name=row.name,
+                role=row.role,
+                host=row.host,
+                pid=row.pid,
+                started_at=row.started_at,
+                seen_at=row.seen_at,
+                alive=row.seen_at >= alive_after,
+                info=row.info or {},
+            )
+            for row in connection.execute(select(workers).order_by(workers.c.seen_at.desc()))
+        ]
 
 
-def _job(row: Row[Any]) -> Job:
-    return Job(
-        id=row.id,
-        user_id=row.user_id,
-        kind=row.kind,
-        subject=row.subject,
-        fingerprint=row.fingerprint,
-        priority=row.priority,
-        status=Status(row.status),
-        attempts=row.attempts,
-        error=row.error,
-        holder=row.holder,
-        claimed_at=row.claimed_at,
-        heartbeat_at=row.heartbeat_at,
-        queued_at=row.queued_at or row.created_at,
-        created_at=row.created_at,
-        updated_at=row.updated_at,
-        finished_at=row.finished_at,
-        flow_run_id=row.flow_run_id,
+def _new_job(
+    user_id: str,
+    kind: str,
+    subject: str,
+    fingerprint: str | None,
+    priority: int,
+    now: dt.datetime,
+) -> dict[str, Any]:
+    return {
+        "id": job_id(user_id, kind, subject),
+        "user_id": user_id,
+        "kind": kind,
+        "subject": subject,
+        "fingerprint": fingerprint,
+        "priority": priority,
+        "status": Status.PENDING,
+        "attempts": 0,
+        "queued_at": now,
+        "created_at": now,
+        "updated_at": now,
+        "requested_at": now if priority <= INTERACTIVE else None,
+        "revision": 0,
+    }
+
+
+def _checked_request(request: object) -> EnqueueRequest:
+    if not isinstance(request, EnqueueRequest):
+        raise InvalidArgument(
+            "requests", f"expected EnqueueRequest items, got {type(request).__name__}"
+        )
+    user_id, kind, subject = validation.key(request.user_id, request.kind, request.subject)
+    return EnqueueRequest(
+        user_id,
+        kind,
+        subject,
+        validation.fingerprint(request.fingerprint),
+        validation.priority(request.priority),
+        bool(request.supersede),
     )
 
 
-__all__ = ["JobStore", "check_user_id", "utcnow"]
+def _gate_state(row: Row[Any], now: dt.datetime) -> GateState:
+    return GateState(
+        now=now,
+        last_finished_at=row.last_finished_at,
+        paused_until=row.paused_until,
+        pause_kind=PauseKind(row.pause_kind) if row.pause_kind else None,
+        pause_reason=row.pause_reason,
+        outages_in_a_row=row.outages_in_a_row,
+        last_answer_at=row.last_answer_at,
+    )
+
+
+def _require_sqlite_file(url: str) -> None:
+    database = make_url(url).database
+    if database and database != ":memory:" and not database.startswith("file:"):
+        path = Path(database).expanduser()
+        if not path.exists():
+            raise SchemaOutdated(
+                f"there is no queue at {path} yet: nothing has been queued there (the first "
+                "enqueue, `insight-queue serve` or `insight-queue db upgrade` creates it)"
+            )
+
+
+__all__ = ["JobStore"]

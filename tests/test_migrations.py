@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,6 +22,7 @@ from queue_store import (
     INTERACTIVE,
     PREFETCH,
     JobStore,
+    SchemaConflict,
     SchemaOutdated,
     Settings,
     Status,
@@ -28,8 +30,8 @@ from queue_store import (
     migrate,
 )
 from queue_store.engine import create_store_engine
+from queue_store.rules import WORKER_LOST
 from queue_store.schema import SCHEMA_REVISION
-from queue_store.store import WORKER_LOST
 from tests.conftest import FakeClock
 from tests.race_worker import dump_tables
 
@@ -179,7 +181,7 @@ def test_every_row_keeps_its_fields(adopted: JobStore) -> None:
         assert job.flow_run_id is None
         status = adopted.status_of(old.user_id, old.kind, old.subject)
         assert status is not None
-        assert status["updatedAt"] == _parse(old.updated_at).isoformat()  # type: ignore[union-attr]
+        assert status["updated_at"] == _parse(old.updated_at).isoformat()  # type: ignore[union-attr]
     assert adopted.pending_count() == 5
     assert adopted.pending_count(U) == 4
 
@@ -197,7 +199,7 @@ def test_list_jobs_shows_the_old_rows_in_worker_order(adopted: JobStore) -> None
     assert [e["interactive"] for e in listed] == [False, True, False, False, False, False]
     assert [e["attempts"] for e in listed] == [1, 0, 0, 1, 3, 1]
     assert listed[4]["error"] == "HTTPStatusError: 500"
-    assert listed[0]["updatedAt"] == "2026-01-05T08:50:00+00:00"
+    assert listed[0]["updated_at"] == "2026-01-05T08:50:00+00:00"
 
 
 def test_claim_takes_the_interactive_job_then_oldest_first(adopted: JobStore) -> None:
@@ -232,13 +234,13 @@ def test_the_old_running_claim_is_dead_and_taken_over(adopted: JobStore) -> None
 
 
 def test_recover_releases_the_old_running_rows(adopted: JobStore) -> None:
-    assert adopted.recover() == 2
+    assert len(adopted.recover()) == 2
     released = adopted.get(RUNNING_OLD.id)
     assert released is not None
     assert (released.status, released.holder, released.attempts) == (Status.PENDING, None, 1)
     lost = adopted.get(RUNNING_LAST.id)
     assert lost is not None and lost.status == Status.FAILED
-    assert adopted.recover() == 0
+    assert adopted.recover() == []
 
 
 def test_enqueue_on_the_old_running_row_requeues_it(adopted: JobStore) -> None:
@@ -300,11 +302,11 @@ def test_a_store_on_an_empty_database_asks_for_the_upgrade(
 ) -> None:
     settings = Settings(database_url=empty_database_url)
     with pytest.raises(SchemaOutdated, match="insight-queue db upgrade"):
-        JobStore(empty_database_url, settings=settings)
+        JobStore(empty_database_url, settings=settings, create=False)
     # The original's table alone is not this store's schema either.
     _create_original(engine)
     with pytest.raises(SchemaOutdated, match="insight-queue db upgrade"):
-        JobStore(empty_database_url, settings=settings)
+        JobStore(empty_database_url, settings=settings, create=False)
     assert migrate.current_revision(engine) is None
 
 
@@ -354,8 +356,10 @@ def test_an_ai_jobs_table_that_is_not_the_originals_is_refused_untouched(
     assert dump_tables(engine) == before  # no new table, no version row, same rows
     with engine.connect() as connection:
         assert [c["name"] for c in inspect(connection).get_columns("ai_jobs")] == columns_before
-    with pytest.raises(SchemaOutdated):
+    # Opening a store never touches it either: SQLite's own upgrade refuses the same way.
+    with pytest.raises((SchemaOutdated, SchemaConflict)):
         JobStore(empty_database_url, settings=Settings(database_url=empty_database_url))
+    assert dump_tables(engine) == before
 
 
 def test_a_database_one_revision_behind_is_refused_then_upgraded(
@@ -363,10 +367,35 @@ def test_a_database_one_revision_behind_is_refused_then_upgraded(
 ) -> None:
     assert migrate.upgrade(empty_database_url, "0001") == "0001"
     with pytest.raises(SchemaOutdated) as refused:
-        JobStore(empty_database_url, settings=Settings(database_url=empty_database_url))
+        JobStore(
+            empty_database_url, settings=Settings(database_url=empty_database_url), create=False
+        )
     assert "revision 0001" in str(refused.value)
     assert "insight-queue db upgrade" in str(refused.value)
     assert migrate.upgrade(empty_database_url) == SCHEMA_REVISION
     store = JobStore(empty_database_url, settings=Settings(database_url=empty_database_url))
     assert store.enqueue("u", "k", "s") == "pending"
     store.close()
+
+
+def test_sqlite_creates_and_upgrades_itself_postgresql_asks(
+    backend: str, empty_database_url: str, engine: Engine
+) -> None:
+    """The embedded default needs no `db upgrade`; PostgreSQL keeps the explicit step."""
+    assert migrate.upgrade(empty_database_url, "0001") == "0001"
+    settings = Settings(database_url=empty_database_url)
+    if backend == "sqlite":
+        with JobStore(empty_database_url, settings=settings) as store:
+            assert store.enqueue("u", "k", "s") == "pending"
+        assert migrate.current_revision(engine) == SCHEMA_REVISION
+    else:
+        with pytest.raises(SchemaOutdated, match="insight-queue db upgrade"):
+            JobStore(empty_database_url, settings=settings)
+        assert migrate.current_revision(engine) == "0001"
+
+
+def test_a_read_only_store_creates_no_file(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'nowhere' / 'queue.db'}"
+    with pytest.raises(SchemaOutdated, match="no queue at"):
+        JobStore(url, settings=Settings(database_url=url), create=False)
+    assert not (tmp_path / "nowhere").exists()

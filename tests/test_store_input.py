@@ -24,6 +24,7 @@ from queue_store import INTERACTIVE, InvalidArgument, JobStore, Status, StoreErr
 from queue_store.models import (
     MAX_FINGERPRINT_LENGTH,
     MAX_HOLDER_LENGTH,
+    MAX_WORKER_LENGTH,
     MAX_ID_LENGTH,
     MAX_KIND_LENGTH,
     MAX_PRIORITY,
@@ -82,6 +83,7 @@ def bad_text(max_length: int, *, none_is_valid: bool = False) -> st.SearchStrate
     return st.one_of(
         non_strings,
         st.just(""),
+        st.sampled_from([" ", "\t", " \n "]),
         _over_long(max_length),
         st.builds(_insert, body, st.integers(0, 20), st.just("\x00")),
         st.builds(
@@ -280,7 +282,17 @@ def _enqueue(**overrides: Any) -> Call:
     return call
 
 
-HOLDER_MAX = MAX_HOLDER_LENGTH + 13  # the worker's name plus "/" and its token
+HOLDER_MAX = MAX_HOLDER_LENGTH  # the worker's name plus "/" and its nonce
+# A worker's name: text, and no "/" or whitespace (it is a prefix of its claim tokens).
+BAD_WORKER = st.one_of(
+    bad_text(MAX_WORKER_LENGTH),
+    st.builds(
+        _insert,
+        _safe_text(1, 12).filter(str.strip),
+        st.integers(0, 20),
+        st.sampled_from(["/", " ", "%", "\t"]),
+    ),
+)
 
 
 CASES: list[Case] = [
@@ -309,7 +321,7 @@ CASES: list[Case] = [
     ),
     Case("retry_failed", "user_id", bad_text(MAX_ID_LENGTH), lambda s, v: s.store.retry_failed(v)),
     Case("get", "job_id", BAD_JOB_ID, lambda s, v: s.store.get(v)),
-    Case("claim_next", "holder", bad_text(MAX_HOLDER_LENGTH), lambda s, v: s.store.claim_next(v)),
+    Case("claim_next", "worker", BAD_WORKER, lambda s, v: s.store.claim_next(v)),
     Case("heartbeat", "job_id", BAD_JOB_ID, lambda s, v: s.store.heartbeat(v, s.running_holder)),
     Case(
         "heartbeat",
@@ -381,7 +393,7 @@ CASES: list[Case] = [
     Case(
         "recover",
         "worker",
-        bad_text(MAX_HOLDER_LENGTH, none_is_valid=True),
+        BAD_WORKER.filter(lambda v: v is not None),
         lambda s, v: s.store.recover(v),
     ),
 ]
@@ -584,15 +596,18 @@ def test_like_wildcards_in_names_match_only_themselves(make_store: Any, clock: F
     assert store.pending_count("a%") == 1
     assert store.pending_count("a_") == 1
 
-    # recover(worker) releases that worker's own claims only, wildcards or not.
-    first = store.claim_next("w%")
-    second = store.claim_next("wx")
+    # recover(worker) releases that worker's own claims only: an exact,
+    # case-sensitive match, never a prefix.
+    first = store.claim_next("web")
+    second = store.claim_next("web1")
     assert first.job is not None and second.job is not None
-    assert store.recover("w%") == 1
+    assert [j.id for j in store.recover("WEB")] == []
+    assert [j.id for j in store.recover("we")] == []
+    assert [j.id for j in store.recover("web")] == [first.job.id]
     assert store.get(second.job.id).status == Status.RUNNING
     assert store.get(first.job.id).status == Status.PENDING
-    assert store.recover("w_") == 0
-    assert store.get(second.job.id).status == Status.RUNNING
+    with pytest.raises(InvalidArgument, match="worker"):
+        store.recover("w%")
 
 
 JSON_TEXT = _safe_text(0, 20) | st.sampled_from([*HOSTILE, "\\x00", "\\n"])

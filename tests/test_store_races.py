@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from sqlalchemy import text
 
-from queue_store import INTERACTIVE, PREFETCH, JobStore, Settings, Status, job_id
+from queue_store import INTERACTIVE, PREFETCH, JobStore, Renewal, Settings, Status, job_id
 from queue_store.engine import create_store_engine
 from tests.race_worker import actor, claim_loop, dump_tables
 
@@ -199,7 +199,7 @@ def test_a_worker_whose_claim_was_taken_over_cannot_touch_the_job(database_url: 
         # While A heartbeats, its claim stays live past the lease: B gets nothing.
         until = time.monotonic() + 1.6
         while time.monotonic() < until:
-            assert a.call("heartbeat", jid, token_a) is True
+            assert a.call("heartbeat", jid, token_a) == Renewal.RENEWED
             blocked = b.call("claim_next", "worker-b")
             assert blocked.job is None, "B took a job whose holder was still heartbeating"
             time.sleep(0.25)
@@ -215,13 +215,13 @@ def test_a_worker_whose_claim_was_taken_over_cannot_touch_the_job(database_url: 
         before = dump_tables(engine)
 
         # Every write A tries is fenced off, and A learns it lost the job.
-        assert a.call("heartbeat", jid, token_a) is False
+        assert a.call("heartbeat", jid, token_a) == Renewal.LOST
         assert a.refused("finish", jid, token_a, result={"by": "a"}) == "ClaimLost"
         assert a.refused("finish", jid, token_a, error="TimeoutError: gave up") == "ClaimLost"
         assert a.refused("release", jid, token_a) == "ClaimLost"
         assert a.refused("release", jid, token_a, error="shutting down") == "ClaimLost"
         assert a.refused("set_flow_run", jid, token_a, "flow-run-a") == "ClaimLost"
-        assert a.call("heartbeat", jid, token_a) is False
+        assert a.call("heartbeat", jid, token_a) == Renewal.LOST
 
         assert dump_tables(engine) == before
         row = a.call("get", jid)
@@ -230,7 +230,7 @@ def test_a_worker_whose_claim_was_taken_over_cannot_touch_the_job(database_url: 
         assert a.call("result_of", USER, "race", "only") is None
 
         # B, the rightful holder, carries on normally.
-        assert b.call("heartbeat", jid, token_b) is True
+        assert b.call("heartbeat", jid, token_b) == Renewal.RENEWED
         b.call("set_flow_run", jid, token_b, "flow-run-b")
         assert b.call("finish", jid, token_b, result={"by": "b"}) == Status.DONE
         done = b.call("get", jid)
@@ -241,7 +241,7 @@ def test_a_worker_whose_claim_was_taken_over_cannot_touch_the_job(database_url: 
         # A, late, still changes nothing.
         after_b = dump_tables(engine)
         assert a.refused("finish", jid, token_a, result={"by": "a"}) == "ClaimLost"
-        assert a.call("heartbeat", jid, token_a) is False
+        assert a.call("heartbeat", jid, token_a) == Renewal.LOST
         assert dump_tables(engine) == after_b
     finally:
         a.close()

@@ -14,11 +14,12 @@ from queue_store import (
     ClaimLost,
     DatabaseError,
     JobStore,
+    Renewal,
     Settings,
     Status,
     job_id,
 )
-from queue_store.store import WORKER_LOST
+from queue_store.rules import WORKER_LOST
 from tests.conftest import FakeClock, StoreFactory
 
 U = "user-1"
@@ -209,7 +210,7 @@ def test_retry_failed_requeues_every_failed_job_of_the_user(make_store: StoreFac
         _claim_and_fail(store)
     store.enqueue("other", "sleep", "1")
     store.enqueue(U, "trends", "w1")
-    assert store.retry_failed(U) == 3
+    assert store.retry_failed(U) == 2  # how many were retried
     for subject in ("1", "2"):
         row = _row(store, "sleep", subject)
         assert (row["status"], row["attempts"], row["error"]) == ("pending", 0, None)
@@ -246,13 +247,13 @@ def test_list_jobs_is_in_worker_order_with_the_original_fields(
         "priority",
         "interactive",
         "attempts",
-        "maxAttempts",
+        "max_attempts",
         "error",
-        "updatedAt",
+        "updated_at",
     }
     assert first["interactive"] is True and listed[2]["interactive"] is False
     assert listed[4]["error"] == "gateway said no"
-    assert first["maxAttempts"] == 1
+    assert first["max_attempts"] == 1
     assert len(store.list_jobs(U, limit=2)) == 2
 
 
@@ -265,7 +266,7 @@ def test_status_of_pending_count_and_settings(store: JobStore) -> None:
     assert (status["status"], status["priority"], status["attempts"]) == ("pending", PREFETCH, 0)
     assert store.pending_count() == 2
     assert store.pending_count(U) == 1
-    assert store.settings()["maxAttempts"] == 3
+    assert store.settings()["max_attempts"] == 3
     assert store.settings()["concurrency"] == 1
 
 
@@ -313,7 +314,7 @@ def test_taken_over_worker_changes_nothing(make_store: StoreFactory, clock: Fake
     new = store.claim_next("w2").job
     assert new is not None and new.id == old.id and new.holder != old.holder
     before = _row(store, "sleep", "d1")
-    assert store.heartbeat(old.id, old.holder) is False
+    assert store.heartbeat(old.id, old.holder) is Renewal.LOST
     with pytest.raises(ClaimLost):
         store.finish(old.id, old.holder, result="late")
     with pytest.raises(ClaimLost):
@@ -337,7 +338,7 @@ def test_a_new_claim_by_the_same_worker_name_gets_a_new_token(
     second = store.claim_next("w").job
     assert first is not None and second is not None
     assert first.holder != second.holder
-    assert store.heartbeat(first.id, first.holder or "") is False
+    assert store.heartbeat(first.id, first.holder or "") is Renewal.LOST
 
 
 # -- FIX3 -----------------------------------------------------------------------
@@ -378,7 +379,7 @@ def test_claim_timeout_bounds_an_attempt_even_with_heartbeats(
         clock.advance(50)
         assert store.heartbeat(job.id, job.holder)
     clock.advance(51)  # 301 s since the claim
-    assert store.heartbeat(job.id, job.holder) is False
+    assert store.heartbeat(job.id, job.holder) is Renewal.LAPSED
     assert store.enqueue(U, "sleep", "d1") == "pending"
 
 
@@ -428,12 +429,12 @@ def test_recover_releases_dead_and_own_claims_never_a_live_one(
     live = store.claim_next("other").job
     assert dead and mine and live
     clock.advance(20)  # only "dead" has a lapsed heartbeat
-    assert store.recover("me") == 2
+    assert len(store.recover("me")) == 2
     assert _row(store, "sleep", "dead")["status"] == "pending"
     assert _row(store, "sleep", "mine")["status"] == "pending"
     live_row = _row(store, "sleep", "live")
     assert (live_row["status"], live_row["holder"]) == ("running", live.holder)
-    assert store.recover() == 0
+    assert store.recover() == []
 
 
 # -- FIX6 -----------------------------------------------------------------------

@@ -1,0 +1,163 @@
+"""The one clock every lease decision reads (L1).
+
+No decision about a claim (live, lapsed, taken over), the gap or a pause may
+depend on a worker's own wall clock: two workers whose clocks disagree by 90 s
+would each see the other's claim differently. So:
+
+- PostgreSQL: the database server's clock. The statement that claims, renews,
+  reaps or counts reads `clock_timestamp()` after it holds the gate lock, so
+  every decision of the deployment is made on one clock, in lock order.
+- SQLite (one host by design): the host's monotonic clock, which every process
+  on the host shares and which NTP steps, `date -s` or a time-zone change never
+  move. It is turned into a UTC time through an anchor kept in the database
+  (the wall time at one monotonic instant), written once per boot: after a
+  reboot the monotonic clock restarts, the boot id changes, and the first
+  writer lays a new anchor and declares every claim of the previous boot dead.
+- Tests may inject a clock (`JobStore(clock=...)`): a callable returning aware
+  UTC times, used for everything.
+
+A worker keeps its own deadline with its monotonic clock (durations only, never
+compared with the store's times), so a shift of its wall clock changes nothing.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Protocol
+
+from sqlalchemy import Connection, func, select, update
+
+from queue_store import schema
+from queue_store.errors import InvalidArgument
+
+BOOT_ID_FILE = Path("/proc/sys/kernel/random/boot_id")
+
+ClockFunction = Callable[[], dt.datetime]
+
+
+class Clock(Protocol):
+    """The store's time source; `connection` is the transaction asking."""
+
+    def now(self, connection: Connection) -> dt.datetime: ...
+
+    def prepare(self, connection: Connection) -> None:
+        """Called inside every write transaction that makes a lease decision."""
+
+
+def boot_id() -> str:
+    """This host's boot identity: it changes when the monotonic clock restarts."""
+    try:
+        return BOOT_ID_FILE.read_text().strip()
+    except OSError:
+        # No /proc (macOS, BSD): the wall time at which the monotonic clock
+        # started, to the minute, identifies the boot well enough.
+        return f"booted@{int((time.time() - time.monotonic()) // 60)}"
+
+
+class DatabaseClock:
+    """PostgreSQL's `clock_timestamp()`, read inside the asking transaction."""
+
+    def now(self, connection: Connection) -> dt.datetime:
+        value = connection.execute(
+            select(func.timezone("UTC", func.clock_timestamp()))
+        ).scalar_one()
+        return _aware(value)
+
+    def prepare(self, connection: Connection) -> None:
+        return None
+
+
+class HostClock:
+    """The host's monotonic clock as UTC, through an anchor kept in the SQLite database."""
+
+    def __init__(
+        self,
+        monotonic: Callable[[], float] = time.monotonic,
+        boot: Callable[[], str] = boot_id,
+        wall: Callable[[], dt.datetime] = lambda: dt.datetime.now(dt.UTC),
+    ) -> None:
+        self._monotonic = monotonic
+        self._boot = boot()
+        self._wall = wall
+        self._anchor: tuple[dt.datetime, float] | None = None
+        self._lock = threading.Lock()
+
+    def now(self, connection: Connection) -> dt.datetime:
+        anchor = self._anchor or self._read_anchor(connection)
+        if anchor is None:
+            # Not yet anchored on this boot: only read paths get here (ETAs,
+            # displays), and the next write transaction lays the anchor.
+            return self._wall()
+        wall, mono = anchor
+        return wall + dt.timedelta(seconds=self._monotonic() - mono)
+
+    def prepare(self, connection: Connection) -> None:
+        if self._anchor is not None:
+            return
+        with self._lock:
+            if self._read_anchor(connection) is not None:
+                return
+            self._lay_anchor(connection)
+
+    def _read_anchor(self, connection: Connection) -> tuple[dt.datetime, float] | None:
+        row = connection.execute(
+            select(
+                schema.gate.c.clock_boot_id,
+                schema.gate.c.clock_anchor_wall,
+                schema.gate.c.clock_anchor_mono,
+            ).where(schema.gate.c.id == schema.GATE_ROW_ID)
+        ).one_or_none()
+        if row is None or row.clock_boot_id != self._boot or row.clock_anchor_wall is None:
+            return None
+        self._anchor = (row.clock_anchor_wall, float(row.clock_anchor_mono))
+        return self._anchor
+
+    def _lay_anchor(self, connection: Connection) -> None:
+        """A new boot: anchor here, and nothing of the old boot stays alive or ahead of us."""
+        wall, mono = self._wall(), self._monotonic()
+        gate, jobs = schema.gate, schema.jobs
+        previous = connection.execute(
+            select(gate.c.last_finished_at, gate.c.last_answer_at).where(
+                gate.c.id == schema.GATE_ROW_ID
+            )
+        ).one_or_none()
+        changes: dict[str, object] = {
+            "clock_boot_id": self._boot,
+            "clock_anchor_wall": wall,
+            "clock_anchor_mono": mono,
+        }
+        if previous is not None:
+            # Times of the old boot may be ahead of the new anchor if the wall
+            # clock was set back across the reboot; never let them hold the gate.
+            for name in ("last_finished_at", "last_answer_at"):
+                value = getattr(previous, name)
+                if value is not None and value > wall:
+                    changes[name] = wall
+        connection.execute(update(gate).where(gate.c.id == schema.GATE_ROW_ID).values(**changes))
+        # Every process of the previous boot is gone: its claims are dead now.
+        connection.execute(update(jobs).where(jobs.c.status == "running").values(heartbeat_at=None))
+        self._anchor = (wall, mono)
+
+
+class InjectedClock:
+    """A clock handed in by the caller (tests): used for every decision."""
+
+    def __init__(self, clock: ClockFunction) -> None:
+        self._clock = clock
+
+    def now(self, connection: Connection) -> dt.datetime:
+        value = self._clock()
+        if value.tzinfo is None:
+            raise InvalidArgument("clock", "must return timezone-aware UTC times")
+        return value.astimezone(dt.UTC)
+
+    def prepare(self, connection: Connection) -> None:
+        return None
+
+
+def _aware(value: dt.datetime) -> dt.datetime:
+    return value.replace(tzinfo=dt.UTC) if value.tzinfo is None else value.astimezone(dt.UTC)

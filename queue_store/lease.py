@@ -1,0 +1,373 @@
+"""The SQL of the gateway lease: claim, renew, reap and settle (FIX1-FIX6, L1-L3, G1-G4).
+
+Every function here runs inside a write transaction that already holds the
+gate lock (PostgreSQL: `SELECT ... FOR UPDATE` on the one `ai_job_gate` row;
+SQLite: `BEGIN IMMEDIATE`), with `now` read from the store's clock after the
+lock was taken. So counting, reaping, claiming and renewing never interleave,
+and every decision is made on one clock in lock order.
+
+A claim is live while `now - heartbeat_at <= AI_JOB_LEASE_SECONDS` and
+`now - claimed_at <= AI_JOB_CLAIM_TIMEOUT`. A lapsed claim can no longer be
+renewed; it still counts as in flight until it is reaped, and reaping counts
+as the end of a call for the gap. The worker stops its call
+`AI_JOB_LEASE_MARGIN_SECONDS` before its claim could lapse, measured on its own
+monotonic clock from before it sent the renewal; so by the time anyone can
+take the job over, the old call has been over for at least that margin.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import secrets
+from typing import Any
+
+from sqlalchemy import Connection, Row, select, update
+
+from queue_store import schema
+from queue_store.models import (
+    HOLDER_NONCE_HEX,
+    Blocked,
+    Claim,
+    Failure,
+    PauseKind,
+    Renewal,
+    Settlement,
+    Status,
+)
+from queue_store.rules import WORKER_LOST, lapsed
+from queue_store.settings import Settings
+
+jobs = schema.jobs
+gate = schema.gate
+
+MAX_BACKOFF_DOUBLINGS = 30
+
+
+def running_rows(connection: Connection) -> list[Row[Any]]:
+    return list(
+        connection.execute(
+            select(
+                jobs.c.id,
+                jobs.c.holder,
+                jobs.c.worker,
+                jobs.c.attempts,
+                jobs.c.heartbeat_at,
+                jobs.c.claimed_at,
+            ).where(jobs.c.status == Status.RUNNING)
+        ).all()
+    )
+
+
+def reap(
+    connection: Connection,
+    settings: Settings,
+    now: dt.datetime,
+    dead: list[Row[Any]],
+) -> int:
+    """Take back the jobs of these dead claims (FIX3, FIX5); a last attempt fails (FIX4).
+
+    A takeover counts as the end of a call for the gap (L3).
+    """
+    if not dead:
+        return 0
+    for row in dead:
+        exhausted = row.attempts >= settings.max_attempts
+        changes: dict[str, Any] = {
+            "holder": None,
+            "worker": None,
+            "heartbeat_at": None,
+            "updated_at": now,
+            "revision": jobs.c.revision + 1,
+        }
+        if exhausted:
+            changes |= {"status": Status.FAILED, "error": WORKER_LOST, "finished_at": now}
+        else:
+            changes |= {"status": Status.PENDING, "claimed_at": None}
+        connection.execute(
+            update(jobs)
+            .where(jobs.c.id == row.id, jobs.c.holder.is_not_distinct_from(row.holder))
+            .values(**changes)
+        )
+    _ended_call(connection, now)
+    return len(dead)
+
+
+def _ended_call(connection: Connection, now: dt.datetime, **more: Any) -> None:
+    """A call ended (settled, or taken over): the gap counts from now."""
+    connection.execute(
+        update(gate).where(gate.c.id == schema.GATE_ROW_ID).values(last_finished_at=now, **more)
+    )
+
+
+def claim(
+    connection: Connection,
+    settings: Settings,
+    now: dt.datetime,
+    state: Row[Any],
+    worker: str,
+) -> Claim:
+    """Take the highest-priority runnable job if the gate allows a call now (R8, R9, FIX1, FIX6)."""
+    running = running_rows(connection)
+    dead = [row for row in running if lapsed(row, now, settings)]
+    in_flight = len(running) - len(dead)
+    last_finished = state.last_finished_at
+    if dead:
+        reap(connection, settings, now, dead)
+        last_finished = now
+
+    if state.paused_until is not None and state.paused_until > now:
+        return Claim(None, Blocked.PAUSED, (state.paused_until - now).total_seconds())
+    if in_flight >= settings.concurrency:
+        return Claim(None, Blocked.CONCURRENCY, None)
+    if last_finished is not None:
+        quiet_until = last_finished + dt.timedelta(seconds=settings.gap_seconds)
+        if quiet_until > now:
+            return Claim(None, Blocked.GAP, (quiet_until - now).total_seconds())
+
+    # While the gateway looks down, probe with a job that has not just failed
+    # "unavailable" itself, so one poisoned job cannot pass for an outage (G2).
+    probing = state.outages_in_a_row > 0
+    while True:
+        candidate = _first_pending(connection, avoid_suspects=probing)
+        if candidate is None:
+            return Claim(None, Blocked.EMPTY, None)
+        if candidate.attempts >= settings.max_attempts:
+            # Only reachable if AI_JOB_MAX_ATTEMPTS was lowered: give up on it
+            # rather than let it block the head of the queue.
+            connection.execute(
+                update(jobs)
+                .where(jobs.c.id == candidate.id)
+                .values(
+                    status=Status.FAILED,
+                    error=f"attempts exhausted: AI_JOB_MAX_ATTEMPTS is {settings.max_attempts}",
+                    finished_at=now,
+                    updated_at=now,
+                    revision=jobs.c.revision + 1,
+                )
+            )
+            continue
+        claimed = {
+            "status": Status.RUNNING,
+            "holder": f"{worker}/{secrets.token_hex(HOLDER_NONCE_HEX // 2)}",
+            "worker": worker,
+            "claimed_at": now,
+            "heartbeat_at": now,
+            "attempts": candidate.attempts + 1,
+            "updated_at": now,
+        }
+        connection.execute(
+            update(jobs)
+            .where(jobs.c.id == candidate.id)
+            .values(**claimed, revision=candidate.revision + 1)
+        )
+        job = schema.job_from_row(candidate)
+        return Claim(dataclasses.replace(job, **claimed))
+
+
+def _first_pending(connection: Connection, *, avoid_suspects: bool) -> Row[Any] | None:
+    query = select(jobs).where(jobs.c.status == Status.PENDING)
+    if avoid_suspects:
+        probe = connection.execute(
+            query.where(jobs.c.unavailable_since.is_(None))
+            .order_by(jobs.c.priority, jobs.c.queued_at)
+            .limit(1)
+            .with_for_update(skip_locked=True)
+        ).one_or_none()
+        if probe is not None:
+            return probe
+    return connection.execute(
+        query.order_by(jobs.c.priority, jobs.c.queued_at).limit(1).with_for_update(skip_locked=True)
+    ).one_or_none()
+
+
+def held_row(connection: Connection, job_id: str, holder: str) -> Row[Any] | None:
+    """The job's row if `holder` still holds its claim (FIX2), locked for the settlement."""
+    return connection.execute(
+        select(jobs)
+        .where(jobs.c.id == job_id, jobs.c.holder == holder, jobs.c.status == Status.RUNNING)
+        .with_for_update()
+    ).one_or_none()
+
+
+def renew(
+    connection: Connection, settings: Settings, now: dt.datetime, job_id: str, holder: str
+) -> Renewal:
+    """Extend a live claim; a lapsed one stays dead, whoever reaches the database first (L3)."""
+    row = held_row(connection, job_id, holder)
+    if row is None:
+        return Renewal.LOST
+    if lapsed(row, now, settings):
+        return Renewal.LAPSED
+    connection.execute(
+        update(jobs).where(jobs.c.id == job_id).values(heartbeat_at=now, revision=row.revision + 1)
+    )
+    return Renewal.RENEWED
+
+
+def _settle_row(connection: Connection, row: Row[Any], now: dt.datetime, **changes: Any) -> None:
+    """End the claim on the row: no holder, no heartbeat, and the given changes."""
+    values: dict[str, Any] = {
+        "holder": None,
+        "worker": None,
+        "heartbeat_at": None,
+        "finished_at": now,
+        "updated_at": now,
+        "revision": row.revision + 1,
+    }
+    values.update(changes)
+    connection.execute(update(jobs).where(jobs.c.id == row.id).values(**values))
+
+
+def _backoff(settings: Settings, streak: int) -> float:
+    """The pause after `streak` troubles in a row: doubling from the base, capped."""
+    doublings = min(max(streak - 1, 0), MAX_BACKOFF_DOUBLINGS)
+    return float(min(settings.backoff_seconds * 2**doublings, settings.backoff_max_seconds))
+
+
+def pause(
+    connection: Connection,
+    now: dt.datetime,
+    seconds: float,
+    kind: PauseKind,
+    reason: str,
+    **more: Any,
+) -> None:
+    connection.execute(
+        update(gate)
+        .where(gate.c.id == schema.GATE_ROW_ID)
+        .values(
+            paused_until=now + dt.timedelta(seconds=seconds),
+            pause_kind=kind,
+            pause_reason=reason,
+            **more,
+        )
+    )
+
+
+def settle_failure(
+    connection: Connection,
+    settings: Settings,
+    now: dt.datetime,
+    state: Row[Any],
+    row: Row[Any],
+    failure: Failure,
+    error: str,
+    retry_after: float | None,
+) -> Settlement:
+    """Apply the store's rule for an attempt that ended without a result (N2, G1-G4)."""
+    exhausted = row.attempts >= settings.max_attempts
+    spent_status = Status.FAILED if exhausted else Status.PENDING
+    streak = state.outages_in_a_row
+
+    if failure in (Failure.BUILD, Failure.REJECTED, Failure.PARSE):
+        _settle_row(connection, row, now, status=spent_status, error=error, unavailable_since=None)
+        more: dict[str, Any] = {}
+        if failure is not Failure.BUILD:  # the gateway answered: it is up
+            more = {"last_answer_at": now, "outages_in_a_row": 0}
+        _ended_call(connection, now, **more)
+        return Settlement(spent_status, True, None, f"attempt {row.attempts} spent")
+
+    if failure is Failure.TIMEOUT:
+        _settle_row(connection, row, now, status=spent_status, error=error)
+        seconds = _backoff(settings, streak + 1)
+        _ended_call(connection, now)
+        pause(connection, now, seconds, PauseKind.TIMEOUT, error, outages_in_a_row=streak + 1)
+        return Settlement(
+            spent_status,
+            True,
+            seconds,
+            f"attempt {row.attempts} spent; claiming paused {seconds:g} s in case the gateway "
+            "is still working on it",
+        )
+
+    if failure is Failure.UNAVAILABLE:
+        since = row.unavailable_since
+        answered_since = (
+            since is not None and state.last_answer_at is not None and state.last_answer_at > since
+        )
+        if answered_since:
+            # The gateway has answered other calls since this job started
+            # failing "unavailable": the job is the problem, not the gateway.
+            text = f"the gateway answers other calls but keeps failing this one: {error}"
+            _settle_row(connection, row, now, status=spent_status, error=text, queued_at=now)
+            _ended_call(connection, now)
+            return Settlement(
+                spent_status, True, None, f"attempt {row.attempts} spent: not an outage, this job"
+            )
+        # Looks like an outage: keep the attempt, go behind the jobs of the same
+        # priority (the next probe is another job), pause with a growing backoff.
+        _settle_row(
+            connection,
+            row,
+            now,
+            status=Status.PENDING,
+            attempts=max(row.attempts - 1, 0),
+            error=error,
+            queued_at=now,
+            claimed_at=None,
+            unavailable_since=since or now,
+        )
+        seconds = _backoff(settings, streak + 1)
+        _ended_call(connection, now)
+        pause(connection, now, seconds, PauseKind.OUTAGE, error, outages_in_a_row=streak + 1)
+        return Settlement(
+            Status.PENDING, False, seconds, f"gateway unavailable; claiming paused {seconds:g} s"
+        )
+
+    if failure is Failure.RATE_LIMITED:
+        seconds = (
+            min(retry_after, settings.backoff_max_seconds)
+            if retry_after is not None
+            else _backoff(settings, streak + 1)
+        )
+        _refund(connection, row, now, error)
+        _ended_call(connection, now)
+        pause(connection, now, seconds, PauseKind.RATE_LIMIT, error)
+        return Settlement(
+            Status.PENDING, False, seconds, f"rate limited; claiming paused {seconds:g} s"
+        )
+
+    if failure is Failure.REFUSED:
+        seconds = _backoff(settings, streak + 1)
+        _refund(connection, row, now, error)
+        _ended_call(connection, now)
+        pause(connection, now, seconds, PauseKind.REFUSED, error, outages_in_a_row=streak + 1)
+        return Settlement(
+            Status.PENDING,
+            False,
+            seconds,
+            f"the gateway refused us; claiming stopped for {seconds:g} s until it is fixed",
+        )
+
+    # STOPPED: this side stopped the call (shutdown, or its lease was at risk).
+    _refund(connection, row, now, error)
+    _ended_call(connection, now)
+    return Settlement(Status.PENDING, False, None, "handed back; the attempt is not spent")
+
+
+def _refund(connection: Connection, row: Row[Any], now: dt.datetime, error: str) -> None:
+    """Back to the queue in its old place, as if the attempt had not been made."""
+    _settle_row(
+        connection,
+        row,
+        now,
+        status=Status.PENDING,
+        attempts=max(row.attempts - 1, 0),
+        error=error,
+        claimed_at=None,
+        finished_at=row.finished_at,
+    )
+
+
+def settle_done(connection: Connection, now: dt.datetime, row: Row[Any]) -> None:
+    _settle_row(
+        connection,
+        row,
+        now,
+        status=Status.DONE,
+        error=None,
+        unavailable_since=None,
+        requested_at=None,
+    )
+    _ended_call(connection, now, last_answer_at=now, outages_in_a_row=0)

@@ -1,0 +1,140 @@
+"""Redaction of secrets in every form they can be echoed in (G5).
+
+A gateway may echo our bearer token in an error body: plainly, JSON-escaped
+(`sk-abc\\/def=`), URL-encoded, or inside the base64 of `user:token` of a
+basic-auth header. A URL setting may carry `user:password@`. `Redactor` knows
+the secrets of one `Settings` and removes every such form from a text; the
+store applies it to every error it stores, the flows to every message, log
+line and run-history entry they write.
+
+Pure Python: no Prefect, no httpx.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import re
+import urllib.parse
+from collections.abc import Iterable
+
+from queue_store.settings import Settings
+
+REDACTED = "[redacted]"
+# Secrets shorter than this are not searched for: redacting "ab" would mangle
+# ordinary text, and such a token protects nothing anyway.
+MIN_SECRET_LENGTH = 4
+# The part of a base64 rendering that depends on the secret alone must be at
+# least this long to be searched for.
+MIN_BASE64_CORE = 6
+
+_CREDENTIALS_IN_URL = re.compile(r"(?<=://)[^/@\s\"']*@")
+
+
+def _json_forms(secret: str) -> set[str]:
+    plain = json.dumps(secret)[1:-1]
+    forms = {plain, plain.replace("/", "\\/")}
+    # Every character \u-escaped, as some encoders do for non-alphanumerics.
+    forms.add("".join(c if c.isalnum() else f"\\u{ord(c):04x}" for c in secret))
+    forms.add("".join(c if c.isalnum() else f"\\u{ord(c):04X}" for c in secret))
+    return forms
+
+
+def _url_forms(secret: str) -> set[str]:
+    forms = {
+        urllib.parse.quote(secret, safe=""),
+        urllib.parse.quote_plus(secret, safe=""),
+        urllib.parse.quote(secret, safe="/"),
+    }
+    forms |= {re.sub(r"%[0-9A-F]{2}", lambda m: m.group().lower(), f) for f in set(forms)}
+    return forms
+
+
+def _base64_cores(secret: bytes) -> set[str]:
+    """The stretch of base64 text that depends only on `secret`, at each of the 3 alignments."""
+    cores: set[str] = set()
+    for encode in (base64.b64encode, base64.urlsafe_b64encode):
+        for offset in range(3):
+            encoded = encode(b"\0" * offset + secret + b"\0\0\0").decode("ascii")
+            # Characters mixing prefix bytes, or trailing/padding bytes, vary
+            # with the surrounding text: keep only the ones that do not.
+            start = -(-offset * 4 // 3)  # ceil(offset * 4 / 3)
+            end = ((offset + len(secret)) * 4) // 3
+            core = encoded[start:end]
+            if len(core) >= MIN_BASE64_CORE:
+                cores.add(core)
+    return cores
+
+
+def forms_of(secret: str) -> set[str]:
+    """Every rendering of `secret` that `Redactor` removes."""
+    if len(secret) < MIN_SECRET_LENGTH:
+        return set()
+    forms = {secret} | _json_forms(secret) | _url_forms(secret)
+    forms |= _base64_cores(secret.encode())
+    return {f for f in forms if len(f) >= MIN_SECRET_LENGTH}
+
+
+class Redactor:
+    """Removes given secrets, in all their forms, and URL credentials from text."""
+
+    def __init__(self, secrets: Iterable[str] = ()) -> None:
+        forms: set[str] = set()
+        for secret in secrets:
+            if secret:
+                forms |= forms_of(secret)
+        # Longest first, so a form that contains another is removed whole.
+        ordered = sorted(forms, key=len, reverse=True)
+        self._pattern = re.compile("|".join(map(re.escape, ordered))) if ordered else None
+
+    @classmethod
+    def for_settings(cls, settings: Settings) -> Redactor:
+        secrets = [settings.gateway_token.get_secret_value(), settings.api_token.get_secret_value()]
+        for url in (settings.gateway_url, settings.database_url):
+            parts = urllib.parse.urlsplit(url) if "://" in url else None
+            if parts is None:
+                continue
+            for value in (parts.password, parts.username):
+                if value:
+                    secrets.append(urllib.parse.unquote(value))
+            if parts.username and parts.password is not None:
+                pair = (
+                    f"{urllib.parse.unquote(parts.username)}:{urllib.parse.unquote(parts.password)}"
+                )
+                secrets.append(pair)
+        return cls(secrets)
+
+    def __call__(self, text: str) -> str:
+        if self._pattern is not None:
+            text = self._pattern.sub(REDACTED, text)
+        return _CREDENTIALS_IN_URL.sub(f"{REDACTED}@", text)
+
+
+class RedactingFilter(logging.Filter):
+    """A logging filter that redacts every record's message (its arguments included)."""
+
+    def __init__(self, redactor: Redactor) -> None:
+        super().__init__()
+        self._redact = redactor
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            message = record.getMessage()
+        except Exception:  # noqa: BLE001 - a broken record is logged as it is
+            return True
+        redacted = self._redact(message)
+        if redacted != message or record.args:
+            record.msg, record.args = redacted, None
+        if record.exc_info and record.exc_info[1] is not None and not record.exc_text:
+            record.exc_text = self._redact(logging.Formatter().formatException(record.exc_info))
+        return True
+
+
+def install_log_redaction(redactor: Redactor, loggers: Iterable[str] = ("",)) -> None:
+    """Redact every record reaching the handlers of these loggers (root by default)."""
+    redacting = RedactingFilter(redactor)
+    for name in loggers:
+        for handler in logging.getLogger(name).handlers:
+            if not any(isinstance(f, RedactingFilter) for f in handler.filters):
+                handler.addFilter(redacting)

@@ -1,0 +1,104 @@
+"""The enqueue rules (R1-R6, FIX4, FIX7) as a pure decision over one row.
+
+`decide` looks at a job's row and what a caller asks for, and says what the
+job's status is after the call and which columns must change (None: nothing,
+and nothing is written). It never touches the database, so every rule can be
+read, and tested, as a table. The rule codes are explained in docs/rules.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+from typing import Any
+
+from queue_store.models import INTERACTIVE, Status
+from queue_store.settings import Settings
+
+WORKER_LOST = (
+    "worker lost: its claim lapsed on the last allowed attempt "
+    "(the worker crashed, stalled or was cut off from the database)"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    status: Status  # what `enqueue` returns
+    changes: dict[str, Any] | None = None  # columns to write; None writes nothing
+    reap_first: bool = False  # a lapsed claim must be taken back under the gate lock first
+
+
+def lapsed(row: Any, now: dt.datetime, settings: Settings) -> bool:
+    """A running row whose claim is dead: not renewed within the lease, or past the claim timeout.
+
+    `row` has `heartbeat_at` and `claimed_at`; a missing time is not live.
+    """
+    if row.heartbeat_at is None or row.claimed_at is None:
+        return True
+    renewed: dt.datetime = row.heartbeat_at
+    claimed: dt.datetime = row.claimed_at
+    return now - renewed > dt.timedelta(seconds=settings.lease_seconds) or now - claimed > (
+        dt.timedelta(seconds=settings.claim_timeout_seconds)
+    )
+
+
+def decide(
+    row: Any, fingerprint: str | None, priority: int, now: dt.datetime, settings: Settings
+) -> Decision:
+    """What an enqueue of an existing job does (R3-R6)."""
+    stale = fingerprint is not None and fingerprint != row.fingerprint
+    exhausted = row.attempts >= settings.max_attempts
+    promoted = min(priority, row.priority)
+    asked_now = priority <= INTERACTIVE
+
+    if row.status == Status.RUNNING:
+        if not lapsed(row, now, settings):
+            return Decision(Status.RUNNING)  # R3: promoting it would not speed it up
+        # R6 for a dead claim (and FIX4 on its last attempt): taking the job
+        # back is a lease decision, made under the gate lock on its clock.
+        return Decision(
+            Status.FAILED if exhausted and not stale else Status.PENDING, reap_first=True
+        )
+
+    if row.status == Status.DONE and not stale:
+        return Decision(Status.DONE)  # R4
+
+    requeue: dict[str, Any] = {
+        "status": Status.PENDING,
+        "holder": None,
+        "worker": None,
+        "claimed_at": None,
+        "heartbeat_at": None,
+        "priority": promoted,
+        "fingerprint": fingerprint or row.fingerprint,
+    }
+    if row.status == Status.FAILED and exhausted and not stale:
+        gave_up = row.finished_at or row.updated_at
+        if now - gave_up < dt.timedelta(seconds=settings.retry_after_seconds):
+            return Decision(Status.FAILED)  # R5: still cooling down
+        return Decision(
+            Status.PENDING,
+            {
+                **requeue,
+                "attempts": 0,
+                "error": None,
+                "unavailable_since": None,
+                "queued_at": now,
+                "requested_at": now if asked_now else None,
+            },
+        )
+
+    # R6: (re-)queue; promote, never demote.
+    changes = {**requeue, "attempts": 0 if stale else row.attempts}
+    if row.status in (Status.DONE, Status.FAILED):
+        changes["queued_at"] = now
+        changes["requested_at"] = now if asked_now else None
+        if stale:
+            changes["error"] = None
+    elif asked_now and row.requested_at is None:
+        changes["requested_at"] = now  # a screen opened on a job that was waiting
+    if row.status == Status.PENDING and all(
+        getattr(row, name) == value for name, value in changes.items()
+    ):
+        return Decision(Status.PENDING)  # FIX7: an unchanged poll writes nothing
+    return Decision(Status.PENDING, changes)
