@@ -1,20 +1,137 @@
-"""The `insight-queue` command: the store's verbs plus serving, triggers and tools."""
+"""The `insight-queue` command: the store's verbs, serving, the triggers and tools.
+
+Commands are imported when they run, not when the command starts: the
+store's verbs never pay for Prefect, uvicorn or the simulator, and `--help`
+lists everything from the table below.
+"""
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
+import sys
+from typing import Any
 
 import click
 
-from deployments.embedded import DEFAULT_PORT
-from flows.cli import COMMANDS as FLOW_COMMANDS
-from queue_store import Settings
-from queue_store.cli import COMMANDS, fails_cleanly, settings_help
+from queue_store import Redactor, Settings, SettingsError
+from queue_store.cli import EXIT_BAD_INPUT, fails_cleanly, settings_from
+from queue_store.redact import install_log_redaction
+from queue_store.settings import settings_help
+
+# name -> (module, attribute, one-line help); kept here so `--help` imports nothing.
+COMMANDS: dict[str, tuple[str, str, str]] = {
+    "serve": (
+        "deployments.cli",
+        "serve_command",
+        "Run the embedded default: Prefect, the consumer, the deployments.",
+    ),
+    "demo": (
+        "deployments.demo",
+        "demo_command",
+        "Show the whole path on this machine: hook, screen, store, gateway.",
+    ),
+    "api": (
+        "deployments.api",
+        "api_command",
+        "Serve the HTTP API for screens and operators, and the queue page.",
+    ),
+    "trigger-backfill": (
+        "deployments.cli",
+        "trigger_backfill_command",
+        "What the post-sync hook calls.",
+    ),
+    "request-insight": (
+        "deployments.cli",
+        "request_insight_command",
+        "What a screen calls on every poll.",
+    ),
+    "deploy": (
+        "deployments.cli",
+        "deploy_command",
+        "Scale-out: register the flows on a process work pool.",
+    ),
+    "consume": (
+        "flows.cli",
+        "consume_command",
+        "Stand by and run queued jobs (beside Prefect workers).",
+    ),
+    "drain": ("flows.cli", "drain_command", "Run what is runnable now, then stop."),
+    "setup-limit": (
+        "flows.cli",
+        "setup_limit_command",
+        "Create or update the `gateway` tag limit.",
+    ),
+    "gateway-sim": (
+        "flows.simulator",
+        "gateway_sim_command",
+        "The gateway simulator (a development tool).",
+    ),
+    "db": ("queue_store.cli", "db_group", "The store's schema: `db upgrade`, `db status`."),
+    "enqueue": ("queue_store.cli", "enqueue_command", "Queue one generation, or promote it."),
+    "status": (
+        "queue_store.cli",
+        "status_command",
+        "One job: status, place, ETA, latest result (JSON).",
+    ),
+    "result": ("queue_store.cli", "result_command", "The latest result for a key (JSON)."),
+    "jobs": ("queue_store.cli", "jobs_command", "One user's queue in worker order."),
+    "queue": ("queue_store.cli", "queue_command", "The whole queue at a glance (--json, --watch)."),
+    "retry-failed": (
+        "queue_store.cli",
+        "retry_failed_command",
+        "Put a user's failed jobs back now.",
+    ),
+    "requeue": (
+        "queue_store.cli",
+        "requeue_command",
+        "Queue every finished job again (after a prompt change).",
+    ),
+    "settings": (
+        "queue_store.cli",
+        "settings_command",
+        "Every setting, and whether claiming is paused.",
+    ),
+    "pause": ("queue_store.cli", "pause_command", "Stop every worker from claiming for SECONDS."),
+    "resume": ("queue_store.cli", "resume_command", "Lift a pause."),
+    "recover": ("queue_store.cli", "recover_command", "Take back claims whose worker is gone."),
+}
+
+
+class LazyGroup(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return list(COMMANDS)
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        entry = COMMANDS.get(name)
+        if entry is None:
+            return None
+        module, attribute, _ = entry
+        command = getattr(importlib.import_module(module), attribute)
+        assert isinstance(command, click.Command)
+        return command
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        with formatter.section("Commands"):
+            formatter.write_dl([(name, text) for name, (_, _, text) in COMMANDS.items()])
+
+
+def _check_kind(kind: str) -> None:
+    """Refuse a kind no generator is registered for (the plugins of AI_JOB_PLUGINS)."""
+    from flows.registry import default
+    from queue_store import InvalidArgument
+
+    default.load(Settings.from_env().plugin_modules)
+    if default.kinds and not default.knows(kind):
+        raise InvalidArgument(
+            "kind", f"no generator is registered for {kind!r} (known: {', '.join(default.kinds)})"
+        )
 
 
 @click.group(
-    context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
+    cls=LazyGroup,
+    context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110},
     epilog="\b\nSettings (environment variables):\n" + settings_help(),
 )
 @click.option(
@@ -24,102 +141,97 @@ from queue_store.cli import COMMANDS, fails_cleanly, settings_help
     help="store URL (overrides AI_JOB_DATABASE_URL; default: SQLite in the data dir)",
 )
 @click.option("-v", "--verbose", is_flag=True, help="log at INFO level")
-def main(database_url: str | None, verbose: bool) -> None:
+@click.pass_context
+def main(ctx: click.Context, database_url: str | None, verbose: bool) -> None:
     """insight-queue: slow, scarce LLM work for an app's screens, in priority order."""
     logging.basicConfig(
         level=logging.INFO if verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    try:
+        overrides = {"database_url": database_url} if database_url else {}
+        settings = Settings.from_env(None, **overrides)
+    except SettingsError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(EXIT_BAD_INPUT)
+    install_log_redaction(Redactor.for_settings(settings))
+    ctx.obj = {"check_kind": _check_kind}
 
 
-def _settings(ctx: click.Context) -> Settings:
-    url = ctx.find_root().params.get("database_url")
-    return Settings.from_env(**({"database_url": url} if url else {}))
-
-
-@main.command("serve")
+@click.command("serve")
 @click.option(
     "--prefect-port",
     type=click.IntRange(1, 65535),
-    default=DEFAULT_PORT,
+    default=4200,
     show_default=True,
-    help="port of the embedded Prefect server",
+    help="port of the embedded Prefect server (another is used if it is taken)",
 )
-@click.option("--no-upgrade", is_flag=True, help="do not migrate the store at start-up")
 @click.option(
-    "--safety-net",
-    type=click.IntRange(5),
-    default=60,
-    show_default=True,
-    help="seconds between safety-net consumer runs",
+    "--upgrade", is_flag=True, help="migrate a PostgreSQL store at start-up (SQLite always is)"
 )
+@click.option("--no-ui", is_flag=True, help="run the embedded Prefect server without its UI")
 @click.pass_context
 @fails_cleanly
-def serve_command(ctx: click.Context, prefect_port: int, no_upgrade: bool, safety_net: int) -> None:
-    """Serve the backfill, interactive and safety-net deployments (Ctrl-C stops all).
+def serve_command(ctx: click.Context, prefect_port: int, upgrade: bool, no_ui: bool) -> None:
+    """Run the embedded default until stopped (SIGTERM, SIGINT or SIGHUP).
 
-    Starts a local Prefect server under the data directory unless PREFECT_API_URL
-    names one.
+    Starts a local Prefect server under the data directory unless
+    PREFECT_API_URL names one, the warm consumer, and the deployments.
     """
-    from deployments.serve import ServeOptions, serve
+    from deployments.serve import AlreadyServing, ServeOptions, serve
 
-    serve(_settings(ctx), ServeOptions(prefect_port, not no_upgrade, safety_net))
+    try:
+        serve(settings_from(ctx), ServeOptions(prefect_port, upgrade, not no_ui))
+    except AlreadyServing as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(1)
 
 
-@main.command("deploy")
+@click.command("deploy")
 @click.option(
     "--source",
     required=True,
     help="where workers get the code: a git URL, or this project's path on every machine",
 )
 @click.option("--pool", default="insight-queue", show_default=True, help="process work pool")
-@click.option(
-    "--safety-net",
-    type=click.IntRange(5),
-    default=60,
-    show_default=True,
-    help="seconds between safety-net consumer runs",
-)
-def deploy_command(source: str, pool: str, safety_net: int) -> None:
+@fails_cleanly
+def deploy_command(source: str, pool: str) -> None:
     """Scale-out: register the flows on a process work pool (interactive queue first).
 
     Then run `prefect worker start --pool POOL` on each machine, with the same
-    PREFECT_API_URL and AI_JOB_* settings (the store on PostgreSQL).
+    PREFECT_API_URL and AI_JOB_* settings (the store on PostgreSQL), and
+    optionally `insight-queue consume` for a warm consumer.
     """
     from deployments.deploy import deploy
 
-    deployed = deploy(source, pool=pool, safety_net_seconds=safety_net)
+    deployed = deploy(source, pool=pool)
     for name, deployment_id in deployed.deployments.items():
         click.echo(f"{name}  {deployment_id}  (pool {deployed.pool})")
 
 
-@main.command("trigger-backfill")
+def _echo(value: dict[str, Any]) -> None:
+    click.echo(json.dumps(value, indent=2, ensure_ascii=False))
+
+
+@click.command("trigger-backfill")
 @click.argument("user_id")
 @click.option("--sync-id", default=None, help="the sync this follows; one run per sync")
 @fails_cleanly
 def trigger_backfill_command(user_id: str, sync_id: str | None) -> None:
-    """What the post-sync hook calls: start the backfill run and return at once."""
+    """What the post-sync hook calls: queue the user's scopes, start the backfill run (JSON)."""
     from deployments.triggers import trigger_backfill
 
-    run_id = trigger_backfill(user_id, sync_id)
-    click.echo(run_id or "Prefect unreachable: scopes queued; the safety net will drain")
+    _echo(trigger_backfill(user_id, sync_id).as_dict())
 
 
-@main.command("request-insight")
+@click.command("request-insight")
 @click.argument("user_id")
 @click.argument("kind")
 @click.argument("subject")
-@click.option("--fingerprint", default=None)
+@click.option("--fingerprint", default=None, help="hash of the data the insight is made from")
 @fails_cleanly
 def request_insight_command(user_id: str, kind: str, subject: str, fingerprint: str | None) -> None:
-    """What a screen calls on every poll: status, place in line, ETA, latest result."""
+    """What a screen calls on every poll: status, place in line, ETA, latest result (JSON)."""
     from deployments.triggers import request_insight
 
-    state = request_insight(user_id, kind, subject, fingerprint)
-    click.echo(json.dumps(state.as_dict(), indent=2, ensure_ascii=False))
-
-
-from deployments.demo import demo_command  # noqa: E402 - after the group it joins
-
-for command in [*COMMANDS, *FLOW_COMMANDS, demo_command]:
-    main.add_command(command)
+    _echo(request_insight(user_id, kind, subject, fingerprint).as_dict())

@@ -6,7 +6,8 @@ triggers work unchanged:
 
 - queue `interactive` (priority 1): `interactive/insight-queue`, a screen's run;
 - queue `backfill` (priority 10): `backfill/insight-queue` and the safety net
-  `drain/insight-queue`.
+  `drain/insight-queue` (hourly: with `insight-queue consume` running beside
+  the workers, nothing waits for it).
 
 A worker polls its pool's queues in priority order, so an interactive run
 waiting beside backfill runs is started first. Every machine runs
@@ -25,18 +26,11 @@ import dataclasses
 import logging
 from typing import Any
 
-from deployments.triggers import DEPLOYMENT
+from deployments import table
 from flows.limits import ensure_gateway_limit
 from queue_store import Settings
 
 logger = logging.getLogger(__name__)
-
-POOL = "insight-queue"
-INTERACTIVE_QUEUE = "interactive"
-BACKFILL_QUEUE = "backfill"
-# Lower is served first.
-QUEUE_PRIORITIES = {INTERACTIVE_QUEUE: 1, BACKFILL_QUEUE: 10}
-SAFETY_NET_SECONDS = 60
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +39,7 @@ class Deployed:
     deployments: dict[str, str]  # name -> id
 
 
-def ensure_pool(pool: str = POOL) -> None:
+def ensure_pool(pool: str = table.POOL) -> None:
     """The `process` work pool and its two prioritised queues; idempotent."""
     from prefect import get_client
     from prefect.client.schemas.actions import WorkPoolCreate
@@ -56,7 +50,7 @@ def ensure_pool(pool: str = POOL) -> None:
             client.read_work_pool(pool)
         except ObjectNotFound:
             client.create_work_pool(WorkPoolCreate(name=pool, type="process"))
-        for name, priority in QUEUE_PRIORITIES.items():
+        for name, priority in table.QUEUE_PRIORITIES.items():
             try:
                 queue = client.read_work_queue_by_name(name, work_pool_name=pool)
             except ObjectNotFound:
@@ -70,35 +64,35 @@ def ensure_pool(pool: str = POOL) -> None:
 def deploy(
     source: str,
     *,
-    pool: str = POOL,
-    safety_net_seconds: int = SAFETY_NET_SECONDS,
+    pool: str = table.POOL,
     job_variables: dict[str, Any] | None = None,
 ) -> Deployed:
-    """Register the three deployments on the pool; returns their ids."""
-    from flows.flows import backfill, drain, interactive
+    """Register every deployment of the table on the pool; returns their ids."""
+    from flows import flows
 
     ensure_pool(pool)
     ensure_gateway_limit(Settings.from_env().concurrency)
-    plan: list[tuple[Any, str, dict[str, Any]]] = [
-        (interactive, INTERACTIVE_QUEUE, {}),
-        (backfill, BACKFILL_QUEUE, {}),
-        (drain, BACKFILL_QUEUE, {"interval": safety_net_seconds}),
-    ]
     ids: dict[str, str] = {}
-    for flow_object, queue, extra in plan:
-        entrypoint = f"flows/flows.py:{flow_object.fn.__name__}"
-        remote = flow_object.from_source(source=source, entrypoint=entrypoint)
+    for entry in table.DEPLOYMENTS:
+        flow_object = getattr(flows, entry.function)
+        remote = flow_object.from_source(source=source, entrypoint=entry.entrypoint)
+        extra: dict[str, Any] = {}
+        if entry.interval_seconds:
+            extra["interval"] = entry.interval_seconds
+        if entry.concurrency_limit:
+            extra["concurrency_limit"] = entry.concurrency_limit
         deployment_id = remote.deploy(
-            name=DEPLOYMENT,
+            name=table.DEPLOYMENT,
             work_pool_name=pool,
-            work_queue_name=queue,
+            work_queue_name=entry.queue,
             tags=["insight-queue"],
+            description=entry.description,
             job_variables=job_variables or {},
             build=False,
             push=False,
             print_next_steps=False,
             **extra,
         )
-        ids[f"{flow_object.name}/{DEPLOYMENT}"] = str(deployment_id)
-        logger.info("deployed %s/%s to %s/%s", flow_object.name, DEPLOYMENT, pool, queue)
+        ids[entry.name] = str(deployment_id)
+        logger.info("deployed %s to %s/%s", entry.name, pool, entry.queue)
     return Deployed(pool, ids)

@@ -1,129 +1,284 @@
 """`insight-queue serve`: the embedded default, from one laptop to one server.
 
-Starts (or reuses) a local Prefect server, prepares the store and the
-`gateway` limit, and serves three deployments from this process:
+One process runs:
 
-- `backfill/insight-queue`: what the post-sync hook triggers;
-- `interactive/insight-queue`: what a screen triggers;
-- `drain/insight-queue`: the safety net, on a schedule: picks up whatever is
-  runnable when no trigger will (a cooldown ran out, a trigger was lost while
-  Prefect was down, a consumer died).
+- a local Prefect server under the data directory (unless `PREFECT_API_URL`
+  names one), with the `gateway` tag limit;
+- the warm consumer: it stands by, takes a screen's job within a fraction of a
+  second, and writes every generation attempt to the run history. It is not a
+  run itself, so an idle hour adds nothing to the history;
+- the deployments of `deployments.table`, served by a Prefect runner: what the
+  post-sync hook and screens trigger (their runs follow their jobs; the
+  consumer does the work).
 
-Prefect must be configured through the environment before it is imported,
-so this module imports it only inside `serve`.
+It says where it is in `<data dir>/serve.json` (the app-side triggers read it
+when `PREFECT_API_URL` is unset) and holds `<data dir>/serve.lock`, so one
+serve runs per data directory. Its worker name is stable for the data
+directory and host, so a restart takes back the claims of the previous serve
+at once, even after a crash, and marks their runs crashed.
+
+SIGTERM, SIGINT or SIGHUP stop it within seconds: the call in flight is
+stopped and its job handed back without spending the attempt, its run ends
+Cancelled, the runner's flow runs are cancelled, the Prefect server it started
+stops, and nothing is left holding a port.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import dataclasses
+import fcntl
+import hashlib
 import logging
 import os
-from dataclasses import dataclass
+import socket
+import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import IO, Any
 
-from deployments.embedded import DEFAULT_PORT, EmbeddedServer, is_healthy
-from deployments.triggers import DEPLOYMENT
-from queue_store import JobStore, Settings, migrate
-
-if TYPE_CHECKING:
-    from prefect.deployments.runner import RunnerDeployment
+from deployments import processes, table
+from deployments.prefect_api import ServeState
+from deployments.stack import DEFAULT_PORT, PrefectServer, client_env, is_healthy
+from flows.consumer import Consumer
+from flows.runtime import Runtime
+from queue_store import Job, JobStore, Settings, migrate
 
 logger = logging.getLogger(__name__)
 
-SAFETY_NET_SECONDS = 60
-# The runner looks for new flow runs this often (Prefect's default is 10 s,
-# which would be most of a screen's wait).
+# The runner looks for new flow runs this often (Prefect's default is 10 s).
 RUNNER_POLL_SECONDS = 1
-# Flow runs this process may run at once: a backfill draining, a few
-# interactive runs that find the gateway busy and leave, the safety net.
-RUN_LIMIT = 10
+# Flow runs this process runs at once (each follows its jobs; the consumer works).
+RUN_LIMIT = 20
+STOP_CONSUMER_SECONDS = 15.0
+STOP_RUNNER_SECONDS = 15.0
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class ServeOptions:
     prefect_port: int = DEFAULT_PORT
-    upgrade: bool = True
-    safety_net_seconds: int = SAFETY_NET_SECONDS
+    upgrade: bool = False  # run migrations on PostgreSQL too (SQLite always upgrades)
     ui: bool = True
+    hold_slot_when_idle: bool = True
 
 
-def prefect_home(settings: Settings) -> Path:
-    return settings.data_dir / "prefect"
+class AlreadyServing(RuntimeError):
+    """Another serve holds this data directory."""
+
+
+def serve_worker(settings: Settings) -> str:
+    """The stable worker name of serve for this host and data directory."""
+    host = "".join(c if c.isalnum() or c in ".-" else "-" for c in socket.gethostname())[:60]
+    where = hashlib.sha256(str(settings.data_dir.resolve()).encode()).hexdigest()[:10]
+    return f"serve@{host}:{where}"
+
+
+@contextlib.contextmanager
+def _data_dir_lock(settings: Settings) -> Iterator[None]:
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    path = settings.data_dir / "serve.lock"
+    handle: IO[str] = open(path, "a+")  # noqa: SIM115 - held for the life of serve
+    try:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "?"
+            raise AlreadyServing(
+                f"another `insight-queue serve` (pid {holder}) is running for {settings.data_dir}"
+            ) from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(str(os.getpid()))
+        handle.flush()
+        yield
+    finally:
+        handle.close()
 
 
 def configure_client(api_url: str, home: Path) -> None:
     """Point this process, and the flow runs it starts, at one Prefect server."""
-    os.environ["PREFECT_API_URL"] = api_url
-    os.environ.setdefault("PREFECT_HOME", str(home))
-    os.environ["PREFECT_SERVER_ALLOW_EPHEMERAL_MODE"] = "false"
+    for name, value in client_env(api_url, home).items():
+        os.environ[name] = value
     os.environ.setdefault("PREFECT_RUNNER_POLL_FREQUENCY", str(RUNNER_POLL_SECONDS))
 
 
-def prepare(settings: Settings, upgrade: bool) -> None:
-    """The store's schema, the `gateway` limit, leaked slots and dead claims."""
-    from flows.limits import ensure_gateway_limit, repair_gateway_slots
+def prepare(runtime: Runtime, worker: str, upgrade: bool) -> None:
+    """The store's schema, the `gateway` limit, leaked slots, and what a previous serve left."""
+    from flows.limits import ensure_gateway_limit, mark_crashed, repair_gateway_slots
 
+    settings = runtime.settings
     if upgrade:
         migrate.upgrade(settings.database_url)
     ensure_gateway_limit(settings.concurrency)
     check = repair_gateway_slots()
     if check.repaired:
         logger.warning("gateway slots: %d counted, %d live; repaired", check.counted, check.live)
-    with JobStore(settings.database_url, settings=settings) as store:
-        released = store.recover()
-    if released:
-        logger.warning("released %d claim(s) left by dead workers", released)
+    taken: list[Job] = runtime.store.recover(worker)
+    if taken:
+        logger.warning(
+            "took back %d claim(s) of a previous serve or of dead workers: %s",
+            len(taken),
+            ", ".join(j.run_name for j in taken),
+        )
+        mark_crashed(
+            [j.flow_run_id for j in taken if j.flow_run_id],
+            "the worker stopped while this call was in flight; its job was taken back",
+        )
 
 
-def runner_deployments(options: ServeOptions) -> list[RunnerDeployment]:
-    from prefect.deployments.runner import RunnerDeployment
+class _RunnerThread(threading.Thread):
+    """Prefect's runner for the deployments, in a thread with its own event loop.
 
-    from flows.flows import backfill, drain, interactive
+    Not in the main thread, so it installs no signal handler of its own: serve
+    decides how it stops.
+    """
 
-    return [
-        RunnerDeployment.from_flow(
-            backfill, name=DEPLOYMENT, tags=["insight-queue"], description=backfill.description
-        ),
-        RunnerDeployment.from_flow(
-            interactive,
-            name=DEPLOYMENT,
-            tags=["insight-queue"],
-            description=interactive.description,
-        ),
-        RunnerDeployment.from_flow(
-            drain,
-            name=DEPLOYMENT,
-            tags=["insight-queue", "safety-net"],
-            interval=options.safety_net_seconds,
-            # Each safety-net run stands by until the next one starts, so a
-            # consumer is running when a screen opens: its job is claimed
-            # within a fraction of a second instead of after a new flow run's
-            # process has started.
-            parameters={"standby_seconds": options.safety_net_seconds},
-            description=drain.description,
-        ),
-    ]
+    def __init__(self) -> None:
+        super().__init__(name="prefect-runner", daemon=True)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._runner: Any = None
+        self.error: BaseException | None = None
+        self.started_serving = threading.Event()
+
+    def run(self) -> None:
+        try:
+            asyncio.run(self._main())
+        except BaseException as exc:  # noqa: BLE001 - reported by serve
+            self.error = exc
+
+    async def _main(self) -> None:
+        from prefect.deployments.runner import RunnerDeployment
+        from prefect.runner import Runner
+
+        from flows import flows
+
+        self._loop = asyncio.get_running_loop()
+        self._runner = Runner(
+            name=f"insight-queue-{os.getpid()}", limit=RUN_LIMIT, pause_on_shutdown=False
+        )
+        for entry in table.DEPLOYMENTS:
+            deployment = RunnerDeployment.from_flow(
+                getattr(flows, entry.function),
+                name=table.DEPLOYMENT,
+                tags=["insight-queue"],
+                description=entry.description,
+                concurrency_limit=entry.concurrency_limit,
+            )
+            await self._runner.add_deployment(deployment)
+        self.started_serving.set()
+        await self._runner.start()
+
+    def stop(self, timeout: float) -> None:
+        if self._loop is not None and self._runner is not None and self.is_alive():
+            with contextlib.suppress(RuntimeError):
+                asyncio.run_coroutine_threadsafe(self._runner.astop(), self._loop)
+        self.join(timeout)
+
+
+class _ConsumerThread(threading.Thread):
+    def __init__(self, consumer: Consumer, ledger: Any) -> None:
+        super().__init__(name="consumer", daemon=True)
+        self.consumer = consumer
+        self._ledger = ledger
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        async def main() -> None:
+            try:
+                await self.consumer.run()
+            finally:
+                await self._ledger.flush(timeout=5.0)
+
+        try:
+            asyncio.run(main())
+        except BaseException as exc:  # noqa: BLE001 - reported by serve
+            self.error = exc
 
 
 def serve(settings: Settings, options: ServeOptions) -> None:
-    """Run until interrupted; stops the Prefect server if it started one."""
-    server: EmbeddedServer | None = None
-    api_url = os.environ.get("PREFECT_API_URL")
-    if not api_url:
-        server = EmbeddedServer(prefect_home(settings), options.prefect_port, ui=options.ui)
-        server.start()
-        api_url = server.api_url
-    elif not is_healthy(api_url):
-        raise RuntimeError(f"PREFECT_API_URL={api_url} does not answer")
-    configure_client(api_url, prefect_home(settings))
-    try:
-        prepare(settings, options.upgrade)
-        from prefect import serve as prefect_serve
+    """Run until a signal; stop everything started, within seconds."""
+    from flows.history import PrefectLedger, PrefectSlotGuard
 
-        print(f"insight-queue serving; Prefect UI at {api_url.removesuffix('/api')}", flush=True)
-        prefect_serve(*runner_deployments(options), limit=RUN_LIMIT, print_starting_message=False)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        if server is not None:
-            server.stop()
+    server: PrefectServer | None = None
+    state: ServeState | None = None
+    consumer_thread: _ConsumerThread | None = None
+    runner_thread: _RunnerThread | None = None
+    with _data_dir_lock(settings):
+        try:
+            with processes.stop_signals():
+                api_url = os.environ.get("PREFECT_API_URL", "").strip()
+                home = settings.data_dir / "prefect"
+                if not api_url:
+                    port = processes.free_port(options.prefect_port)
+                    if port != options.prefect_port:
+                        print(
+                            f"port {options.prefect_port} is taken; the Prefect server uses {port}",
+                            flush=True,
+                        )
+                    server = PrefectServer(home, port, ui=options.ui, reuse=False).start()
+                    api_url = server.api_url
+                elif not is_healthy(api_url):
+                    raise RuntimeError(f"PREFECT_API_URL={api_url} does not answer")
+                configure_client(api_url, home)
+                runtime = Runtime.from_env(settings)
+                worker = serve_worker(settings)
+                prepare(runtime, worker, options.upgrade)
+                ui_url = api_url.removesuffix("/api")
+                state = ServeState(api_url, ui_url, os.getpid(), worker)
+                state.write(settings)
+
+                ledger = PrefectLedger(worker, runtime.redactor)
+                consumer = runtime.consumer(
+                    standby=True,
+                    ledger=ledger,
+                    guard=PrefectSlotGuard(),
+                    worker=worker,
+                    hold_slot_when_idle=options.hold_slot_when_idle,
+                )
+                consumer_thread = _ConsumerThread(consumer, ledger)
+                consumer_thread.start()
+                runner_thread = _RunnerThread()
+                runner_thread.start()
+                print(f"insight-queue serving; Prefect UI at {ui_url}", flush=True)
+                while consumer_thread.is_alive() and runner_thread.is_alive():
+                    time.sleep(0.5)
+                for thread in (consumer_thread, runner_thread):
+                    if thread.error is not None:
+                        raise RuntimeError(
+                            f"{thread.name} stopped: {thread.error}"
+                        ) from thread.error
+        except KeyboardInterrupt:
+            pass
+        finally:
+            _stop(server, state, settings, consumer_thread, runner_thread)
+
+
+def _stop(
+    server: PrefectServer | None,
+    state: ServeState | None,
+    settings: Settings,
+    consumer_thread: _ConsumerThread | None,
+    runner_thread: _RunnerThread | None,
+) -> None:
+    """Stop in order: the call in flight, the runner's runs, the Prefect server."""
+    if consumer_thread is not None:
+        consumer_thread.consumer.stop("serve is stopping")
+        consumer_thread.join(STOP_CONSUMER_SECONDS)
+    if runner_thread is not None:
+        runner_thread.stop(STOP_RUNNER_SECONDS)
+    # Whatever the runner could not stop (the Prefect server may be gone
+    # already), and nothing else of ours, by PID.
+    own = {server.pid} if server is not None and server.pid else set()
+    for pid in processes.children():
+        if pid not in own:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, 15)
+    if state is not None:
+        state.remove(settings)
+    if server is not None:
+        server.stop()
+    with contextlib.suppress(Exception):
+        JobStore(settings.database_url, settings=settings).worker_gone(serve_worker(settings))

@@ -1,246 +1,279 @@
 """What the app calls: the post-sync hook's `trigger_backfill`, and a screen's `request_insight`.
 
-Both return at once and never wait for a generation. Both keep working on the
-store alone when the Prefect server cannot be reached: the work is queued, the
-error is logged once (not once per poll), and the safety-net consumer picks it
-up when Prefect is back.
+Both return within a few seconds whatever Prefect's state, and never wait for
+a generation. Both queue their work in the store first, so nothing is lost
+when Prefect cannot be reached: the consumer (or the next poll) takes it.
+Both refuse at once what could never succeed: a blank or malformed id, a kind
+no generator is registered for.
 
-A screen polls every few seconds, and every poll is a `request_insight`. A
-flow run is started only when one is needed: when the job is queued and no
-consumer is in the middle of a call (one that is will take this job next, as
-the store hands out the highest priority first). Even then, one run per job
-per `RUN_WINDOW_SECONDS` at most, by Prefect's idempotency key.
+A screen polls every few seconds, and every poll is a `request_insight`. A run
+is started only when one is needed: the job is queued, no consumer says it is
+standing by (one that is takes the job within a fraction of a second), and no
+call is in flight (the consumer making it takes this job next). Even then,
+one run per job per `RUN_WINDOW_SECONDS`, by Prefect's idempotency key.
+
+The one place these keep state is the `Triggers` object; the module-level
+functions use the process's own (`current()`), made on first use.
 """
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import logging
 import threading
 import time
 from typing import Any
-from uuid import UUID
 
+from deployments import table
+from deployments.prefect_api import PrefectApi, PrefectUnavailable, api_url
+from flows import runtime as runtimes
 from queue_store import (
     INTERACTIVE,
     PREFETCH,
+    EnqueueRequest,
+    InvalidArgument,
     JobStore,
-    Settings,
+    Status,
     StoreError,
-    check_user_id,
     job_id,
+    validation,
 )
 
 logger = logging.getLogger(__name__)
 
-DEPLOYMENT = "insight-queue"
-BACKFILL_DEPLOYMENT = f"backfill/{DEPLOYMENT}"
-INTERACTIVE_DEPLOYMENT = f"interactive/{DEPLOYMENT}"
-DRAIN_DEPLOYMENT = f"drain/{DEPLOYMENT}"
-
-# One interactive run per job per window at most, however often its screen polls.
+# One screen run per job per window at most, however often its screen polls.
 RUN_WINDOW_SECONDS = 30
-# A backfill triggered twice for the same sync within this window runs once.
+# A backfill triggered twice for the same sync (or, without a sync id, within
+# this window) starts one run.
 BACKFILL_WINDOW_SECONDS = 60
-# A screen's poll must not hang on Prefect, whose client retries a 503 up to
-# five times over a minute: one retry and short timeouts. A run not created
-# now is created by the screen's next poll (same idempotency key) or the
-# safety net.
-CREATE_RUN_RETRIES = 1
-CREATE_RUN_TIMEOUT_SECONDS = 5.0
+NO_SERVER = (
+    "no Prefect server: PREFECT_API_URL is not set and no `insight-queue serve` "
+    "is running for this data directory"
+)
 
 
 @dataclasses.dataclass(frozen=True)
 class InsightState:
-    """What a screen gets back from every poll."""
+    """What a screen gets back from every poll (snake_case, like every JSON of the project)."""
 
-    status: str
-    ahead: int | None = None
+    status: str  # pending | running | done | failed | unknown (the store was unreachable)
+    ahead: int | None = None  # jobs that will run before this one
+    in_flight: int | None = None
     eta_seconds: float | None = None
     result: dict[str, Any] | None = None  # the latest result, possibly for older data
-    fresh: bool = False  # the result matches the fingerprint asked for
-    flow_run_id: str | None = None  # the run started by this call, if any
-    error: str | None = None  # set when the store itself could not be reached
+    fresh: bool = False  # the result answers the fingerprint asked about
+    flow_run_id: str | None = None  # the run this call started, if any
+    run_note: str | None = None  # why no run was started when one was needed
+    paused: str | None = None  # claiming is paused: why, and for how long
+    error: str | None = None  # the store could not be reached
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
-class _OnceLogger:
-    """Logs an outage once, and its end once, instead of once per poll."""
+@dataclasses.dataclass(frozen=True)
+class BackfillState:
+    """What the post-sync hook gets back."""
 
-    def __init__(self, what: str) -> None:
-        self._what = what
-        self._failing = False
+    user_id: str
+    queued: int  # scopes queued or already in hand
+    flow_run_id: str | None  # the backfill run (the same for the same sync)
+    run_note: str | None = None  # why no run was started
+    error: str | None = None  # the store could not be reached
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+class Triggers:
+    """The app side: a runtime (store, registry) and the way to Prefect."""
+
+    def __init__(self, runtime: runtimes.Runtime, prefect_url: str | None = None) -> None:
+        self.runtime = runtime
+        self._prefect_url = prefect_url
+        self._api: PrefectApi | None = None
         self._lock = threading.Lock()
+        self._outage_logged = False
 
-    def failed(self, exc: BaseException) -> None:
+    @property
+    def store(self) -> JobStore:
+        return self.runtime.store
+
+    def _prefect(self) -> PrefectApi:
+        url = self._prefect_url or api_url(self.runtime.settings)
+        if url is None:
+            raise PrefectUnavailable(NO_SERVER)
         with self._lock:
-            if self._failing:
-                return
-            self._failing = True
-        logger.error(
-            "%s unreachable (%s: %s); queued work waits for the safety net",
-            self._what,
-            type(exc).__name__,
-            exc,
+            if self._api is None or self._api.base_url != url.rstrip("/"):
+                if self._api is not None:
+                    self._api.close()
+                self._api = PrefectApi(url)
+            return self._api
+
+    def check_kind(self, kind: str) -> str:
+        """The kind, or `InvalidArgument` if no generator is registered for it."""
+        kind = validation.kind(kind)
+        registry = self.runtime.registry
+        if registry.kinds and not registry.knows(kind):
+            raise InvalidArgument(
+                "kind",
+                f"no generator is registered for {kind!r} (known: {', '.join(registry.kinds)})",
+            )
+        return kind
+
+    def _start_run(
+        self, deployment: table.Deployment, **request: Any
+    ) -> tuple[str | None, str | None]:
+        try:
+            run = self._prefect().create_run(deployment.name, **request)
+        except PrefectUnavailable as exc:
+            if not self._outage_logged:
+                logger.error("%s; queued work waits for a consumer", exc)
+            self._outage_logged = True
+            return None, str(exc)
+        if self._outage_logged:
+            logger.warning("Prefect reachable again")
+        self._outage_logged = False
+        return run, None
+
+    def request_insight(
+        self, user_id: str, kind: str, subject: str, fingerprint: str | None = None
+    ) -> InsightState:
+        """A screen's poll: queue the insight at the front, start a run if needed, report.
+
+        Raises `InvalidArgument` (a `ValueError`) for bad input; never raises
+        because Prefect or the database is down: the state says so instead.
+        """
+        user_id, kind, subject = validation.key(user_id, kind, subject)
+        fingerprint = validation.fingerprint(fingerprint)
+        self.check_kind(kind)
+        store = self.store
+        try:
+            status = store.enqueue(user_id, kind, subject, fingerprint, INTERACTIVE)
+        except StoreError as exc:
+            if isinstance(exc, ValueError):
+                raise
+            logger.error("store unavailable for %s:%s: %s", kind, subject, exc)
+            return InsightState(status=str(Status.UNKNOWN), error=str(exc))
+
+        run_id = note = None
+        if status == Status.PENDING and self._run_needed():
+            window = int(time.time() // RUN_WINDOW_SECONDS)
+            run_id, note = self._start_run(
+                table.INTERACTIVE,
+                parameters={
+                    "user_id": user_id,
+                    "kind": kind,
+                    "subject": subject,
+                    "fingerprint": fingerprint,
+                },
+                name=f"{kind}:{subject}",
+                tags=[f"user:{user_id}", f"kind:{kind}", "priority:interactive"],
+                idempotency_key=f"interactive:{job_id(user_id, kind, subject)}:{window}",
+            )
+        try:
+            job = store.job(user_id, kind, subject)
+            position = store.position(user_id, kind, subject)
+            latest = store.result_of(user_id, kind, subject)
+            gate = store.gate_state()
+        except StoreError as exc:
+            return InsightState(
+                status=str(status), flow_run_id=run_id, run_note=note, error=str(exc)
+            )
+        paused = None
+        if gate.paused:
+            paused = f"{gate.pause_kind} for {gate.pause_seconds_left:.0f} s: {gate.pause_reason}"
+        return InsightState(
+            status=str(status),
+            ahead=position.ahead if position else None,
+            in_flight=position.in_flight if position else None,
+            eta_seconds=round(position.eta_seconds, 1) if position else None,
+            result=latest.as_dict() if latest else None,
+            fresh=latest is not None and latest.is_fresh_for(fingerprint, job),
+            flow_run_id=run_id,
+            run_note=note,
+            paused=paused,
         )
 
-    def succeeded(self) -> None:
-        with self._lock:
-            if not self._failing:
-                return
-            self._failing = False
-        logger.warning("%s reachable again", self._what)
+    def _run_needed(self) -> bool:
+        """No consumer stands by and none is mid-call: only a new run would take the job."""
+        try:
+            return not self.store.consumer_standing_by() and self.store.calls_in_flight() == 0
+        except StoreError:
+            return True
 
+    def trigger_backfill(self, user_id: str, sync_id: str | None = None) -> BackfillState:
+        """After a data sync: queue every scope of the user, start the backfill run, return at once.
 
-_prefect_outage = _OnceLogger("Prefect server")
-_deployment_ids: dict[str, UUID] = {}
-_store: JobStore | None = None
-_store_lock = threading.Lock()
-
-
-def default_store() -> JobStore:
-    global _store
-    with _store_lock:
-        if _store is None:
-            settings = Settings.from_env()
-            _store = JobStore(settings.database_url, settings=settings)
-        return _store
-
-
-def _create_run(
-    deployment: str,
-    parameters: dict[str, Any],
-    *,
-    name: str,
-    tags: list[str],
-    idempotency_key: str,
-) -> str | None:
-    """Start a flow run of a deployment; None (logged once) if Prefect is unreachable."""
-    try:
-        from prefect import get_client
-        from prefect.settings import PREFECT_CLIENT_MAX_RETRIES, temporary_settings
-
-        with (
-            temporary_settings({PREFECT_CLIENT_MAX_RETRIES: CREATE_RUN_RETRIES}),
-            get_client(
-                sync_client=True, httpx_settings={"timeout": CREATE_RUN_TIMEOUT_SECONDS}
-            ) as client,
-        ):
-            deployment_id = _deployment_ids.get(deployment)
-            if deployment_id is None:
-                deployment_id = client.read_deployment_by_name(deployment).id
-                _deployment_ids[deployment] = deployment_id
-            run = client.create_flow_run_from_deployment(
-                deployment_id,
-                parameters=parameters,
-                name=name,
-                tags=tags,
-                idempotency_key=idempotency_key,
+        Safe to call twice for the same sync: with the same `sync_id` (or,
+        without one, within a minute) it starts one run. The scopes are queued
+        in the store first (one transaction), so they survive Prefect being
+        down or the run crashing.
+        """
+        user_id = validation.user_id(user_id)
+        if sync_id is not None:
+            sync_id = validation.text("sync_id", sync_id, 200)
+        scopes = self.runtime.registry.scopes_for(user_id)
+        try:
+            self.store.enqueue_many(
+                [
+                    EnqueueRequest(
+                        user_id, s.kind, s.subject, s.fingerprint, PREFETCH, s.single_subject
+                    )
+                    for s in scopes
+                ]
             )
-    except Exception as exc:  # noqa: BLE001 - any Prefect failure leaves the work queued
-        _deployment_ids.pop(deployment, None)
-        _prefect_outage.failed(exc)
-        return None
-    _prefect_outage.succeeded()
-    return str(run.id)
+        except StoreError as exc:
+            if isinstance(exc, ValueError):
+                raise
+            # The run queues them itself when it starts.
+            logger.error("could not queue the scopes of %s: %s", user_id, exc)
+            error: str | None = str(exc)
+        else:
+            error = None
+        window = sync_id or str(int(time.time() // BACKFILL_WINDOW_SECONDS))
+        run_id, note = self._start_run(
+            table.BACKFILL,
+            parameters={"user_id": user_id},
+            name=f"backfill:{user_id}",
+            tags=[f"user:{user_id}", "priority:prefetch"],
+            idempotency_key=f"backfill:{user_id}:{window}",
+        )
+        return BackfillState(user_id, len(scopes), run_id, note, error)
 
 
-def trigger_backfill(
-    user_id: str, sync_id: str | None = None, *, store: JobStore | None = None
-) -> str | None:
-    """After a data sync: start the backfill flow for the user, and return at once.
-
-    Safe to call twice for the same sync: with the same `sync_id` (or, without
-    one, within a minute) it starts one run. The user's scopes are queued in
-    the store before the run is asked for, so they survive Prefect being down
-    or the run crashing. Returns the flow run id, or None when Prefect is
-    unreachable (the safety net then drains what is queued).
-    Raises `ValueError` (the store's `InvalidArgument`) for a user id the store
-    would refuse.
-    """
-    user_id = check_user_id(user_id)
-    # Queued here first (idempotent, a few fast writes): a run that never
-    # starts, or crashes before its own enqueue, then loses nothing, and the
-    # safety net drains what is queued.
-    _queue_scopes(user_id, store)
-    window = sync_id or str(int(time.time() // BACKFILL_WINDOW_SECONDS))
-    return _create_run(
-        BACKFILL_DEPLOYMENT,
-        {"user_id": user_id},
-        name=f"backfill:{user_id}",
-        tags=["priority:prefetch"],
-        idempotency_key=f"backfill:{user_id}:{window}",
-    )
+_installed: contextvars.ContextVar[Triggers | None] = contextvars.ContextVar(
+    "insight_queue_triggers", default=None
+)
+_process: Triggers | None = None
+_process_lock = threading.Lock()
 
 
-def _queue_scopes(user_id: str, store: JobStore | None) -> None:
-    """Queue every scope of the user at prefetch priority (what the backfill flow does)."""
-    from flows.registry import scopes_for
+def current() -> Triggers:
+    """The triggers in force: installed with `use`, else this process's own."""
+    installed = _installed.get()
+    if installed is not None:
+        return installed
+    global _process
+    with _process_lock:
+        if _process is None:
+            _process = Triggers(runtimes.current())
+        return _process
 
-    try:
-        store = store or default_store()
-        for scope in scopes_for(user_id):
-            store.enqueue(user_id, scope.kind, scope.subject, scope.fingerprint, PREFETCH)
-            if scope.single_subject:
-                store.supersede(user_id, scope.kind, scope.subject)
-    except StoreError as exc:
-        # The run queues them itself when it starts.
-        logger.error("could not queue the scopes of %s in the store: %s", user_id, exc)
+
+def use(triggers: Triggers) -> contextvars.Token[Triggers | None]:
+    """Install `triggers` for the current context; undo with `_installed.reset(token)`."""
+    return _installed.set(triggers)
 
 
 def request_insight(
-    user_id: str,
-    kind: str,
-    subject: str,
-    fingerprint: str | None = None,
-    *,
-    store: JobStore | None = None,
+    user_id: str, kind: str, subject: str, fingerprint: str | None = None
 ) -> InsightState:
-    """A screen's poll: queue the insight at the front, start a run if needed, report.
-
-    Raises `ValueError` (the store's `InvalidArgument`) for bad input; never
-    raises because Prefect or the database is down: the state says so instead.
-    """
-    try:
-        store = store or default_store()  # opening it checks the schema: it may fail too
-        status = store.enqueue(user_id, kind, subject, fingerprint, INTERACTIVE)
-    except StoreError as exc:
-        if isinstance(exc, ValueError):
-            raise
-        logger.error("store unavailable for %s:%s: %s", kind, subject, exc)
-        return InsightState(status="unknown", error=str(exc))
-
-    run_id = None
-    if status == "pending" and _no_call_in_flight(store):
-        window = int(time.time() // RUN_WINDOW_SECONDS)
-        run_id = _create_run(
-            INTERACTIVE_DEPLOYMENT,
-            {"user_id": user_id, "kind": kind, "subject": subject, "fingerprint": fingerprint},
-            name=f"{kind}:{subject}",
-            tags=[f"kind:{kind}", "priority:interactive"],
-            idempotency_key=f"interactive:{job_id(user_id, kind, subject)}:{window}",
-        )
-
-    try:
-        position = store.position(user_id, kind, subject)
-        latest = store.result_of(user_id, kind, subject)
-    except StoreError as exc:
-        return InsightState(status=status, flow_run_id=run_id, error=str(exc))
-    return InsightState(
-        status=status,
-        ahead=position.ahead if position else None,
-        eta_seconds=round(position.eta_seconds, 1) if position else None,
-        result=latest.as_dict() if latest else None,
-        fresh=latest is not None and fingerprint in (None, latest.fingerprint),
-        flow_run_id=run_id,
-    )
+    """A screen's poll (see `Triggers.request_insight`)."""
+    return current().request_insight(user_id, kind, subject, fingerprint)
 
 
-def _no_call_in_flight(store: JobStore) -> bool:
-    """True when no consumer is mid-call (one that is takes our job next)."""
-    try:
-        return store.calls_in_flight() == 0
-    except StoreError:
-        return True
+def trigger_backfill(user_id: str, sync_id: str | None = None) -> BackfillState:
+    """The post-sync hook (see `Triggers.trigger_backfill`)."""
+    return current().trigger_backfill(user_id, sync_id)

@@ -1,75 +1,105 @@
-"""Commands that run the flows in this process: `drain`, `backfill`, `interactive`.
+"""Commands that run consumers and flows in this process: `consume`, `drain`, `setup-limit`.
 
-Each run is reported to the Prefect server named by `PREFECT_API_URL` and
-shows in its UI. Prefect is imported inside the commands so the store's
-verbs stay quick.
+Prefect is imported inside the commands, never at module level, so the
+store's verbs start without it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+import signal
 
 import click
 
-from flows.simulator import gateway_sim_command
+from queue_store import Settings
+from queue_store.cli import fails_cleanly, settings_from
 
 
 def _echo(value: object) -> None:
     click.echo(json.dumps(value, indent=2, default=str))
 
 
+def _require_prefect(settings: Settings) -> None:
+    from deployments.prefect_api import api_url
+
+    url = api_url(settings)
+    if url is None:
+        raise click.ClickException(
+            "no Prefect server: set PREFECT_API_URL, or run `insight-queue serve` "
+            "for this data directory"
+        )
+    os.environ["PREFECT_API_URL"] = url
+    os.environ.setdefault("PREFECT_SERVER_ALLOW_EPHEMERAL_MODE", "false")
+
+
+@click.command("consume")
+@click.pass_context
+@fails_cleanly
+def consume_command(ctx: click.Context) -> None:
+    """Stand by and run queued jobs until stopped (a warm consumer beside Prefect workers).
+
+    Every attempt goes to the run history of the Prefect server named by
+    PREFECT_API_URL, and holds a `gateway` slot. SIGTERM, SIGINT or SIGHUP stop
+    it: the call in flight is stopped and its job handed back.
+    """
+    from flows.consumer import worker_name
+    from flows.history import PrefectLedger, PrefectSlotGuard
+    from flows.runtime import Runtime
+
+    settings = settings_from(ctx)
+    _require_prefect(settings)
+    runtime = Runtime.from_env(settings)
+    worker = worker_name("consumer")
+    ledger = PrefectLedger(worker, runtime.redactor)
+    consumer = runtime.consumer(
+        standby=True, ledger=ledger, guard=PrefectSlotGuard(), worker=worker
+    )
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            loop.add_signal_handler(signum, consumer.stop, signum.name)
+        try:
+            await consumer.run()
+        finally:
+            await ledger.flush(timeout=5.0)
+
+    click.echo(f"{worker} standing by; Ctrl-C stops it", err=True)
+    asyncio.run(main())
+    click.echo(json.dumps(consumer.summary.as_dict()))
+
+
 @click.command("drain")
 @click.option("--max-jobs", type=click.IntRange(1), default=None, help="stop after this many")
-@click.option(
-    "--standby",
-    type=click.FloatRange(0),
-    default=0.0,
-    help="then stand by this many seconds for new work",
-)
-def drain_command(max_jobs: int | None, standby: float) -> None:
-    """Run queued jobs in priority order until nothing is runnable."""
+@click.pass_context
+@fails_cleanly
+def drain_command(ctx: click.Context, max_jobs: int | None) -> None:
+    """Run queued jobs in priority order until nothing is runnable (as a `drain` flow run)."""
+    from flows.runtime import Runtime
+
+    settings = settings_from(ctx)
+    _require_prefect(settings)
+    runtime = Runtime.from_env(settings)
+    standing = [w.name for w in runtime.store.workers() if w.alive and w.role == "consumer"]
+    if standing:
+        click.echo(f"a consumer is standing by ({', '.join(standing)}): it takes queued work")
+        return
     from flows.flows import drain
 
-    _echo(drain(max_jobs, standby))
-
-
-@click.command("backfill")
-@click.argument("user_id")
-@click.option("--no-drain", is_flag=True, help="only queue the scopes")
-def backfill_command(user_id: str, no_drain: bool) -> None:
-    """Queue every scope of USER_ID at prefetch priority, then drain (in this process)."""
-    from flows.flows import backfill
-
-    _echo(backfill(user_id, drain_after=not no_drain))
-
-
-@click.command("interactive")
-@click.argument("user_id")
-@click.argument("kind")
-@click.argument("subject")
-@click.option("--fingerprint", default=None)
-def interactive_command(user_id: str, kind: str, subject: str, fingerprint: str | None) -> None:
-    """Promote one insight to the front, then drain (in this process)."""
-    from flows.flows import interactive
-
-    _echo(interactive(user_id, kind, subject, fingerprint))
+    _echo(asyncio.run(drain(max_jobs)))
 
 
 @click.command("setup-limit")
-def setup_limit_command() -> None:
+@click.pass_context
+@fails_cleanly
+def setup_limit_command(ctx: click.Context) -> None:
     """Create or update the `gateway` tag concurrency limit to AI_JOB_CONCURRENCY."""
+    settings = settings_from(ctx)
+    _require_prefect(settings)
     from flows.limits import ensure_gateway_limit, repair_gateway_slots
-    from queue_store import Settings
 
-    limit = ensure_gateway_limit(Settings.from_env().concurrency)
+    limit = ensure_gateway_limit(settings.concurrency)
     check = repair_gateway_slots()
     click.echo(f"gateway limit {limit}; slots counted {check.counted}, live {check.live}")
-
-
-COMMANDS: list[click.Command] = [
-    drain_command,
-    backfill_command,
-    interactive_command,
-    setup_limit_command,
-    gateway_sim_command,
-]

@@ -1,249 +1,303 @@
-"""The Prefect flows: backfill, interactive, and the consumer that drains the queue.
+"""The Prefect flows: a backfill, a screen's run, and the drain.
 
 Prefect decides when and where these run and keeps their history; the store
-decides which job runs next. Each gateway call is a task run named
-`kind:subject`, tagged `gateway` (whose tag concurrency limit is a second,
-independent guard on the gateway) plus its kind and priority class, so the
-UI shows every generation with its outcome and failure message.
+decides which job runs next; a consumer (`flows.consumer`) makes the calls.
+Every generation attempt is a run of its own (`flows.history`), so these
+flows are about the people who asked:
 
-The claim comes from the store, whose claim is itself the gateway lease: it
-is taken only when the store sees the gateway free (concurrency and global
-gap), so the job claimed is the highest-priority one at that moment. Its
-heartbeat starts at the claim and covers any wait for the `gateway` slot.
+- `backfill:<user>`: queues the user's scopes (one transaction), then follows
+  them to the end, with a progress artifact and a table of every scope (done,
+  failed, superseded, and which generation run made it). It ends Completed
+  ("8 done") or Failed ("7 done, 1 failed").
+- `<kind>:<subject>` (a screen's run): puts the insight at the front, follows
+  it, and ends with the screen's story: which run generated it (a link), how
+  long the user waited, and the outcome.
+- `drain`: runs what is runnable, then stops (the safety net of a work pool).
+
+When a warm consumer says it is standing by (`insight-queue serve` or
+`consume`), the backfill and screen runs only follow: the consumer takes their
+jobs at once. When none is, they drain the queue themselves, holding the
+`gateway` slot for each call.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
-import functools
-import logging
-import os
-import socket
-import threading
+import re
+import signal
 import time
-import uuid
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
-from prefect import flow, get_run_logger, tags, task
-from prefect.cache_policies import NO_CACHE
-from prefect.runtime import flow_run
-
-from flows.registry import scopes_for
-from flows.runner import JobReport, JobRunner, Outcome
-from queue_store import (
-    INTERACTIVE,
-    PREFETCH,
-    Blocked,
-    Job,
-    JobStore,
-    Settings,
-    StoreError,
-    priority_class,
+from prefect import flow, get_run_logger
+from prefect.artifacts import (
+    acreate_markdown_artifact,
+    acreate_progress_artifact,
+    acreate_table_artifact,
+    aupdate_progress_artifact,
 )
+from prefect.client.schemas.objects import State
+from prefect.runtime import flow_run
+from prefect.states import Completed, Failed
 
-logger = logging.getLogger(__name__)
+from flows import runtime
+from flows.consumer import Consumer, Summary, worker_name
+from flows.history import PrefectLedger, PrefectSlotGuard, run_url
+from queue_store import INTERACTIVE, PREFETCH, EnqueueRequest, Job, Status, StoreError, job_id
 
-GATEWAY_TAG = "gateway"
-# Longest single sleep of a consumer waiting out a gap or a pause, so a
-# change (an operator's `resume`) is noticed soon.
-MAX_WAIT_SECONDS = 5.0
-# How often a consumer standing by looks for queued work (a read-only query).
-STANDBY_POLL_SECONDS = 0.25
-# How long a consumer keeps retrying a store it cannot reach before it stops.
-STORE_OUTAGE_SECONDS = 60.0
-
-
-class GenerationFailed(Exception):
-    """Raised by the gateway task so its run shows as failed with the reason."""
+# How often a following run looks at its jobs (a read-only query).
+FOLLOW_POLL_SECONDS = 1.0
+# A following run gives up after this long and says where its jobs stand.
+FOLLOW_LIMIT_SECONDS = 24 * 3600.0
 
 
-@functools.cache
-def settings() -> Settings:
-    return Settings.from_env()
+def _slug(text: str) -> str:
+    """An artifact key from free text: lowercase letters, digits and dashes."""
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")[:60] or "x"
 
 
-@functools.cache
-def store() -> JobStore:
-    return JobStore(settings().database_url, settings=settings())
+@contextlib.contextmanager
+def _stop_on_signals(consumer: Consumer) -> Iterator[None]:
+    """While a flow consumes, SIGTERM/SIGINT stop its calls cleanly (L4)."""
+    loop = asyncio.get_running_loop()
+    installed = []
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(signum, consumer.stop, f"signal {signum.name}")
+            installed.append(signum)
+        except (RuntimeError, ValueError, NotImplementedError):
+            pass  # not the main thread: the caller's own handling applies
+    try:
+        yield
+    finally:
+        for signum in installed:
+            loop.remove_signal_handler(signum)
 
 
-@functools.cache
-def runner() -> JobRunner:
-    return JobRunner(store(), settings())
-
-
-@functools.cache
-def worker_name() -> str:
-    """This process, as a claim's holder: host, pid and a per-process nonce."""
-    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
-
-
-def job_tags(job: Job) -> list[str]:
-    return [GATEWAY_TAG, f"kind:{job.kind}", f"priority:{priority_class(job.priority)}"]
-
-
-# Per job this process has claimed: its heartbeat's "lost" signal for the task,
-# and the task's report for the flow. Both run in this process; the task's
-# return value or exception is for the UI.
-_lost_events: dict[str, threading.Event] = {}
-_recording_events: dict[str, threading.Event] = {}
-_reports: dict[str, JobReport] = {}
-
-
-# Never cached: each claim is a new attempt, whatever its inputs.
-@task(name="generate", retries=0, persist_result=False, cache_policy=NO_CACHE)
-def generate(job: Job) -> dict[str, Any]:
-    """One gateway call for one claimed job (runs holding a `gateway` slot)."""
-    report = runner().run(job, _lost_events.get(job.id), _recording_events.get(job.id))
-    _reports[job.id] = report
-    log = get_run_logger()
-    if report.outcome in (Outcome.DONE, Outcome.RELEASED):
-        log.info("%s: %s in %.1f s", job.run_name, report.outcome, report.seconds)
-        if report.outcome == Outcome.RELEASED:
-            log.warning("gateway unreachable, paused %s s: %s", report.pause_seconds, report.error)
-        return dataclasses.asdict(report)
-    raise GenerationFailed(f"{report.outcome}: {report.error}")
+@contextlib.asynccontextmanager
+async def _consuming(rt: runtime.Runtime, *, role: str) -> AsyncIterator[Consumer | None]:
+    """A draining consumer for this run, unless a warm one stands by (then None)."""
+    try:
+        standing_by = await asyncio.to_thread(rt.store.consumer_standing_by)
+    except StoreError:
+        standing_by = False
+    if standing_by:
+        yield None
+        return
+    worker = worker_name(role)
+    ledger = PrefectLedger(worker, rt.redactor, parent_flow_run_id=flow_run.get_id())
+    consumer = rt.consumer(role=role, ledger=ledger, guard=PrefectSlotGuard(), worker=worker)
+    with _stop_on_signals(consumer):
+        yield consumer
+    await ledger.flush()
 
 
 @dataclasses.dataclass
-class DrainSummary:
-    ran: int = 0
-    outcomes: dict[str, int] = dataclasses.field(default_factory=dict)
-    stopped_because: str = ""
-
-    def add(self, outcome: str) -> None:
-        self.ran += 1
-        self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
+class _Scope:
+    kind: str
+    subject: str
+    job_id: str
+    queued: str
 
 
-def _run_claimed(job: Job) -> str:
-    """Run one claimed job as a tagged task; returns its outcome."""
-    current = flow_run.get_id()
-    if current:
-        try:
-            store().set_flow_run(job.id, job.holder or "", current)
-        except StoreError as exc:
-            logger.warning("could not record the flow run on %s: %s", job.run_name, exc)
-    with runner().heartbeat(job) as beat:
-        _lost_events[job.id] = beat.lost
-        _recording_events[job.id] = beat.recording
-        try:
-            with tags(*job_tags(job)):
-                generate.with_options(task_run_name=job.run_name)(job, return_state=True)
-        finally:
-            _lost_events.pop(job.id, None)
-            _recording_events.pop(job.id, None)
-    report = _reports.pop(job.id, None)
-    # No report: the task crashed before recording anything. The claim lapses
-    # and the job is taken over; the attempt it spent counts.
-    return report.outcome.value if report else "crashed"
-
-
-def drain_queue(
-    max_jobs: int | None = None, *, wait_for_gap: bool = True, standby_seconds: float = 0.0
-) -> DrainSummary:
-    """Claim and run jobs until nothing is runnable (drain mode).
-
-    Stops when the queue is empty or another consumer holds the gateway: that
-    consumer takes the next job when its call ends, so nothing is stranded.
-    Waits out the global gap and any outage pause (in short sleeps) when
-    `wait_for_gap`; otherwise stops there too.
-
-    With `standby_seconds` it does not stop at once when idle: it stands by
-    that long, looking for queued work every `STANDBY_POLL_SECONDS` with a
-    read-only query, so a screen's job is claimed without waiting for a new
-    flow run's process to start.
-    """
-    summary = DrainSummary()
-    s = settings()
-    if not s.enabled:
-        summary.stopped_because = "disabled by AI_JOBS"
-        return summary
-    store_down_since: float | None = None
-    idle_since: float | None = None
-    while max_jobs is None or summary.ran < max_jobs:
-        if idle_since is not None:
-            if time.monotonic() - idle_since >= standby_seconds:
-                summary.stopped_because = "standby over"
-                return summary
-            if not _work_waiting():
-                time.sleep(STANDBY_POLL_SECONDS)
-                continue
-        try:
-            claim = store().claim_next(worker_name())
-            store_down_since = None
-        except StoreError as exc:
-            # A database restart takes seconds: ride it out, then leave the
-            # rest to the safety net rather than spin.
-            now = time.monotonic()
-            store_down_since = store_down_since or now
-            if now - store_down_since > STORE_OUTAGE_SECONDS:
-                logger.error(
-                    "store unavailable for %.0f s, stopping: %s", now - store_down_since, exc
-                )
-                summary.stopped_because = f"store error: {exc}"
-                return summary
-            logger.warning("claim failed, retrying: %s", exc)
-            time.sleep(s.poll_seconds)
-            continue
-        if claim.job is None:
-            if claim.blocked in (Blocked.GAP, Blocked.PAUSED) and wait_for_gap:
-                time.sleep(min(claim.retry_in or s.poll_seconds, MAX_WAIT_SECONDS))
-                continue
-            if standby_seconds > 0:
-                idle_since = idle_since or time.monotonic()
-                # A consumer mid-call takes the next job itself: look less often.
-                busy = claim.blocked == Blocked.CONCURRENCY
-                time.sleep(s.poll_seconds if busy else STANDBY_POLL_SECONDS)
-                continue
-            summary.stopped_because = str(claim.blocked)
-            return summary
-        idle_since = None
-        summary.add(_run_claimed(claim.job))
-    summary.stopped_because = "max_jobs"
-    return summary
-
-
-def _work_waiting() -> bool:
-    """Whether a job is queued (one indexed read; never a write)."""
-    try:
-        return store().has_pending()
-    except StoreError:
-        return True  # let the claim find out, and ride out the outage there
-
-
-@flow(name="drain", log_prints=True)
-def drain(max_jobs: int | None = None, standby_seconds: float = 0.0) -> dict[str, Any]:
-    """Consumer: run queued jobs in priority order until nothing is runnable.
-
-    With `standby_seconds` (the safety net's runs under `serve`), it then
-    stands by that long for new work, so a screen finds a consumer running.
-    """
-    summary = drain_queue(max_jobs, standby_seconds=standby_seconds)
-    get_run_logger().info("drained: %s", summary)
-    return dataclasses.asdict(summary)
-
-
-@flow(name="backfill", flow_run_name="backfill:{user_id}", log_prints=True)
-def backfill(user_id: str, drain_after: bool = True) -> dict[str, Any]:
-    """After a data sync: queue every scope of the user at prefetch priority, then drain."""
+@flow(name="backfill", flow_run_name="backfill:{user_id}", log_prints=False)
+async def backfill(user_id: str) -> State[Any]:
+    """After a data sync: queue the user's scopes at prefetch priority and see them through."""
+    rt = runtime.current()
     log = get_run_logger()
-    queued = 0
-    for scope in scopes_for(user_id):
-        store().enqueue(user_id, scope.kind, scope.subject, scope.fingerprint, PREFETCH)
-        if scope.single_subject:
-            store().supersede(user_id, scope.kind, scope.subject)
-        queued += 1
-    log.info("queued %d scope(s) for %s", queued, user_id)
-    summary = drain_queue() if drain_after else DrainSummary(stopped_because="not asked to drain")
-    return {"queued": queued, **dataclasses.asdict(summary)}
+    scopes = rt.registry.scopes_for(user_id)
+    requests = [
+        EnqueueRequest(user_id, s.kind, s.subject, s.fingerprint, PREFETCH, s.single_subject)
+        for s in scopes
+    ]
+    statuses = await asyncio.to_thread(rt.store.enqueue_many, requests)
+    tracked = [
+        _Scope(s.kind, s.subject, job_id(user_id, s.kind, s.subject), str(status))
+        for s, status in zip(scopes, statuses, strict=True)
+    ]
+    log.info("queued %d scope(s) of %s: %s", len(tracked), user_id, _counts(statuses))
+    key = f"backfill-{_slug(user_id)}"
+    progress = await acreate_progress_artifact(
+        0.0, key=f"{key}-progress", description=f"Scopes of {user_id} finished"
+    )
+
+    async def show(done: int) -> None:
+        await aupdate_progress_artifact(progress, 100.0 * done / max(len(tracked), 1))
+
+    async with _consuming(rt, role="backfill") as consumer:
+        drain = asyncio.create_task(consumer.run()) if consumer else None
+        jobs = await _follow(rt, [t.job_id for t in tracked], show, drain)
+    rows, done, failed = _scope_rows(tracked, jobs, _ui_url())
+    await acreate_table_artifact(rows, key=f"{key}-scopes", description=f"Scopes of {user_id}")
+    summary = f"{done} done" + (f", {failed} failed" if failed else "")
+    unfinished = len(tracked) - done - failed - sum(1 for r in rows if r["status"] == "superseded")
+    if unfinished:
+        summary += f", {unfinished} still queued"
+    log.info("backfill of %s: %s", user_id, summary)
+    return Failed(message=summary) if failed else Completed(message=summary)
 
 
-@flow(name="interactive", flow_run_name="{kind}:{subject}", log_prints=True)
-def interactive(
+@flow(name="interactive", flow_run_name="{kind}:{subject}", log_prints=False)
+async def interactive(
     user_id: str, kind: str, subject: str, fingerprint: str | None = None
-) -> dict[str, Any]:
-    """A screen is open: promote its insight to the front, then drain."""
-    status = store().enqueue(user_id, kind, subject, fingerprint, INTERACTIVE)
-    summary = drain_queue() if status == "pending" else DrainSummary(stopped_because=status)
-    return {"status": status, **dataclasses.asdict(summary)}
+) -> State[Any]:
+    """A screen is open: put its insight at the front and tell the screen's story."""
+    rt = runtime.current()
+    log = get_run_logger()
+    asked = time.time()
+    status = await asyncio.to_thread(
+        rt.store.enqueue, user_id, kind, subject, fingerprint, INTERACTIVE
+    )
+    jid = job_id(user_id, kind, subject)
+    if status == Status.DONE:
+        job = await asyncio.to_thread(rt.store.get, jid)
+        story = f"Already generated for this data; nothing to do.{_made_by(job)}"
+        await acreate_markdown_artifact(
+            story, key=f"screen-{_slug(kind)}", description="The screen's story"
+        )
+        return Completed(message="already done for this data")
+    async with _consuming(rt, role="screen") as consumer:
+        drain = asyncio.create_task(consumer.run()) if consumer else None
+        jobs = await _follow(rt, [jid], None, drain)
+    job = jobs.get(jid)
+    waited = time.time() - asked
+    result = await asyncio.to_thread(rt.store.result_of, user_id, kind, subject)
+    ui = _ui_url()
+    made_by = (result.flow_run_id if result else None) or (job.flow_run_id if job else None)
+    link = f"[{kind}:{subject}]({run_url(ui, made_by)})" if made_by else "(no run recorded)"
+    if job is not None and job.status == Status.DONE:
+        story = (
+            f"**{kind}:{subject}** for user `{user_id}`\n\n"
+            f"- generated by run {link}\n"
+            f"- the screen asked at {_clock(asked)}; the result was ready "
+            f"after **{waited:.1f} s**\n"
+            f"- attempts: {job.attempts}\n"
+        )
+        outcome: State[Any] = Completed(
+            message=f"served in {waited:.1f} s by generation run {made_by or '?'}"
+        )
+    else:
+        why = (job.error if job else None) or (f"still {job.status}" if job else "the job is gone")
+        story = (
+            f"**{kind}:{subject}** for user `{user_id}`\n\n"
+            f"- not generated: {why}\n- last attempt: {link}\n- the screen waited {waited:.1f} s\n"
+        )
+        outcome = Failed(message=f"not served after {waited:.0f} s: {why}"[:500])
+    await acreate_markdown_artifact(
+        story, key=f"screen-{_slug(kind)}", description="The screen's story"
+    )
+    log.info("%s:%s for %s: %s", kind, subject, user_id, outcome.message)
+    return outcome
+
+
+@flow(name="drain", log_prints=False)
+async def drain(max_jobs: int | None = None) -> dict[str, Any]:
+    """Run what is runnable in priority order, then stop (the safety net of a work pool)."""
+    rt = runtime.current()
+    worker = worker_name("drain")
+    ledger = PrefectLedger(worker, rt.redactor, parent_flow_run_id=flow_run.get_id())
+    consumer = rt.consumer(
+        role="drain", max_jobs=max_jobs, ledger=ledger, guard=PrefectSlotGuard(), worker=worker
+    )
+    with _stop_on_signals(consumer):
+        summary = await consumer.run()
+    await ledger.flush()
+    get_run_logger().info("drained: %s", summary.as_dict())
+    return summary.as_dict()
+
+
+async def _follow(
+    rt: runtime.Runtime,
+    ids: list[str],
+    show: Any,
+    drain: asyncio.Task[Summary] | None,
+) -> dict[str, Job]:
+    """Watch these jobs until each is done, failed or gone; returns their last rows."""
+    deadline = time.monotonic() + FOLLOW_LIMIT_SECONDS
+    latest: dict[str, Job] = {}
+    shown = -1
+    try:
+        while time.monotonic() < deadline:
+            try:
+                found = await asyncio.to_thread(_rows, rt, ids)
+            except StoreError:
+                await asyncio.sleep(FOLLOW_POLL_SECONDS)
+                continue
+            latest = found
+            finished = sum(
+                1 for i in ids if i not in found or found[i].status in (Status.DONE, Status.FAILED)
+            )
+            if show is not None and finished != shown:
+                shown = finished
+                with contextlib.suppress(Exception):
+                    await show(finished)
+            if finished == len(ids):
+                break
+            if drain is not None and drain.done():
+                drain = None  # nothing more it can run now; a warm consumer or a retry will
+            await asyncio.sleep(FOLLOW_POLL_SECONDS)
+    finally:
+        if drain is not None and not drain.done():
+            drain.cancel()
+            await asyncio.gather(drain, return_exceptions=True)
+    return latest
+
+
+def _rows(rt: runtime.Runtime, ids: list[str]) -> dict[str, Job]:
+    return {j.id: j for i in ids if (j := rt.store.get(i)) is not None}
+
+
+def _scope_rows(
+    tracked: list[_Scope], jobs: dict[str, Job], ui: str | None
+) -> tuple[list[dict[str, Any]], int, int]:
+    rows, done, failed = [], 0, 0
+    for t in tracked:
+        job = jobs.get(t.job_id)
+        if job is None:
+            status, run, error, attempts = "superseded", "", "", 0
+        else:
+            status, error, attempts = str(job.status), job.error or "", job.attempts
+            run = run_url(ui, job.flow_run_id) if job.flow_run_id else ""
+            done += job.status == Status.DONE
+            failed += job.status == Status.FAILED
+        rows.append(
+            {
+                "kind": t.kind,
+                "subject": t.subject,
+                "status": status,
+                "attempts": attempts,
+                "generated_by": run,
+                "error": error[:200],
+            }
+        )
+    return rows, done, failed
+
+
+def _counts(statuses: list[Status]) -> str:
+    counts: dict[str, int] = {}
+    for s in statuses:
+        counts[str(s)] = counts.get(str(s), 0) + 1
+    return ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
+
+
+def _made_by(job: Job | None) -> str:
+    if job is None or not job.flow_run_id:
+        return ""
+    return f" Generated by run [{job.run_name}]({run_url(_ui_url(), job.flow_run_id)})."
+
+
+def _clock(at: float) -> str:
+    return time.strftime("%H:%M:%S", time.gmtime(at)) + " UTC"
+
+
+def _ui_url() -> str | None:
+    """The Prefect UI's address, from the API this process reports to."""
+    from prefect.settings import PREFECT_API_URL, PREFECT_UI_URL
+
+    ui = PREFECT_UI_URL.value()
+    if ui:
+        return str(ui)
+    api = PREFECT_API_URL.value()
+    return str(api).removesuffix("/api") if api else None

@@ -1,48 +1,54 @@
 """The gateway client: the only code that talks to the LLM gateway.
 
-It sends one OpenAI-compatible chat-completions request per call and turns
-every way that call can go wrong into one of a small tree of errors, so the
-flows can decide with named predicates (`is_unavailable`, `is_timeout`, ...)
-whether a failure means "the gateway is unreachable, pause and keep the
-attempt" or "this attempt failed".
+It sends one OpenAI-compatible chat-completions request per call and reads
+the gateway's answer for what it says (G1-G5):
+
+- a completion: `Completion`;
+- every way the call can go wrong: one of a small tree of errors, each
+  carrying the store's `Failure` for it, so the runner hands the store a
+  verdict and the store applies its rule. 429 (and 503 with `Retry-After`)
+  is a rate limit with the time asked for; 401/403 and redirects are a
+  refusal that stops the line; 502/503/504, connect errors and answers cut
+  off mid-body are "unavailable"; no complete answer within the call's
+  deadline is a timeout, reported with what had been received; an answer
+  over `AI_GATEWAY_MAX_ANSWER_BYTES` is cut off and rejected.
+
+One deadline covers the whole call: connecting, sending and reading the
+complete answer (`Settings.call_timeout`). The answer is streamed and never
+held beyond the size limit. Each call uses its own connection, closed when
+the call ends, however it ends: cancelling the task that awaits `complete()`
+closes the socket at once, so a stopped call is really over at the gateway.
 
 It must not decide anything about jobs: no retries, no backoff, no store
-access, no Prefect. It must never let the bearer token reach a message, a repr
-or a body excerpt.
-
-Cancelling a call: httpx cannot interrupt a blocking read from another thread
-(closing the client only makes the read fail once it wakes up). The flows run
-`complete()` in a worker thread and *abandon* it when they stop waiting: they
-call `close()` and move on. The abandoned thread ends at the latest when the
-read timeout fires, which is never longer than one attempt may last
-(`Settings.read_timeout`). If closing made its call fail, it raises
-`GatewayAbandoned` rather than the misleading "connection lost" that the
-closed socket produces, so an abandoned call is never mistaken for an outage.
+access, no Prefect. No secret reaches a message, a repr or a body excerpt: the
+token in any echoed form, and credentials in the URL, are redacted.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
+import email.utils
 import functools
+import json
 import logging
 import re
 import ssl
-import threading
 import time
 import urllib.parse
 from collections.abc import Mapping, Sequence
-from types import TracebackType
-from typing import Any, NoReturn, Self
+from typing import Any, ClassVar
 
 import httpx
 
+from queue_store import Failure, Redactor, Settings
 from queue_store.errors import SettingsError
-from queue_store.settings import Settings
 
 logger = logging.getLogger(__name__)
 
 EXCERPT_CHARS = 300  # characters of a response body kept on an error
-REDACTED = "[redacted]"
+ERROR_BODY_BYTES = 16 * 1024  # bytes of an error answer read for its excerpt
 USER_AGENT = "insight-queue"
 # Labels a call for the gateway's logs (and the simulator's records) without
 # adding a body field, which strict OpenAI-compatible servers reject.
@@ -50,19 +56,18 @@ JOB_HEADER = "X-Insight-Job"
 JOB_HEADER_SAFE = ":/@-_.~"  # left readable; everything else is percent-encoded
 
 # Gateways and the proxies in front of them answer these while the model
-# server is down, restarting or overloaded: an outage, not a bad request.
+# server is down, restarting or overloaded: unavailable, not a bad request.
 UNAVAILABLE_STATUSES = frozenset({502, 503, 504})
+REFUSED_STATUSES = frozenset({401, 403})
+RATE_LIMITED_STATUS = 429
 
 _TOKEN_CHARACTERS = re.compile(r"[!-~]*")  # printable ASCII, no space
+_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|h|m|s)")
 
 
 @functools.cache
 def _tls_context() -> ssl.SSLContext:
-    """One TLS context per process, shared by every client.
-
-    Building one loads the CA bundle (about 17 ms of CPU), and the runner
-    makes a client per job.
-    """
+    """One TLS context per process, shared by every call (it costs ~17 ms of CPU to build)."""
     return httpx.create_ssl_context()
 
 
@@ -70,229 +75,393 @@ class GatewayError(Exception):
     """Base of every error the gateway client raises.
 
     `status` is the HTTP status when the gateway answered, else None;
-    `excerpt` is the start of the answer's body (token removed), else "".
+    `excerpt` is the start of the answer's body (secrets removed), else "";
+    `failure` is what the store is told.
     """
+
+    failure: ClassVar[Failure] = Failure.REJECTED
 
     def __init__(self, message: str, status: int | None = None, excerpt: str = "") -> None:
         super().__init__(message)
         self.status = status
         self.excerpt = excerpt
 
-    def __reduce__(self) -> tuple[type[Self], tuple[str, int | None, str]]:
-        # Prefect pickles a failed task's exception; the default reduction
-        # would call __init__ with the message only and drop status/excerpt.
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickling (Prefect states, process pools) keeps status and excerpt.
         return (type(self), (str(self), self.status, self.excerpt))
 
 
 class GatewayUnavailable(GatewayError):
-    """The gateway could not be reached or said it cannot serve right now.
+    """The gateway could not be reached, or said it cannot serve right now.
 
-    Connect errors, connections refused or dropped before an answer, and HTTP
-    502/503/504. Such a failure should not spend a job's attempt.
+    Connect errors, connections dropped before or during the answer, HTTP
+    502/503/504 without `Retry-After`. The store tells an outage from a job
+    the gateway keeps failing (G2).
     """
+
+    failure = Failure.UNAVAILABLE
+
+
+class GatewayRateLimited(GatewayError):
+    """The gateway asked everyone to slow down: 429, or 503 with `Retry-After` (G1)."""
+
+    failure = Failure.RATE_LIMITED
+
+    def __init__(
+        self,
+        message: str,
+        status: int | None = None,
+        excerpt: str = "",
+        retry_after: float | None = None,
+    ) -> None:
+        super().__init__(message, status, excerpt)
+        self.retry_after = retry_after
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (str(self), self.status, self.excerpt, self.retry_after))
+
+
+class GatewayRefused(GatewayError):
+    """The gateway refused our credentials (401/403) or sent us elsewhere (3xx) (G4).
+
+    Every call would fail the same way: the line stops until it is fixed.
+    """
+
+    failure = Failure.REFUSED
 
 
 class GatewayTimeout(GatewayError):
-    """The gateway accepted the call but did not answer within the read timeout."""
+    """No complete answer within the call's deadline (`AI_GATEWAY_READ_TIMEOUT`)."""
+
+    failure = Failure.TIMEOUT
 
 
 class GatewayRejected(GatewayError):
     """The gateway answered, but not with a usable completion.
 
-    Any other 4xx/5xx status, a body that is not JSON, or JSON without
-    `choices[0].message.content`. Retrying the same request will not help.
+    Any other 4xx/5xx status, a body that is not JSON or has no
+    `choices[0].message.content` text, or an answer over the size limit.
     """
 
-
-class GatewayAbandoned(GatewayError):
-    """The client was closed before or during the call; its outcome is discarded."""
-
-
-def is_unavailable(exc: BaseException) -> bool:
-    """True when the gateway is unreachable: pause, do not spend an attempt."""
-    return isinstance(exc, GatewayUnavailable)
-
-
-def is_timeout(exc: BaseException) -> bool:
-    """True when the gateway took longer than the read timeout."""
-    return isinstance(exc, GatewayTimeout)
-
-
-def is_rejected(exc: BaseException) -> bool:
-    """True when the gateway answered with something other than a completion."""
-    return isinstance(exc, GatewayRejected)
-
-
-def is_abandoned(exc: BaseException) -> bool:
-    """True when the caller closed the client and no longer wants the outcome."""
-    return isinstance(exc, GatewayAbandoned)
+    failure = Failure.REJECTED
 
 
 @dataclasses.dataclass(frozen=True)
 class Completion:
-    """A gateway's answer: the generated text, the whole JSON, and how long it took."""
+    """A gateway's answer: the generated text, the whole JSON, how long it took, its size."""
 
     content: str
     raw: dict[str, Any] = dataclasses.field(repr=False)
     elapsed_seconds: float
+    size_bytes: int = 0
+    status: int = 200
+
+
+def parse_retry_after(headers: Mapping[str, str], now: float | None = None) -> float | None:
+    """Seconds the gateway asks us to wait, from the common headers; None if none says.
+
+    `retry-after-ms`, `retry-after` (seconds or an HTTP date, read against the
+    answer's own `Date` when present), LiteLLM's `llm_provider-retry-after`,
+    and OpenAI's `x-ratelimit-reset-requests`/`-tokens` (`1s`, `6m0s`, `20ms`).
+    The longest of those given wins.
+    """
+    lowered = {k.lower(): v.strip() for k, v in headers.items()}
+    found: list[float] = []
+
+    def number(text: str) -> float | None:
+        try:
+            value = float(text)
+        except ValueError:
+            return None
+        return value if value >= 0 and value == value and value != float("inf") else None
+
+    if (ms := number(lowered.get("retry-after-ms", "x"))) is not None:
+        found.append(ms / 1000)
+    for name in ("retry-after", "llm_provider-retry-after", "x-litellm-retry-after"):
+        raw = lowered.get(name)
+        if raw is None:
+            continue
+        seconds = number(raw)
+        if seconds is None:
+            seconds = _seconds_until(raw, lowered.get("date"), now)
+        if seconds is not None:
+            found.append(seconds)
+    for name in ("x-ratelimit-reset-requests", "x-ratelimit-reset-tokens"):
+        raw = lowered.get(name)
+        if raw and (seconds := _duration(raw)) is not None:
+            found.append(seconds)
+    return max(found) if found else None
+
+
+def _seconds_until(http_date: str, server_date: str | None, now: float | None) -> float | None:
+    try:
+        when = email.utils.parsedate_to_datetime(http_date).timestamp()
+    except (TypeError, ValueError, IndexError):
+        return None
+    reference = now if now is not None else time.time()
+    if server_date:
+        with contextlib.suppress(TypeError, ValueError, IndexError):
+            reference = email.utils.parsedate_to_datetime(server_date).timestamp()
+    return max(0.0, when - reference)
+
+
+def _duration(text: str) -> float | None:
+    if (plain := _plain_number(text)) is not None:
+        return plain
+    total, position = 0.0, 0
+    for match in _DURATION_PART.finditer(text):
+        if match.start() != position:
+            return None
+        value, unit = float(match.group(1)), match.group(2)
+        total += value * {"ms": 0.001, "s": 1, "m": 60, "h": 3600}[unit]
+        position = match.end()
+    return total if position == len(text) and position else None
+
+
+def _plain_number(text: str) -> float | None:
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return value if value >= 0 else None
 
 
 class GatewayClient:
-    """A synchronous client for one gateway, configured from `Settings`.
+    """An asynchronous client for one gateway, configured from `Settings`.
 
-    Thread-safe: several threads may call `complete()` at once, and any thread
-    may call `close()` (see the module docstring for what that does to a call
-    in flight). Use it as a context manager or call `close()`.
+    Each `complete()` opens its own connection and closes it when it returns
+    or is cancelled. Safe to share between tasks of one event loop.
     """
 
-    def __init__(self, settings: Settings, *, transport: httpx.BaseTransport | None = None) -> None:
-        # Fail at construction rather than on the first job, and without
-        # echoing either value: the URL may carry credentials too.
-        try:
-            base = httpx.URL(settings.gateway_url)
-        except httpx.InvalidURL:
-            base = httpx.URL()
-        if base.scheme not in ("http", "https") or not base.host:
-            raise SettingsError("AI_GATEWAY_URL: expected an http:// or https:// URL with a host")
-        token = settings.gateway_token.get()
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        transport: httpx.AsyncBaseTransport | None = None,
+        redactor: Redactor | None = None,
+    ) -> None:
+        parts = urllib.parse.urlsplit(settings.gateway_url)
+        token = settings.gateway_token.get_secret_value()
         if not _TOKEN_CHARACTERS.fullmatch(token):
             # A control character would make httpx fail with the header, and
             # so the token, in its message.
             raise SettingsError("AI_GATEWAY_TOKEN: expected printable ASCII without spaces")
-        self._url = httpx.URL(settings.gateway_url.rstrip("/") + settings.gateway_path)
-        self._shown_url = str(self._url.copy_with(username=None, password=None))
-        self._model = settings.gateway_model
+        # Credentials never ride in the URL we log; they become the auth header.
+        host = parts.hostname or ""
+        netloc = f"[{host}]" if ":" in host else host
+        if parts.port is not None:
+            netloc += f":{parts.port}"
+        base = urllib.parse.urlunsplit((parts.scheme, netloc, parts.path.rstrip("/"), "", ""))
+        self._url = base + settings.gateway_path
+        self._auth: httpx.Auth | None = None
+        if parts.username is not None and not token:
+            self._auth = httpx.BasicAuth(
+                urllib.parse.unquote(parts.username), urllib.parse.unquote(parts.password or "")
+            )
         self._token = token
-        self._closed = threading.Event()
-        # A short connect/write/pool timeout and a long read timeout: the
-        # gateway is either there within seconds or not at all, but one
-        # generation may legitimately take many minutes.
+        self._model = settings.gateway_model
+        self._transport = transport
+        self._redact = redactor or Redactor.for_settings(settings)
+        self._max_bytes = settings.gateway_max_answer_bytes
+        self._call_timeout = settings.call_timeout
         short = settings.gateway_connect_timeout
-        timeout = httpx.Timeout(connect=short, read=settings.read_timeout, write=short, pool=short)
-        self._http = httpx.Client(
-            transport=transport,
-            timeout=timeout,
-            follow_redirects=False,
-            verify=_tls_context(),
-            headers={"User-Agent": USER_AGENT, "Accept": "application/json"},
+        self._timeout = httpx.Timeout(
+            connect=short, write=short, pool=short, read=self._call_timeout
         )
 
     @property
     def url(self) -> str:
         """The endpoint's URL without any credentials, for logs."""
-        return self._shown_url
+        return self._url
+
+    @property
+    def call_timeout(self) -> float:
+        return self._call_timeout
 
     def __repr__(self) -> str:
-        return f"GatewayClient(url={self._shown_url!r}, model={self._model!r})"
+        return f"GatewayClient(url={self._url!r}, model={self._model!r})"
 
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
+    async def complete(
         self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        self.close()
-
-    def close(self) -> None:
-        """Release the connections; a call still in flight ends as `GatewayAbandoned`."""
-        self._closed.set()
-        self._http.close()
-
-    def complete(
-        self, messages: Sequence[Mapping[str, Any]], *, job: str | None = None, **extra: Any
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        job: str | None = None,
+        timeout: float | None = None,
+        **extra: Any,
     ) -> Completion:
-        """Send one chat-completions request and return the answer.
+        """Send one chat-completions request and return the complete answer.
 
         `job` labels the call in the `X-Insight-Job` header (percent-encoded
-        UTF-8). `extra` is merged into the JSON body (e.g. `temperature`, or
-        `model` to override the configured one).
+        UTF-8). `timeout` shortens the call's deadline (never lengthens it).
+        `extra` is merged into the JSON body (e.g. `temperature`).
         Raises a `GatewayError` subclass for every failure of the call.
         """
         if isinstance(messages, str | bytes) or not messages:
             raise ValueError("messages: expected a non-empty sequence of message objects")
-        if self._closed.is_set():
-            raise GatewayAbandoned(f"gateway client for {self._shown_url} is closed")
         body: dict[str, Any] = {
             "model": self._model,
             **extra,
             "messages": [dict(m) for m in messages],
         }
-        headers = {"Authorization": f"Bearer {self._token}"} if self._token else {}
+        headers = {"Accept": "application/json"}
+        if self._token:
+            headers["Authorization"] = f"Bearer {self._token}"
         if job is not None:
             headers[JOB_HEADER] = urllib.parse.quote(job, safe=JOB_HEADER_SAFE)
+        budget = self._call_timeout if timeout is None else min(timeout, self._call_timeout)
+        progress = _Progress()
         started = time.monotonic()
         try:
-            response = self._http.post(self._url, json=body, headers=headers)
-        except httpx.TransportError as exc:
-            self._raise_transport_error(exc)
-        except RuntimeError as exc:
-            # httpx refuses to send on a client closed by another thread
-            # between our check above and the send.
-            if self._closed.is_set():
-                raise GatewayAbandoned(f"gateway client for {self._shown_url} was closed") from exc
-            raise
-        content, raw = self._parse(response)
+            async with asyncio.timeout(budget):
+                completion = await self._call(body, headers, progress)
+        except TimeoutError:
+            status = f", HTTP {progress.status} headers" if progress.status else ""
+            raise GatewayTimeout(
+                f"POST {self._url}: no complete answer within {budget:g} s "
+                f"(received {progress.received:,} bytes{status})",
+                progress.status,
+            ) from None
         elapsed = time.monotonic() - started
-        logger.debug("gateway answered HTTP %d in %.1f s", response.status_code, elapsed)
-        return Completion(content=content, raw=raw, elapsed_seconds=elapsed)
+        logger.debug("gateway answered HTTP %d in %.1f s", completion.status, elapsed)
+        return dataclasses.replace(completion, elapsed_seconds=elapsed)
 
-    def _raise_transport_error(self, exc: httpx.TransportError) -> NoReturn:
-        where = f"POST {self._shown_url}"
-        detail = self._redact(str(exc) or type(exc).__name__)
-        if self._closed.is_set():
-            raise GatewayAbandoned(f"{where}: abandoned, the client was closed") from exc
-        # Order matters: ConnectTimeout is a TimeoutException, but a gateway
-        # we cannot even connect to is an outage, not a slow answer.
-        if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout | httpx.ProxyError):
-            raise GatewayUnavailable(f"{where}: cannot connect: {detail}") from exc
-        if isinstance(exc, httpx.TimeoutException):
-            kind = type(exc).__name__
-            raise GatewayTimeout(f"{where}: no answer in time ({kind}): {detail}") from exc
-        if isinstance(exc, httpx.NetworkError | httpx.RemoteProtocolError):
-            raise GatewayUnavailable(
-                f"{where}: connection lost before an answer: {detail}"
-            ) from exc
-        # Left over: our own side is misconfigured (unsupported scheme, a
-        # protocol error while sending). Neither an outage nor the gateway's
-        # verdict, so it is only the base error.
-        raise GatewayError(f"{where}: request failed: {detail}") from exc
+    async def _call(
+        self, body: dict[str, Any], headers: dict[str, str], progress: _Progress
+    ) -> Completion:
+        where = f"POST {self._url}"
+        async with httpx.AsyncClient(
+            transport=self._transport,
+            timeout=self._timeout,
+            follow_redirects=False,
+            verify=_tls_context(),
+            auth=self._auth,
+            headers={"User-Agent": USER_AGENT},
+        ) as http:
+            try:
+                async with http.stream("POST", self._url, json=body, headers=headers) as response:
+                    progress.status = response.status_code
+                    if not 200 <= response.status_code < 300:
+                        excerpt = await self._read_excerpt(response, progress)
+                        raise self._status_error(response, excerpt)
+                    data = await self._read_capped(response, progress)
+            except httpx.TransportError as exc:
+                raise self._transport_error(exc, where, progress) from exc
+        content, raw = self._parse(data, progress.status or 200)
+        return Completion(content, raw, 0.0, len(data), progress.status or 200)
 
-    def _parse(self, response: httpx.Response) -> tuple[str, dict[str, Any]]:
-        status = response.status_code
-        if status in UNAVAILABLE_STATUSES:
-            raise self._answer_error(GatewayUnavailable, response, "gateway unavailable")
-        if not 200 <= status < 300:
-            raise self._answer_error(GatewayRejected, response, "gateway refused the request")
+    async def _read_capped(self, response: httpx.Response, progress: _Progress) -> bytes:
+        chunks: list[bytes] = []
+        async for chunk in response.aiter_bytes():
+            progress.received += len(chunk)
+            if progress.received > self._max_bytes:
+                raise GatewayRejected(
+                    f"POST {self._url}: answer larger than {self._max_bytes:,} bytes "
+                    "(AI_GATEWAY_MAX_ANSWER_BYTES); cut off",
+                    response.status_code,
+                )
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def _read_excerpt(self, response: httpx.Response, progress: _Progress) -> str:
+        """The start of an error answer, secrets removed; never more than a few kB read."""
+        head = b""
         try:
-            parsed = response.json()
-        except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
-            raise self._answer_error(GatewayRejected, response, "answer is not JSON") from exc
+            async for chunk in response.aiter_bytes():
+                progress.received += len(chunk)
+                head += chunk
+                if len(head) >= ERROR_BODY_BYTES:
+                    break
+        except httpx.TransportError:
+            pass  # the status says enough; a cut-off excerpt is still an excerpt
+        # Redact before cutting, so a secret straddling the cut goes whole.
+        text = self._redact(head[:ERROR_BODY_BYTES].decode("utf-8", errors="replace"))
+        return " ".join(text.split())[:EXCERPT_CHARS]
+
+    def _status_error(self, response: httpx.Response, excerpt: str) -> GatewayError:
+        status = response.status_code
+        where = f"POST {self._url}"
+        tail = f": {excerpt}" if excerpt else ""
+        retry = parse_retry_after(response.headers)
+        if status == RATE_LIMITED_STATUS or (status == 503 and retry is not None):
+            asked = f"; it asks us to wait {retry:g} s" if retry is not None else ""
+            return GatewayRateLimited(
+                f"{where}: rate limited (HTTP {status}){asked}{tail}", status, excerpt, retry
+            )
+        if status in UNAVAILABLE_STATUSES:
+            return GatewayUnavailable(
+                f"{where}: gateway unavailable (HTTP {status}){tail}", status, excerpt
+            )
+        if status in REFUSED_STATUSES:
+            return GatewayRefused(
+                f"{where}: the gateway refused our credentials (HTTP {status}); "
+                f"check AI_GATEWAY_TOKEN{tail}",
+                status,
+                excerpt,
+            )
+        if 300 <= status < 400:
+            location = response.headers.get("location", "")
+            target = urllib.parse.urlsplit(urllib.parse.urljoin(self._url, location))
+            host = self._redact(target.hostname or "?")
+            return GatewayRefused(
+                f"{where}: the gateway redirected to host {host} (HTTP {status}); "
+                "set AI_GATEWAY_URL to the address that answers",
+                status,
+                excerpt,
+            )
+        return GatewayRejected(
+            f"{where}: gateway refused the request (HTTP {status}){tail}", status, excerpt
+        )
+
+    def _transport_error(
+        self, exc: httpx.TransportError, where: str, progress: _Progress
+    ) -> GatewayError:
+        detail = self._redact(str(exc) or type(exc).__name__)
+        # ConnectTimeout is a TimeoutException, but a gateway we cannot even
+        # connect to is unavailable, not slow.
+        if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout | httpx.ProxyError):
+            return GatewayUnavailable(f"{where}: cannot connect: {detail}")
+        if isinstance(exc, httpx.TimeoutException):
+            return GatewayTimeout(
+                f"{where}: no answer in time ({type(exc).__name__}; received "
+                f"{progress.received:,} bytes): {detail}",
+                progress.status,
+            )
+        if isinstance(exc, httpx.NetworkError | httpx.RemoteProtocolError):
+            if progress.status is not None:
+                return GatewayUnavailable(
+                    f"{where}: connection closed mid-answer (HTTP {progress.status}, "
+                    f"{progress.received:,} bytes received): {detail}",
+                    progress.status,
+                )
+            return GatewayUnavailable(f"{where}: connection lost before an answer: {detail}")
+        # Our own side is misconfigured (unsupported scheme, a local protocol
+        # error): the gateway said nothing; the attempt is spent.
+        return GatewayRejected(f"{where}: request failed: {detail}")
+
+    def _parse(self, data: bytes, status: int) -> tuple[str, dict[str, Any]]:
+        try:
+            parsed = json.loads(data)
+        except (ValueError, UnicodeDecodeError):
+            excerpt = self._redact(data[:ERROR_BODY_BYTES].decode("utf-8", "replace"))
+            excerpt = " ".join(excerpt.split())[:EXCERPT_CHARS]
+            raise GatewayRejected(
+                f"POST {self._url}: answer is not JSON (HTTP {status}): {excerpt}", status, excerpt
+            ) from None
         try:
             content = parsed["choices"][0]["message"]["content"]
         except (KeyError, IndexError, TypeError):
             content = None
-        if not isinstance(content, str):
-            raise self._answer_error(
-                GatewayRejected, response, "answer has no choices[0].message.content text"
+        if not isinstance(content, str) or not isinstance(parsed, dict):
+            raise GatewayRejected(
+                f"POST {self._url}: answer has no choices[0].message.content text (HTTP {status})",
+                status,
             )
         return content, parsed
 
-    def _answer_error(
-        self, kind: type[GatewayError], response: httpx.Response, why: str
-    ) -> GatewayError:
-        excerpt = self._excerpt(response)
-        message = f"POST {self._shown_url}: {why} (HTTP {response.status_code})"
-        return kind(f"{message}: {excerpt}" if excerpt else message, response.status_code, excerpt)
 
-    def _excerpt(self, response: httpx.Response) -> str:
-        # Redact before cutting, so a token straddling the cut is removed
-        # whole; 4 bytes per character covers any UTF-8 text.
-        head = response.content[: EXCERPT_CHARS * 4 + len(self._token.encode())]
-        text = self._redact(head.decode("utf-8", errors="replace"))
-        return text[:EXCERPT_CHARS].strip()
+@dataclasses.dataclass
+class _Progress:
+    """What a call has received so far, for the message of a timeout."""
 
-    def _redact(self, text: str) -> str:
-        return text.replace(self._token, REDACTED) if self._token else text
+    status: int | None = None
+    received: int = 0

@@ -1,4 +1,4 @@
-"""The `gateway` tag concurrency limit: create it, and repair a leaked slot.
+"""The `gateway` tag limit and the run history after a crash: repair what a dead process left.
 
 Prefect 3 keeps a tag limit as the global concurrency limit `tag:<tag>`;
 task runs take its slots with leases. With the default in-memory lease
@@ -10,15 +10,18 @@ live leases.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+import uuid
+from collections.abc import Iterable
 
 from prefect import get_client
 from prefect.client.schemas.actions import GlobalConcurrencyLimitUpdate
 
-logger = logging.getLogger(__name__)
+from flows.guard import GATEWAY_TAG
 
-GATEWAY_TAG = "gateway"
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,3 +58,33 @@ def repair_gateway_slots(tag: str = GATEWAY_TAG, *, repair: bool = True) -> Slot
             )
             logger.warning("gave back %d leaked %r slot(s)", counted - live, tag)
     return SlotCheck(int(limit.limit), counted, live, leaked and repair)
+
+
+def give_back_leases(lease_ids: Iterable[str]) -> int:
+    """Release `gateway` slot leases a dead process held (recorded by it), at once."""
+    from prefect.concurrency._asyncio import arelease_concurrency_slots_with_lease
+    from prefect.utilities.asyncutils import run_coro_as_sync
+
+    given = 0
+    for lease_id in lease_ids:
+        with contextlib.suppress(Exception):  # already expired or released: nothing to give
+            run_coro_as_sync(arelease_concurrency_slots_with_lease(uuid.UUID(lease_id)))
+            given += 1
+    return given
+
+
+def mark_crashed(run_ids: Iterable[str], message: str) -> int:
+    """End these runs Crashed with `message` if they are still running; returns how many."""
+    from prefect.states import Crashed
+
+    ended = 0
+    with get_client(sync_client=True) as client:
+        for run_id in run_ids:
+            try:
+                run = client.read_flow_run(uuid.UUID(run_id))
+            except Exception:  # noqa: BLE001 - a run that cannot be read is left as it is
+                continue
+            if run.state is not None and not run.state.is_final():
+                client.set_flow_run_state(run.id, Crashed(message=message), force=True)
+                ended += 1
+    return ended

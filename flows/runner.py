@@ -1,304 +1,498 @@
-"""Running one claimed job: heartbeat, gateway call, and recording the outcome.
+"""Running one claimed job under a self-fencing lease (L2), and telling the store what happened.
 
-Plain Python, no Prefect: the flows wrap these calls in tasks, and tests can
-drive them directly. The store decides everything about the job; this module
-only reports to it what happened:
+The gateway cannot check a fencing token, so the store's books alone cannot
+keep two of our calls off it. The runner keeps the promise on its own side:
 
-- an answer: `finish(result=...)`, the job is done;
-- the gateway unreachable (N2): `release` (the attempt is not spent) and
-  `report_outage`, which pauses claiming for every worker with a growing
-  backoff;
-- any other failure (timeout, rejection, generator error, unknown kind):
-  `finish(error=...)`, which spends the attempt and re-queues below the limit;
-  a timeout also pauses claiming like an outage, because the gateway may
-  still be working on the call we gave up on;
-- the claim lost (taken over after a stall): nothing, the job is someone
-  else's now.
+- It keeps a local deadline on its monotonic clock: the time it *sent* its
+  last confirmed renewal (or its claim), plus `AI_JOB_LEASE_SECONDS` minus
+  `AI_JOB_LEASE_MARGIN_SECONDS`, and never later than the claim's own limit
+  (`AI_JOB_CLAIM_TIMEOUT` minus the margin). The store lets anyone take the
+  job over only after the full lease on its own clock, so the runner is done
+  at least the margin before that.
+- Everything the attempt does runs inside one cancel scope that ends at that
+  deadline: building the prompt, the call, parsing the answer. The heartbeat
+  moves the deadline after each confirmed renewal; a renewal refused (lost or
+  lapsed) ends the scope at once; renewals failing (database unreachable) let
+  the deadline come.
+- Right before the call it renews once more and starts the call only with a
+  live claim and time left. Ending the scope cancels the call, which closes
+  its socket: the call is really over, not abandoned.
+
+The outcome goes to the store as a verdict (`Failure`), and the store applies
+its rule. Plain asyncio, no Prefect: the consumer wraps this, and tests drive
+it directly.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import enum
 import logging
-import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from types import TracebackType
-from typing import Any
+from typing import Any, Self
 
-from flows.gateway import (
-    Completion,
-    GatewayClient,
-    GatewayError,
-    is_abandoned,
-    is_timeout,
-    is_unavailable,
+from flows.gateway import Completion, GatewayClient, GatewayError, GatewayRateLimited
+from flows.ledger import Ledger, LedgerEntry, NullLedger
+from flows.registry import Registry
+from queue_store import (
+    ClaimLost,
+    Failure,
+    Job,
+    JobStore,
+    Redactor,
+    Renewal,
+    Settings,
+    Settlement,
+    Status,
+    StoreError,
 )
-from flows.registry import generator_for
-from queue_store import ClaimLost, Job, JobStore, Settings, Status, StoreError
 
 logger = logging.getLogger(__name__)
 
 # A result must reach the store even through a short database outage: the
-# call behind it cost minutes of a shared gateway.
-RECORD_RETRIES = 5
-RECORD_BACKOFF_SECONDS = 1.0
+# call behind it cost minutes of a shared gateway. Waits between tries, seconds.
+RECORD_BACKOFF_SECONDS = (0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 15.0, 15.0)
+# Less than this left before the deadline: do not start a call.
+MIN_CALL_SECONDS = 1.0
 
 
 class Outcome(enum.StrEnum):
     DONE = "done"
-    REQUEUED = "requeued"  # failed below the attempt limit: queued again
-    FAILED = "failed"  # failed on the last allowed attempt
-    RELEASED = "released"  # gateway unreachable: handed back, attempt kept
-    LOST = "lost"  # the claim was taken over; nothing recorded
+    REQUEUED = "requeued"  # the attempt was spent; queued again below the limit
+    FAILED = "failed"  # the attempt was spent, and it was the last allowed
+    RELEASED = "released"  # handed back without spending the attempt
+    LOST = "lost"  # the claim was taken over: nothing recorded
+    UNRECORDED = "unrecorded"  # the store could not be reached to record it
 
 
 @dataclasses.dataclass(frozen=True)
-class JobReport:
-    job_id: str
-    run_name: str
+class Report:
+    """What became of one claimed job."""
+
+    job: Job
     outcome: Outcome
-    error: str | None = None
-    seconds: float = 0.0
-    pause_seconds: float | None = None
+    message: str  # one line, secrets removed
+    failure: Failure | None = None
+    settlement: Settlement | None = None
+    called: bool = False  # a request was sent to the gateway
+    call_started_at: float | None = None  # wall-clock time the call began
+    call_seconds: float | None = None
+    seconds: float = 0.0  # from the claim to the recorded outcome
+    flow_run_id: str | None = None
+
+    @property
+    def pause_seconds(self) -> float | None:
+        return self.settlement.pause_seconds if self.settlement else None
+
+    @property
+    def succeeded(self) -> bool:
+        return self.outcome is Outcome.DONE
 
 
-class Heartbeat:
-    """Renews a claim in the background until stopped; notices when it is lost.
+class LeaseEnded(Exception):
+    """The attempt must stop: the claim is gone, or can no longer be vouched for."""
 
-    Runs from the moment of the claim (through any wait for the Prefect
-    `gateway` slot) to the moment the outcome is recorded.
-    """
 
-    def __init__(self, store: JobStore, job: Job, interval_seconds: float) -> None:
+class LeaseKeeper:
+    """Renews a claim in the background and ends the attempt's scope before it could lapse."""
+
+    def __init__(self, store: JobStore, job: Job, settings: Settings, claim_sent: float) -> None:
         if not job.holder:
             raise ValueError("job: a claimed job carries its holder token")
         self._store = store
         self._job = job
         self._holder = job.holder
-        self._interval = interval_seconds
-        self._stop = threading.Event()
-        self.lost = threading.Event()
-        # Set by the runner before it writes the outcome: from then on a refused
-        # renewal means our own write ended the claim, not that it was taken over.
-        self.recording = threading.Event()
-        self._thread = threading.Thread(
-            target=self._run, name=f"heartbeat-{job.id[:8]}", daemon=True
+        self._settings = settings
+        self._budget = settings.lease_seconds - settings.lease_margin_seconds
+        self.hard_deadline = (
+            claim_sent + settings.claim_timeout_seconds - settings.lease_margin_seconds
         )
+        self.deadline = min(claim_sent + self._budget, self.hard_deadline)
+        self.renewal: Renewal | None = None  # set when a renewal was refused
+        self.store_error: str | None = None  # the last renewal that failed to reach the store
+        self._scope: asyncio.Timeout | None = None
+        self._task: asyncio.Task[None] | None = None
 
-    def __enter__(self) -> Heartbeat:
-        self._thread.start()
+    @property
+    def time_left(self) -> float:
+        return self.deadline - asyncio.get_running_loop().time()
+
+    async def __aenter__(self) -> Self:
+        self._task = asyncio.create_task(self._beat(), name=f"heartbeat-{self._job.id[:8]}")
         return self
 
-    def __exit__(
+    async def __aexit__(
         self,
         exc_type: type[BaseException] | None,
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        self.stop()
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
 
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(timeout=self._interval + 5)
+    def scope(self) -> asyncio.Timeout:
+        """The cancel scope the whole attempt runs in; it ends at the deadline."""
+        self._scope = asyncio.timeout_at(self.deadline)
+        return self._scope
 
-    def _run(self) -> None:
-        while not self._stop.wait(self._interval):
-            try:
-                still_ours = self._store.heartbeat(self._job.id, self._holder)
-            except Exception as exc:  # noqa: BLE001 - the heartbeat must outlive any failure
-                # The database may be restarting: keep trying. If it stays
-                # away past the lease, the claim lapses and the next renewal
-                # says so.
-                logger.warning("heartbeat for %s failed: %s", self._job.run_name, exc)
-                continue
-            if not still_ours:
-                if self.recording.is_set():
-                    return
-                logger.warning("lost the claim on %s; abandoning it", self._job.run_name)
-                self.lost.set()
-                return
+    def ended(self) -> bool:
+        return self._scope is not None and self._scope.expired()
 
-
-def _call_in_thread(
-    call: Callable[[], Completion], stop_waiting: threading.Event, deadline: float
-) -> Completion:
-    """Run the gateway call in a thread we can walk away from.
-
-    Returns its answer or raises its error; raises `_Abandoned` when the claim
-    is lost or the attempt's deadline passes first.
-    """
-    box: dict[str, Any] = {}
-    finished = threading.Event()
-
-    def target() -> None:
+    async def confirm(self) -> None:
+        """Renew now; raise `LeaseEnded` unless the claim is live with time for a call."""
+        loop = asyncio.get_running_loop()
+        sent = loop.time()
         try:
-            box["answer"] = call()
-        except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
-            box["error"] = exc
-        finally:
-            finished.set()
+            renewal = await asyncio.to_thread(self._store.heartbeat, self._job.id, self._holder)
+        except StoreError as exc:
+            self.store_error = str(exc)
+            raise LeaseEnded(f"the claim could not be renewed: {exc}") from exc
+        if not renewal:
+            self.renewal = renewal
+            raise LeaseEnded(f"the claim was {renewal} before the call could start")
+        self._renewed(sent)
+        if self.time_left < MIN_CALL_SECONDS:
+            raise LeaseEnded(
+                f"only {self.time_left:.1f} s left of the attempt (AI_JOB_CLAIM_TIMEOUT); "
+                "no call started"
+            )
 
-    threading.Thread(target=target, name="gateway-call", daemon=True).start()
-    while not finished.wait(0.2):
-        if stop_waiting.is_set():
-            raise _Abandoned("claim lost")
-        if time.monotonic() >= deadline:
-            raise _Abandoned("attempt exceeded AI_JOB_CLAIM_TIMEOUT")
-    if "error" in box:
-        raise box["error"]
-    answer: Completion = box["answer"]
-    return answer
+    def _renewed(self, sent: float) -> None:
+        self.deadline = min(sent + self._budget, self.hard_deadline)
+        if self._scope is not None and not self._scope.expired():
+            self._scope.reschedule(self.deadline)
 
+    def _end_now(self) -> None:
+        if self._scope is not None and not self._scope.expired():
+            self._scope.reschedule(asyncio.get_running_loop().time())
 
-class _Abandoned(Exception):
-    pass
+    async def _beat(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(self._settings.heartbeat_seconds)
+            sent = loop.time()
+            try:
+                renewal = await asyncio.to_thread(self._store.heartbeat, self._job.id, self._holder)
+            except StoreError as exc:
+                # The database may be restarting: keep trying. If it stays
+                # away, the deadline comes and the attempt stops before the
+                # claim could lapse in anyone else's view.
+                self.store_error = str(exc)
+                logger.warning("renewing the claim on %s failed: %s", self._job.run_name, exc)
+                continue
+            if renewal:
+                self.store_error = None
+                self._renewed(sent)
+                continue
+            self.renewal = renewal
+            logger.warning("the claim on %s was %s; stopping at once", self._job.run_name, renewal)
+            self._end_now()
+            return
+
+    def why_ended(self, phase: str, started: float) -> tuple[Failure | None, str]:
+        """The verdict for an attempt whose scope ended in `phase`; None: nothing to record."""
+        held = time.monotonic() - started
+        if self.renewal is Renewal.LOST:
+            return None, "the claim was taken over by another worker"
+        if phase in ("build", "parse"):
+            what = "prompt building" if phase == "build" else "turning the answer into a result"
+            return Failure.BUILD if phase == "build" else Failure.PARSE, (
+                f"{what} ran past the attempt's deadline ({held:.1f} s after the claim; "
+                "AI_JOB_LEASE_SECONDS minus AI_JOB_LEASE_MARGIN_SECONDS without a renewal, "
+                "or AI_JOB_CLAIM_TIMEOUT)"
+            )
+        if self.renewal is Renewal.LAPSED:
+            return Failure.STOPPED, "stopped the call: the claim lapsed before it could be renewed"
+        if asyncio.get_running_loop().time() >= self.hard_deadline - 0.001:
+            return Failure.TIMEOUT, (
+                f"no complete answer within the attempt's limit ({held:.0f} s, "
+                "AI_JOB_CLAIM_TIMEOUT)"
+            )
+        cause = f" ({self.store_error})" if self.store_error else ""
+        return Failure.STOPPED, (
+            "stopped the call before its claim could lapse: the claim could not be renewed "
+            f"for {self._budget:g} s{cause}"
+        )
 
 
 class JobRunner:
-    """Runs claimed jobs against one gateway for one store."""
+    """Runs claimed jobs for one worker: generator, gateway, store, and the run history."""
 
     def __init__(
         self,
         store: JobStore,
         settings: Settings,
-        client_factory: Callable[[], GatewayClient] | None = None,
+        registry: Registry,
+        client: GatewayClient,
+        *,
+        ledger: Ledger | None = None,
+        redactor: Redactor | None = None,
     ) -> None:
         self._store = store
         self._settings = settings
-        self._client_factory = client_factory or (lambda: GatewayClient(settings))
-        self._recording: threading.Event | None = None  # one job at a time per runner
+        self._registry = registry
+        self._client = client
+        self._ledger = ledger or NullLedger()
+        self._redact = redactor or Redactor.for_settings(settings)
 
-    def heartbeat(self, job: Job) -> Heartbeat:
-        return Heartbeat(self._store, job, self._settings.heartbeat_seconds)
+    async def run(self, job: Job, claim_sent: float) -> Report:
+        """Make the job's gateway call under its lease and record what happened.
 
-    def run(
-        self,
-        job: Job,
-        lost: threading.Event | None = None,
-        recording: threading.Event | None = None,
-    ) -> JobReport:
-        """Make the job's gateway call and record what happened.
-
-        `lost` is set by the heartbeat when the claim was taken over; this sets
-        `recording` (the heartbeat's) just before it writes the outcome.
+        `claim_sent` is the event loop's time just before the claim was
+        requested: the lease's first deadline counts from it. Cancelling the
+        task that awaits this (a graceful stop) stops the call, hands the job
+        back without spending its attempt, and re-raises the cancellation.
         """
         started = time.monotonic()
-        lost = lost or threading.Event()
-        self._recording = recording
-        elapsed_in_claim = 0.0
-        if job.claimed_at is not None:
-            elapsed_in_claim = max(0.0, time.time() - job.claimed_at.timestamp())
-        deadline = started + self._settings.claim_timeout_seconds - elapsed_in_claim
-
+        entry = self._ledger.open(job)
+        noted = asyncio.create_task(self._note_run(job, entry))
+        keeper = LeaseKeeper(self._store, job, self._settings, claim_sent)
+        phase = "build"
+        call_started: float | None = None
+        call_clock: float | None = None
+        answer: Completion | None = None
         try:
-            generator = generator_for(job.kind)
-            messages = generator.build(job.user_id, job.subject)
-        except Exception as exc:  # noqa: BLE001 - a bad generator fails its job only
-            return self._fail(job, f"generator {job.kind!r}: {type(exc).__name__}: {exc}", started)
-
-        client = self._client_factory()
-        try:
-            answer = _call_in_thread(
-                lambda: client.complete(messages, job=job.run_name, **generator.options),
-                lost,
-                deadline,
+            async with keeper:
+                try:
+                    async with keeper.scope():
+                        generator = self._registry.generator_for(job.kind)
+                        messages = await asyncio.to_thread(
+                            generator.build, job.user_id, job.subject
+                        )
+                        await keeper.confirm()
+                        phase = "call"
+                        call_started, call_clock = time.time(), time.monotonic()
+                        entry.call_started(call_started)
+                        timeout = keeper.hard_deadline - asyncio.get_running_loop().time()
+                        answer = await self._client.complete(
+                            messages, job=job.run_name, timeout=timeout, **generator.options
+                        )
+                        phase = "parse"
+                        entry.note(
+                            f"the gateway answered in {answer.elapsed_seconds:.1f} s "
+                            f"({answer.size_bytes:,} bytes)"
+                        )
+                        result = await asyncio.to_thread(generator.parse, answer)
+                except TimeoutError:
+                    if not keeper.ended():
+                        raise
+                    raise LeaseEnded("the attempt's deadline passed") from None
+        except asyncio.CancelledError:
+            report = await self._settle(
+                job,
+                entry,
+                Failure.STOPPED,
+                "stopped: the consumer is shutting down; the job was handed back",
+                started,
+                call_started,
+                call_clock,
             )
-        except _Abandoned as why:
-            if lost.is_set():
-                return JobReport(job.id, job.run_name, Outcome.LOST, str(why), _since(started))
-            return self._fail(job, f"abandoned: {why}", started)
+            noted.cancel()
+            entry.close(report)
+            raise
+        except LeaseEnded as ended:
+            failure, message = keeper.why_ended(phase, started)
+            if failure is None:
+                report = self._report(job, Outcome.LOST, message, started, call_started, call_clock)
+            else:
+                report = await self._settle(
+                    job, entry, failure, message, started, call_started, call_clock
+                )
+            logger.warning("%s: %s (%s)", job.run_name, report.message, ended)
         except GatewayError as exc:
-            if is_unavailable(exc):
-                return self._outage(job, str(exc), started)
-            if is_abandoned(exc):
-                return JobReport(job.id, job.run_name, Outcome.LOST, str(exc), _since(started))
-            report = self._fail(job, str(exc), started)
-            if is_timeout(exc) and report.outcome != Outcome.LOST:
-                # The attempt is spent, but the gateway may still be working
-                # on the abandoned call: starting the next one at once would
-                # put two of ours on a box shared with two other projects.
-                report = dataclasses.replace(report, pause_seconds=self._pause(str(exc)))
-            return report
-        finally:
-            client.close()
-
-        try:
-            result = generator.parse(answer)
+            retry_after = exc.retry_after if isinstance(exc, GatewayRateLimited) else None
+            report = await self._settle(
+                job, entry, exc.failure, str(exc), started, call_started, call_clock, retry_after
+            )
         except Exception as exc:  # noqa: BLE001 - a bad generator fails its job only
-            return self._fail(job, f"generator {job.kind!r}: {type(exc).__name__}: {exc}", started)
-        return self._record(
-            job,
-            lambda: self._store.finish(
-                job.id, job.holder or "", result=result, duration_seconds=answer.elapsed_seconds
-            ),
-            started,
-        )
+            failure = Failure.BUILD if phase == "build" else Failure.PARSE
+            where = "building the prompt" if phase == "build" else "parsing the answer"
+            message = f"generator {job.kind!r} failed {where}: {type(exc).__name__}: {exc}"
+            report = await self._settle(
+                job, entry, failure, message, started, call_started, call_clock
+            )
+        else:
+            report = await self._finish(
+                job, entry, result, answer, started, call_started, call_clock
+            )
+        noted.cancel()
+        entry.close(report)
+        return report
 
-    def _fail(self, job: Job, message: str, started: float) -> JobReport:
-        return self._record(
-            job,
-            lambda: self._store.finish(job.id, job.holder or "", error=message),
-            started,
-            error=message,
-        )
+    async def _note_run(self, job: Job, entry: LedgerEntry) -> None:
+        """Once the attempt's history entry exists, the job row points at it (N4)."""
+        run_id = await entry.run_id()
+        if run_id is None:
+            return
+        with contextlib.suppress(StoreError):
+            await asyncio.to_thread(self._store.set_flow_run, job.id, job.holder or "", run_id)
 
-    def _outage(self, job: Job, message: str, started: float) -> JobReport:
-        report = self._record(
-            job,
-            lambda: self._store.release(job.id, job.holder or "", error=message),
-            started,
-            error=message,
-            released=True,
-        )
-        if report.outcome == Outcome.LOST:
-            return report
-        return dataclasses.replace(report, pause_seconds=self._pause(message))
-
-    def _pause(self, message: str) -> float | None:
-        """Pause claiming for every worker, with the store's growing backoff."""
-        try:
-            pause = self._store.report_outage(message)
-        except StoreError as exc:
-            logger.error("could not record the gateway outage: %s", exc)
-            return None
-        logger.warning("gateway in trouble (%s); claiming paused for %.0f s", message, pause)
-        return pause
-
-    def _record(
+    async def _finish(
         self,
         job: Job,
-        write: Callable[[], Any],
+        entry: LedgerEntry,
+        result: Any,
+        answer: Completion | None,
         started: float,
-        *,
-        error: str | None = None,
-        released: bool = False,
-    ) -> JobReport:
-        if self._recording is not None:
-            self._recording.set()
-        for attempt in range(1, RECORD_RETRIES + 1):
-            try:
-                status = write()
-                break
-            except ClaimLost:
-                return JobReport(job.id, job.run_name, Outcome.LOST, error, _since(started))
-            except StoreError as exc:
-                if attempt == RECORD_RETRIES:
-                    raise
-                logger.warning("recording %s failed (%s); retrying", job.run_name, exc)
-                time.sleep(RECORD_BACKOFF_SECONDS * attempt)
-        if released:
+        call_started: float | None,
+        call_clock: float | None,
+    ) -> Report:
+        run_id = await entry.run_id()
+        duration = answer.elapsed_seconds if answer else None
+
+        def write() -> Status:
+            return self._store.finish(
+                job.id,
+                job.holder or "",
+                result=result,
+                duration_seconds=duration,
+                flow_run_id=run_id,
+            )
+
+        try:
+            status = await self._record(job, write)
+        except ClaimLost:
+            return self._report(
+                job,
+                Outcome.LOST,
+                "the claim was taken over before the result was recorded",
+                started,
+                call_started,
+                call_clock,
+            )
+        except StoreError as exc:
+            return self._report(
+                job,
+                Outcome.UNRECORDED,
+                f"the result could not be recorded: {exc}",
+                started,
+                call_started,
+                call_clock,
+            )
+        except Exception as exc:  # noqa: BLE001 - an unstorable result fails its job only
+            return await self._settle(
+                job,
+                entry,
+                Failure.PARSE,
+                f"the result could not be stored: {exc}",
+                started,
+                call_started,
+                call_clock,
+            )
+        assert status is Status.DONE
+        return self._report(
+            job, Outcome.DONE, "done", started, call_started, call_clock, flow_run_id=run_id
+        )
+
+    async def _settle(
+        self,
+        job: Job,
+        entry: LedgerEntry,
+        failure: Failure,
+        message: str,
+        started: float,
+        call_started: float | None,
+        call_clock: float | None,
+        retry_after: float | None = None,
+    ) -> Report:
+        message = self._redact(" ".join(message.split()))
+
+        def write() -> Settlement:
+            return self._store.fail(
+                job.id, job.holder or "", failure, message, retry_after=retry_after
+            )
+
+        try:
+            settlement = await self._record(job, write)
+        except ClaimLost:
+            return self._report(
+                job,
+                Outcome.LOST,
+                f"{message} (the claim had been taken over; nothing recorded)",
+                started,
+                call_started,
+                call_clock,
+                failure=failure,
+            )
+        except StoreError as exc:
+            return self._report(
+                job,
+                Outcome.UNRECORDED,
+                f"{message} (not recorded: {exc})",
+                started,
+                call_started,
+                call_clock,
+                failure=failure,
+            )
+        if not settlement.attempt_spent:
             outcome = Outcome.RELEASED
-        elif status == Status.DONE:
-            outcome = Outcome.DONE
-        elif status == Status.FAILED:
+        elif settlement.status is Status.FAILED:
             outcome = Outcome.FAILED
         else:
             outcome = Outcome.REQUEUED
-        return JobReport(job.id, job.run_name, outcome, error, _since(started))
+        if settlement.pause_seconds:
+            logger.warning("%s: %s", job.run_name, settlement.verdict)
+        return self._report(
+            job,
+            outcome,
+            message,
+            started,
+            call_started,
+            call_clock,
+            failure=failure,
+            settlement=settlement,
+            flow_run_id=await entry.run_id(),
+        )
+
+    async def _record(self, job: Job, write: Callable[[], Any]) -> Any:
+        """Write the outcome, riding out a short store outage; `ClaimLost` is final."""
+        for attempt, pause in enumerate((*RECORD_BACKOFF_SECONDS, None), start=1):
+            try:
+                return await _shielded(asyncio.to_thread(write))
+            except ClaimLost:
+                raise
+            except StoreError as exc:
+                if pause is None:
+                    raise
+                logger.warning(
+                    "recording %s failed (try %d: %s); retrying", job.run_name, attempt, exc
+                )
+                await asyncio.sleep(pause)
+        raise AssertionError("unreachable")
+
+    def _report(
+        self,
+        job: Job,
+        outcome: Outcome,
+        message: str,
+        started: float,
+        call_started: float | None,
+        call_clock: float | None,
+        **more: Any,
+    ) -> Report:
+        return Report(
+            job=job,
+            outcome=outcome,
+            message=self._redact(message),
+            called=call_started is not None,
+            call_started_at=call_started,
+            call_seconds=None if call_clock is None else round(time.monotonic() - call_clock, 3),
+            seconds=round(time.monotonic() - started, 3),
+            **more,
+        )
 
 
-def _since(started: float) -> float:
-    return round(time.monotonic() - started, 3)
+async def _shielded(awaitable: Awaitable[Any]) -> Any:
+    """Await a store write that must complete even if this task is being cancelled."""
+    task = asyncio.ensure_future(awaitable)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        # Cancelled again while recording: let the write finish, then give up.
+        await asyncio.gather(task, return_exceptions=True)
+        raise

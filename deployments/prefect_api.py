@@ -1,0 +1,201 @@
+"""The app side's way to Prefect: find the server, and start a deployment's run, fast.
+
+A screen's poll and the post-sync hook must answer within seconds whatever
+Prefect's state, and an app process should not pay for importing Prefect
+(about 2 s) to start one run. So the triggers talk to Prefect's REST API
+directly, with httpx, short timeouts and no retries, and say in one line why
+a run could not be started.
+
+Which server: `PREFECT_API_URL` if set; else the one `insight-queue serve`
+started for the same data directory (it records its address in
+`<data dir>/serve.json` and removes it when it stops). Never a temporary
+server of Prefect's own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from queue_store import Settings
+
+SERVE_STATE = "serve.json"
+TIMEOUT_SECONDS = 1.0  # per request; a trigger makes at most two, each retried once on 503
+BUSY_RETRIES = 1
+BUSY_RETRY_PAUSE_SECONDS = 0.2
+UNREACHABLE = "Prefect unreachable"
+
+
+class PrefectUnavailable(Exception):
+    """No run could be started; the message says why, in one line."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeState:
+    """What a running `serve` tells other processes of the same data directory."""
+
+    api_url: str
+    ui_url: str
+    pid: int
+    worker: str
+    leases: tuple[str, ...] = ()  # `gateway` slot leases held now, given back after a crash
+
+    @classmethod
+    def path(cls, settings: Settings) -> Path:
+        return settings.data_dir / SERVE_STATE
+
+    @classmethod
+    def read(cls, settings: Settings) -> ServeState | None:
+        """The state of a live `serve` of this data directory, or None."""
+        state = cls.read_left(settings)
+        return state if state is not None and _alive(state.pid) else None
+
+    @classmethod
+    def read_left(cls, settings: Settings) -> ServeState | None:
+        """What the file says, whether that serve still runs or not."""
+        try:
+            data = json.loads(cls.path(settings).read_text())
+            return cls(
+                str(data["api_url"]),
+                str(data["ui_url"]),
+                int(data["pid"]),
+                str(data["worker"]),
+                tuple(str(lease) for lease in data.get("leases", ())),
+            )
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def write(self, settings: Settings) -> None:
+        path = self.path(settings)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_suffix(".tmp")
+        temporary.write_text(json.dumps({**dataclasses.asdict(self), "leases": list(self.leases)}))
+        temporary.replace(path)
+
+    def remove(self, settings: Settings) -> None:
+        try:
+            current = json.loads(self.path(settings).read_text())
+        except (OSError, ValueError):
+            return
+        if current.get("pid") == self.pid:
+            self.path(settings).unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def api_url(settings: Settings) -> str | None:
+    """The Prefect API the app side uses: PREFECT_API_URL, else this data dir's `serve`."""
+    configured = os.environ.get("PREFECT_API_URL", "").strip()
+    if configured:
+        return configured.rstrip("/")
+    state = ServeState.read(settings)
+    return state.api_url.rstrip("/") if state else None
+
+
+def ui_url(settings: Settings) -> str | None:
+    """The Prefect UI's address, for links."""
+    configured = os.environ.get("PREFECT_UI_URL", "").strip()
+    if configured:
+        return configured.rstrip("/")
+    api = api_url(settings)
+    return api.removesuffix("/api") if api else None
+
+
+class PrefectApi:
+    """Just what the triggers need of Prefect's REST API."""
+
+    def __init__(self, base_url: str, *, timeout: float = TIMEOUT_SECONDS) -> None:
+        self.base_url = base_url.rstrip("/")
+        headers = {"Content-Type": "application/json"}
+        if key := os.environ.get("PREFECT_API_KEY"):
+            headers["Authorization"] = f"Bearer {key}"
+        self._http = httpx.Client(base_url=self.base_url, timeout=timeout, headers=headers)
+        self._deployments: dict[str, str] = {}
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        self._http.close()
+
+    def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        for attempt in range(1 + BUSY_RETRIES):
+            try:
+                response = self._http.request(method, path, **kwargs)
+            except httpx.HTTPError as exc:
+                raise PrefectUnavailable(
+                    f"{UNREACHABLE} at {self.base_url} ({type(exc).__name__})"
+                ) from None
+            # The embedded server's SQLite answers 503 now and then ("database
+            # is locked"): one quick retry usually gets through.
+            if response.status_code != 503 or attempt == BUSY_RETRIES:
+                return response
+            time.sleep(BUSY_RETRY_PAUSE_SECONDS)
+        raise AssertionError("unreachable")
+
+    def deployment_id(self, name: str) -> str:
+        with self._lock:
+            known = self._deployments.get(name)
+        if known:
+            return known
+        flow_name, _, deployment = name.partition("/")
+        response = self._request("GET", f"/deployments/name/{flow_name}/{deployment}")
+        if response.status_code == 404:
+            raise PrefectUnavailable(
+                f"Prefect at {self.base_url} has no deployment {name}: "
+                "is `insight-queue serve` (or `deploy`) running for this data directory?"
+            )
+        if response.status_code >= 400:
+            raise PrefectUnavailable(
+                f"Prefect at {self.base_url} answered HTTP {response.status_code} "
+                f"reading deployment {name}"
+            )
+        found = str(response.json()["id"])
+        with self._lock:
+            self._deployments[name] = found
+        return found
+
+    def create_run(
+        self,
+        deployment: str,
+        parameters: dict[str, Any],
+        *,
+        name: str,
+        tags: list[str],
+        idempotency_key: str,
+    ) -> str:
+        """Start a run of `deployment`; the same key returns the same run."""
+        deployment_id = self.deployment_id(deployment)
+        response = self._request(
+            "POST",
+            f"/deployments/{deployment_id}/create_flow_run",
+            json={
+                "name": name,
+                "parameters": parameters,
+                "tags": tags,
+                "idempotency_key": idempotency_key,
+            },
+        )
+        if response.status_code == 404:
+            with self._lock:
+                self._deployments.pop(deployment, None)  # redeployed: look it up again
+        if response.status_code >= 400:
+            detail = " ".join(response.text.split())[:200]
+            raise PrefectUnavailable(
+                f"Prefect at {self.base_url} refused the run of {deployment} "
+                f"(HTTP {response.status_code}): {detail}"
+            )
+        return str(response.json()["id"])

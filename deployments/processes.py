@@ -1,0 +1,219 @@
+"""Processes we start, and the signals that stop us: one place for both.
+
+- `start(...)` runs a command in its own session (so its own children can be
+  stopped with it) and, on Linux, asks the kernel to send it SIGTERM if we die
+  first, whatever way we die: nothing we start outlives us holding a port.
+- `stop_group(...)` stops a process we started and its group, by the PID we
+  got: SIGTERM, then SIGKILL after a grace period.
+- `stop_signals()` turns SIGTERM, SIGHUP (and SIGINT) into `KeyboardInterrupt`
+  in the main thread, so every way of asking a command to stop runs the same
+  cleanup as Ctrl-C.
+- `free_port(preferred)`: the preferred loopback port if it can be bound
+  (sockets in TIME_WAIT do not count as taken), else any free one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from types import FrameType
+from typing import IO, Any
+
+STOP_GRACE_SECONDS = 10.0
+PR_SET_PDEATHSIG = 1
+
+_libc: Any = None
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the parent thread dies (Linux only)."""
+    if _libc is not None:
+        _libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+if sys.platform.startswith("linux"):
+    with contextlib.suppress(OSError):
+        _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+
+
+def start(
+    args: Sequence[str],
+    *,
+    env: Mapping[str, str] | None = None,
+    log: Path | None = None,
+    cwd: Path | None = None,
+    stdout: int | IO[Any] | None = None,
+) -> subprocess.Popen[bytes]:
+    """Start a command in its own session; it is sent SIGTERM if this process dies."""
+    out: Any = stdout
+    handle = None
+    if log is not None:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(log, "ab")  # noqa: SIM115 - closed below, the child keeps its copy
+        out = handle
+    try:
+        return subprocess.Popen(
+            list(args),
+            env=dict(env) if env is not None else None,
+            cwd=cwd,
+            stdout=out,
+            stderr=subprocess.STDOUT if out is not None else None,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            # Must run in the thread that outlives the child: PDEATHSIG fires
+            # when the *thread* that forked it exits.
+            preexec_fn=_die_with_parent
+            if threading.current_thread() is threading.main_thread()
+            else None,
+        )
+    finally:
+        if handle is not None:
+            handle.close()
+
+
+def stop_group(process: subprocess.Popen[Any], grace_seconds: float = STOP_GRACE_SECONDS) -> None:
+    """Stop a process we started in its own session, with everything it started."""
+    if process.poll() is not None:
+        _reap_group(process.pid)
+        return
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(grace_seconds)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait(10)
+    _reap_group(process.pid)
+
+
+def _reap_group(pgid: int) -> None:
+    """Anything left in the group after its leader ended gets SIGKILL."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, 0)
+        os.killpg(pgid, signal.SIGKILL)
+
+
+def children(pid: int | None = None) -> list[int]:
+    """PIDs whose parent is `pid` (default: this process), from /proc."""
+    parent = os.getpid() if pid is None else pid
+    found = []
+    for entry in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = entry.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == parent:
+            found.append(int(entry.parent.name))
+    return found
+
+
+def stop_children(grace_seconds: float = STOP_GRACE_SECONDS) -> None:
+    """SIGTERM every child of this process (and its group), SIGKILL what is left after the grace."""
+    pids = children()
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_seconds
+    while pids and time.monotonic() < deadline:
+        pids = [p for p in pids if _running(p)]
+        time.sleep(0.1)
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _running(pid: int) -> bool:
+    try:
+        waited, _ = os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        waited = 0
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+    return waited == 0
+
+
+@contextlib.contextmanager
+def stop_signals(on_stop: Callable[[int], None] | None = None) -> Iterator[None]:
+    """SIGTERM, SIGHUP and SIGINT become `KeyboardInterrupt` in the main thread.
+
+    `on_stop(signum)`, if given, runs first (in the main thread, between two
+    bytecodes: keep it short and thread-safe). A second signal while stopping
+    is ignored, so cleanup is not cut short.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    stopping = False
+
+    def handle(signum: int, frame: FrameType | None) -> None:
+        nonlocal stopping
+        if stopping:
+            return
+        stopping = True
+        if on_stop is not None:
+            on_stop(signum)
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    previous = {s: signal.signal(s, handle) for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket() as sock:
+        # Like a server would: a port whose last connections linger in
+        # TIME_WAIT can be bound again.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(preferred: int = 0, host: str = "127.0.0.1") -> int:
+    """`preferred` if it is free (0: any), else a free port the kernel picks."""
+    if preferred and port_is_free(preferred, host):
+        return preferred
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_for(
+    ready: Callable[[], bool],
+    *,
+    timeout: float,
+    what: str,
+    interval: float = 0.2,
+    alive: Callable[[], bool] | None = None,
+) -> None:
+    """Poll `ready()` until it is true; `TimeoutError` naming `what` after `timeout` s.
+
+    `alive()`, if given, is checked too: when it turns false, waiting stops at once.
+    """
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if ready():
+            return
+        if alive is not None and not alive():
+            raise RuntimeError(f"{what}: the process exited while we waited")
+        time.sleep(interval)
+    raise TimeoutError(f"{what}: not ready within {timeout:g} s")

@@ -1,0 +1,251 @@
+"""The local stack: a Prefect server, `insight-queue serve`, waiting until they are ready.
+
+One helper for everything that runs the stack on this machine: `serve` (the
+embedded Prefect server), the demo, the tests and the benchmarks.
+
+`PrefectServer` is a `prefect server start` subprocess with its own home under
+the data directory, bound to 127.0.0.1, its concurrency leases in files (with
+the in-memory default a restart forgets who holds the `gateway` slots but not
+that they are taken). `ServeProcess` is `insight-queue serve` as a subprocess,
+ready once its deployments are registered and its consumer says it is alive.
+Both stop what they started, by PID, on `stop()` or at the end of a `with`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from types import TracebackType
+from typing import Self
+
+import httpx
+
+from deployments import processes, table
+from deployments.prefect_api import PrefectApi, PrefectUnavailable
+from queue_store import JobStore, Settings, StoreError
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PORT = 4200
+STARTUP_TIMEOUT_SECONDS = 120.0
+SERVE_READY_SECONDS = 180.0
+FILE_LEASES = "prefect.server.concurrency.lease_storage.filesystem"
+BIN = Path(sys.executable).parent
+
+
+def executable(name: str) -> str:
+    """A console script of this environment (falls back to the PATH)."""
+    return shutil.which(name, path=str(BIN)) or name
+
+
+def server_env(home: Path, *, ui: bool = True) -> dict[str, str]:
+    """Environment of a Prefect server process with its own home."""
+    env = {
+        "PREFECT_HOME": str(home),
+        "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{home / 'prefect.db'}",
+        "PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE": FILE_LEASES,
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "DO_NOT_TRACK": "1",
+    }
+    if not ui:
+        env["PREFECT_UI_ENABLED"] = "false"
+        env["PREFECT_SERVER_UI_ENABLED"] = "false"
+    return env
+
+
+def client_env(api_url: str, home: Path) -> dict[str, str]:
+    """What a process needs to report to one server and never start its own."""
+    return {
+        "PREFECT_API_URL": api_url,
+        "PREFECT_HOME": str(home),
+        "PREFECT_SERVER_ALLOW_EPHEMERAL_MODE": "false",
+        "DO_NOT_TRACK": "1",
+    }
+
+
+def is_healthy(api_url: str, timeout: float = 2.0) -> bool:
+    try:
+        return httpx.get(f"{api_url.rstrip('/')}/health", timeout=timeout).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+class PrefectServer:
+    """A local Prefect server subprocess (or a server already answering at the address)."""
+
+    def __init__(
+        self,
+        home: Path,
+        port: int = DEFAULT_PORT,
+        *,
+        ui: bool = True,
+        database_url: str | None = None,
+        reuse: bool = True,
+    ) -> None:
+        self.home = home
+        self.port = port
+        self.ui = ui
+        self.database_url = database_url
+        self.reuse = reuse
+        self.log = home / "server.log"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def api_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/api"
+
+    @property
+    def ui_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process else None
+
+    def start(self) -> Self:
+        """Start the server; with `reuse`, use one already answering at this address."""
+        if self.reuse and is_healthy(self.api_url):
+            logger.info("using the Prefect server already running at %s", self.api_url)
+            return self
+        if not processes.port_is_free(self.port):
+            raise RuntimeError(
+                f"port {self.port} on 127.0.0.1 is taken by something that is not a Prefect server"
+            )
+        self.home.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, **server_env(self.home, ui=self.ui)}
+        if self.database_url:
+            env["PREFECT_API_DATABASE_CONNECTION_URL"] = self.database_url
+        env.pop("PREFECT_API_URL", None)
+        self.process = processes.start(
+            [
+                executable("prefect"),
+                "server",
+                "start",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+            ],
+            env=env,
+            log=self.log,
+        )
+        logger.info("starting a Prefect server (pid %d) at %s", self.process.pid, self.api_url)
+        try:
+            processes.wait_for(
+                lambda: is_healthy(self.api_url),
+                timeout=STARTUP_TIMEOUT_SECONDS,
+                what=f"the Prefect server at {self.api_url} (log: {self.log})",
+                interval=0.3,
+                alive=lambda: self.process is not None and self.process.poll() is None,
+            )
+        except (TimeoutError, RuntimeError):
+            tail = self.log.read_text(errors="replace")[-2000:] if self.log.exists() else ""
+            self.stop()
+            raise RuntimeError(f"the Prefect server did not start:\n{tail}") from None
+        return self
+
+    def stop(self) -> None:
+        """Stop the server this object started (never one it merely reused)."""
+        process, self.process = self.process, None
+        if process is not None:
+            processes.stop_group(process, grace_seconds=15)
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+class ServeProcess:
+    """`insight-queue serve` as a subprocess, ready when its deployments and consumer are."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        api_url: str,
+        *,
+        env: Mapping[str, str] | None = None,
+        log: Path | None = None,
+        args: tuple[str, ...] = (),
+    ) -> None:
+        self.settings = settings
+        self.api_url = api_url
+        self.env = dict(env or {})
+        self.log = log or settings.data_dir / "serve.log"
+        self.args = args
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process else None
+
+    def start(self, *, wait: bool = True) -> Self:
+        env = {
+            **os.environ,
+            **self.settings.to_env(),
+            **client_env(self.api_url, self.settings.data_dir / "prefect"),
+            **self.env,
+        }
+        self.process = processes.start(
+            [executable("insight-queue"), "serve", *self.args], env=env, log=self.log
+        )
+        if wait:
+            self.wait_ready()
+        return self
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def wait_ready(self, timeout: float = SERVE_READY_SECONDS) -> None:
+        api = PrefectApi(self.api_url)
+        store = JobStore(self.settings.database_url, settings=self.settings, check_schema=False)
+
+        def ready() -> bool:
+            try:
+                for deployment in table.DEPLOYMENTS:
+                    api.deployment_id(deployment.name)
+                return any(w.alive and w.role == "consumer" for w in store.workers())
+            except (PrefectUnavailable, StoreError):
+                return False
+
+        try:
+            processes.wait_for(
+                ready,
+                timeout=timeout,
+                what=f"serve (log: {self.log})",
+                interval=0.3,
+                alive=self.alive,
+            )
+        finally:
+            api.close()
+            store.close()
+
+    def stop(self, grace_seconds: float = 20.0) -> int | None:
+        """Stop serve (SIGTERM to its group, SIGKILL after the grace); returns its exit code."""
+        process, self.process = self.process, None
+        if process is None:
+            return None
+        processes.stop_group(process, grace_seconds)
+        return process.returncode
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.stop()

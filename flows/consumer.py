@@ -1,0 +1,256 @@
+"""The consumer: take the gateway slot, claim the most urgent job, run it; again.
+
+One consumer loop serves every way work gets done:
+
+- the warm consumer of `insight-queue serve` and `insight-queue consume`
+  (`standby=True`): it never stops on its own, looks for work every
+  `STANDBY_POLL_SECONDS` with one read-only query, says it is alive in the
+  store (so a screen's trigger starts no run it does not need), and may keep
+  its gateway slot while idle so a screen's job starts without waiting for it;
+- a flow that drains (`standby=False`): it stops when nothing is runnable, or
+  when another consumer holds the gateway and will take the next job itself.
+
+It runs `AI_JOB_CONCURRENCY` lanes, each holding at most one gateway slot and
+one claim. Stopping it (`stop()`, e.g. on SIGTERM) cancels the calls in flight:
+each is really stopped, its job handed back without spending the attempt, its
+history entry closed as stopped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import os
+import socket
+import time
+import uuid
+from typing import Any
+
+from flows.guard import Guard, NullGuard
+from flows.runner import JobRunner, Outcome, Report
+from queue_store import Blocked, JobStore, Settings, StoreError
+
+logger = logging.getLogger(__name__)
+
+# How often a consumer standing by looks for queued work (a read-only query).
+STANDBY_POLL_SECONDS = 0.2
+# Longest single sleep while waiting out a gap or a pause, so a change (an
+# operator's `resume`, a stop) is noticed soon.
+MAX_WAIT_SECONDS = 5.0
+# How long a draining consumer rides out a store it cannot reach before it stops.
+STORE_OUTAGE_SECONDS = 60.0
+
+
+def worker_name(role: str = "consumer") -> str:
+    """A fresh worker name for this process: role, host, pid and a nonce (no '/')."""
+    host = "".join(c if c.isalnum() or c in ".-" else "-" for c in socket.gethostname())[:60]
+    return f"{role}@{host}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+
+
+@dataclasses.dataclass
+class Summary:
+    """What a consumer did, for logs and for the flows that ran it."""
+
+    ran: int = 0
+    outcomes: dict[str, int] = dataclasses.field(default_factory=dict)
+    stopped_because: str = ""
+    reports: list[Report] = dataclasses.field(default_factory=list)
+
+    def add(self, report: Report) -> None:
+        self.ran += 1
+        key = str(report.outcome)
+        self.outcomes[key] = self.outcomes.get(key, 0) + 1
+        self.reports.append(report)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "ran": self.ran,
+            "outcomes": dict(self.outcomes),
+            "stopped_because": self.stopped_because,
+        }
+
+
+class Consumer:
+    """Claims and runs jobs until told to stop (standby) or until nothing is runnable (drain)."""
+
+    def __init__(
+        self,
+        store: JobStore,
+        settings: Settings,
+        runner: JobRunner,
+        *,
+        worker: str,
+        guard: Guard | None = None,
+        standby: bool = False,
+        max_jobs: int | None = None,
+        hold_slot_when_idle: bool = False,
+        role: str = "consumer",
+    ) -> None:
+        self._store = store
+        self._settings = settings
+        self._runner = runner
+        self._guard = guard or NullGuard()
+        self.worker = worker
+        self._standby = standby
+        self._max_jobs = max_jobs
+        self._hold_slot = hold_slot_when_idle and standby
+        self._role = role
+        self.summary = Summary()
+        self._stopping: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._lanes: list[asyncio.Task[None]] = []
+        self._busy: dict[int, str] = {}
+        self._store_down_since: float | None = None
+
+    # -- control -----------------------------------------------------------
+
+    def stop(self, reason: str = "stopped") -> None:
+        """Stop: cancel the calls in flight (their jobs are handed back). Thread-safe."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        with contextlib.suppress(RuntimeError):  # the loop has just closed
+            loop.call_soon_threadsafe(self._stop_now, reason)
+
+    def _stop_now(self, reason: str) -> None:
+        if self._stopping is None or self._stopping.is_set():
+            return
+        self.summary.stopped_because = self.summary.stopped_because or reason
+        self._stopping.set()
+        for lane in self._lanes:
+            lane.cancel()
+
+    @property
+    def busy(self) -> list[str]:
+        """The jobs being worked on now, as `kind:subject`."""
+        return list(self._busy.values())
+
+    # -- the loop ------------------------------------------------------------
+
+    async def run(self) -> Summary:
+        self._loop = asyncio.get_running_loop()
+        self._stopping = asyncio.Event()
+        if not self._settings.enabled:
+            self.summary.stopped_because = "disabled by AI_JOBS"
+            return self.summary
+        presence = asyncio.create_task(self._say_alive()) if self._standby else None
+        self._lanes = [
+            asyncio.create_task(self._lane(n), name=f"lane-{n}")
+            for n in range(self._settings.concurrency)
+        ]
+        try:
+            await asyncio.gather(*self._lanes, return_exceptions=True)
+        finally:
+            if presence is not None:
+                presence.cancel()
+                await asyncio.gather(presence, return_exceptions=True)
+                with contextlib.suppress(StoreError):
+                    await asyncio.to_thread(self._store.worker_gone, self.worker)
+        for lane in self._lanes:
+            if not lane.cancelled() and (error := lane.exception()) is not None:
+                raise error
+        return self.summary
+
+    def _finished(self, reason: str) -> bool:
+        """A draining consumer ends here; record why (first reason wins)."""
+        if not self.summary.stopped_because:
+            self.summary.stopped_because = reason
+        assert self._stopping is not None
+        self._stopping.set()
+        return True
+
+    async def _lane(self, lane: int) -> None:
+        assert self._stopping is not None
+        slot: contextlib.AsyncExitStack | None = None
+        try:
+            while not self._stopping.is_set():
+                if self._max_jobs is not None and self.summary.ran >= self._max_jobs:
+                    self._finished("max_jobs")
+                    return
+                if slot is None and not await self._work_waiting():
+                    if not self._standby:
+                        self._finished("empty")
+                        return
+                    await self._pause(STANDBY_POLL_SECONDS)
+                    continue
+                if slot is None:
+                    slot = contextlib.AsyncExitStack()
+                    await slot.enter_async_context(self._guard.slot())
+                wait = await self._claim_and_run(lane)
+                if not self._hold_slot or wait is None:
+                    await slot.aclose()
+                    slot = None
+                if wait:
+                    await self._pause(wait)
+        finally:
+            if slot is not None:
+                await asyncio.shield(slot.aclose())
+
+    async def _claim_and_run(self, lane: int) -> float | None:
+        """One claim (and its job, if any); returns seconds to wait before the next, 0: none."""
+        assert self._stopping is not None
+        loop = asyncio.get_running_loop()
+        claim_sent = loop.time()
+        try:
+            claim = await asyncio.to_thread(self._store.claim_next, self.worker)
+        except StoreError as exc:
+            return self._store_trouble(exc)
+        self._store_down_since = None
+        job = claim.job
+        if job is None:
+            if claim.blocked in (Blocked.GAP, Blocked.PAUSED):
+                return min(claim.retry_in or self._settings.poll_seconds, MAX_WAIT_SECONDS)
+            if claim.blocked is Blocked.CONCURRENCY and self._standby:
+                # Another consumer is mid-call; it takes the next job itself.
+                return self._settings.poll_seconds
+            if self._standby:
+                return STANDBY_POLL_SECONDS
+            self._finished(str(claim.blocked))
+            return None
+        self._busy[lane] = job.run_name
+        try:
+            report = await self._runner.run(job, claim_sent)
+        finally:
+            self._busy.pop(lane, None)
+        self.summary.add(report)
+        log = logger.info if report.outcome is Outcome.DONE else logger.warning
+        log("%s: %s (%s)", job.run_name, report.outcome, report.message)
+        return 0.0
+
+    def _store_trouble(self, exc: StoreError) -> float:
+        now = time.monotonic()
+        self._store_down_since = self._store_down_since or now
+        down = now - self._store_down_since
+        if not self._standby and down > STORE_OUTAGE_SECONDS:
+            logger.error("store unavailable for %.0f s, stopping: %s", down, exc)
+            self._finished(f"store error: {exc}")
+            return 0.0
+        logger.warning("claim failed, retrying: %s", exc)
+        return self._settings.poll_seconds
+
+    async def _work_waiting(self) -> bool:
+        """Whether a job is queued (one indexed read; never a write)."""
+        try:
+            return await asyncio.to_thread(self._store.has_pending)
+        except StoreError:
+            return True  # let the claim find out, and ride out the outage there
+
+    async def _pause(self, seconds: float) -> None:
+        assert self._stopping is not None
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stopping.wait(), seconds)
+
+    async def _say_alive(self) -> None:
+        while True:
+            try:
+                await asyncio.to_thread(
+                    self._store.worker_seen,
+                    self.worker,
+                    self._role,
+                    {"busy": self.busy, "lanes": self._settings.concurrency},
+                )
+            except StoreError as exc:
+                logger.debug("could not say the consumer is alive: %s", exc)
+            await asyncio.sleep(self._settings.heartbeat_seconds)

@@ -1,0 +1,361 @@
+"""Prefect as the ledger of generations, and its `gateway` tag limit as the second guard.
+
+`PrefectLedger` writes every generation attempt as a flow run of its own, of
+the flow `generate`, named `kind:subject`, tagged `user:<id>`, `kind:<kind>`,
+`priority:interactive|prefetch` and `attempt:<n>`, its parameters the job's
+key. It is Running from the claim, its log says what happened, and it ends
+Completed, or Failed/Cancelled with a one-line reason as its state message:
+what the UI's run list shows without opening anything.
+
+Why a flow run per attempt, recorded by the consumer rather than executed by
+Prefect's engine: a screen's insight must reach the gateway within a second,
+and the engine would put several API round trips (and, on the embedded SQLite
+server, "database is locked" retries) between the claim and the call. Here
+the call starts first and the record is written beside it, by one background
+task per consumer, in order; a Prefect server that is slow or down delays or
+drops history, never a generation.
+
+`PrefectSlotGuard` takes a slot of the `gateway` tag limit (the global
+concurrency limit `tag:gateway`, which Prefect's engine also takes for task
+runs tagged `gateway`) with a lease that Prefect renews while it is held and
+that expires on its own if this process dies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import datetime as dt
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+from flows.guard import GATEWAY_TAG
+from flows.ledger import LedgerEntry
+from queue_store import Job, Redactor
+
+if TYPE_CHECKING:
+    from prefect.client.orchestration import PrefectClient
+
+    from flows.runner import Report
+
+logger = logging.getLogger(__name__)
+
+GENERATE_FLOW = "generate"
+# How long a result waits for its history entry's id before it is stored without it.
+RUN_ID_WAIT_SECONDS = 2.0
+# History writes waiting beyond this are dropped (the Prefect server is away).
+MAX_PENDING_WRITES = 1000
+# Seconds the gateway slot's lease lasts without renewal; Prefect renews it
+# while held, and frees it this long after a holder died.
+SLOT_LEASE_SECONDS = 60.0
+TAG_PREFIX_USER = "user:"
+
+
+def run_url(ui_url: str | None, run_id: str) -> str:
+    """Where a flow run is in the Prefect UI (a relative path without a UI address)."""
+    path = f"/runs/flow-run/{run_id}"
+    return f"{ui_url.rstrip('/')}{path}" if ui_url else path
+
+
+def generation_tags(job: Job) -> list[str]:
+    return [
+        "generation",
+        f"{TAG_PREFIX_USER}{job.user_id}",
+        f"kind:{job.kind}",
+        f"priority:{job.priority_class}",
+        f"attempt:{job.attempts}",
+    ]
+
+
+@dataclasses.dataclass(frozen=True)
+class _FlowRecord:
+    """What Prefect's `create_flow_run` reads of a flow: the record of `generate`."""
+
+    name: str = GENERATE_FLOW
+    version: str | None = None
+    retries: int = 0
+    retry_delay_seconds: float = 0
+
+
+class _Writer:
+    """Runs history writes one after another in the background, never raising."""
+
+    def __init__(self, client_factory: Callable[[], Any]) -> None:
+        self._client_factory = client_factory
+        self._queue: asyncio.Queue[Callable[[PrefectClient], Awaitable[None]]] = asyncio.Queue()
+        self._task: asyncio.Task[None] | None = None
+        self._failing = False
+
+    def submit(self, write: Callable[[PrefectClient], Awaitable[None]]) -> None:
+        if self._queue.qsize() >= MAX_PENDING_WRITES:
+            logger.warning("run history: %d writes waiting; dropping one", MAX_PENDING_WRITES)
+            return
+        self._queue.put_nowait(write)
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._drain(), name="run-history")
+
+    async def _drain(self) -> None:
+        async with self._client_factory() as client:
+            while not self._queue.empty():
+                write = self._queue.get_nowait()
+                try:
+                    await write(client)
+                except Exception as exc:  # noqa: BLE001 - history never breaks a generation
+                    if not self._failing:
+                        logger.warning("run history not written (%s: %s)", type(exc).__name__, exc)
+                    self._failing = True
+                else:
+                    if self._failing:
+                        logger.warning("run history written again")
+                    self._failing = False
+
+    async def flush(self, timeout: float) -> None:
+        """Wait (up to `timeout`) for the writes submitted so far."""
+        if self._task is not None and not self._task.done():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self._task), timeout)
+
+
+class _PrefectEntry:
+    def __init__(self, ledger: PrefectLedger, job: Job) -> None:
+        self._ledger = ledger
+        self._job = job
+        self._run: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
+        self._opened = time.time()
+        self._logs: list[tuple[float, int, str]] = []
+
+    def _log(self, level: int, message: str) -> None:
+        self._logs.append((time.time(), level, self._ledger.redact(message)))
+
+    def call_started(self, at: float) -> None:
+        waited = ""
+        if self._job.requested_at is not None:
+            waited = (
+                f"; a screen asked {max(0.0, at - self._job.requested_at.timestamp()):.1f} s ago"
+            )
+        self._log(logging.INFO, f"call sent to the gateway{waited}")
+
+    def note(self, message: str) -> None:
+        self._log(logging.INFO, message)
+
+    async def run_id(self) -> str | None:
+        try:
+            return await asyncio.wait_for(asyncio.shield(self._run), RUN_ID_WAIT_SECONDS)
+        except TimeoutError:
+            return None
+
+    def close(self, report: Report) -> None:
+        self._ledger._close(self, report)
+
+
+class PrefectLedger:
+    """Writes each generation attempt as a Prefect flow run (see the module docstring)."""
+
+    def __init__(
+        self,
+        worker: str,
+        redactor: Redactor,
+        *,
+        parent_flow_run_id: str | None = None,
+        client_factory: Callable[[], Any] | None = None,
+    ) -> None:
+        self.worker = worker
+        self.redact = redactor
+        self._parent = parent_flow_run_id
+        if client_factory is None:
+            from prefect.client.orchestration import get_client
+
+            client_factory = get_client
+        self._writer = _Writer(client_factory)
+        # Per job id: the history entry of its last attempt here, for flows
+        # that follow jobs (a backfill's table, a screen's story).
+        self.runs: dict[str, str] = {}
+
+    def open(self, job: Job) -> LedgerEntry:
+        entry = _PrefectEntry(self, job)
+        claimed = job.claimed_at or dt.datetime.now(dt.UTC)
+
+        async def create(client: PrefectClient) -> None:
+            from prefect.states import Running
+
+            try:
+                run = await client.create_flow_run(
+                    flow=_FlowRecord(),  # type: ignore[arg-type]
+                    name=job.run_name,
+                    parameters={
+                        "user_id": job.user_id,
+                        "kind": job.kind,
+                        "subject": job.subject,
+                        "fingerprint": job.fingerprint,
+                        "attempt": job.attempts,
+                        "worker": self.worker,
+                    },
+                    tags=generation_tags(job),
+                    context={"insight_queue": {"job_id": job.id, "parent": self._parent}},
+                    state=Running(
+                        timestamp=claimed,
+                        message=f"attempt {job.attempts}, claimed by {self.worker}",
+                    ),
+                )
+            except BaseException:
+                entry._run.set_result(None)
+                raise
+            self.runs[job.id] = str(run.id)
+            entry._run.set_result(str(run.id))
+
+        self._writer.submit(create)
+        if job.flow_run_id:
+            self._writer.submit(_crash_if_running(job.flow_run_id))
+        return entry
+
+    def _close(self, entry: _PrefectEntry, report: Report) -> None:
+        from flows.runner import Outcome
+
+        logs = list(entry._logs)
+        if report.outcome is Outcome.DONE:
+            state_name, message = "completed", _done_message(report)
+        elif (
+            report.outcome is Outcome.RELEASED
+            and report.failure is not None
+            and (report.failure.value == "stopped")
+        ):
+            state_name, message = "cancelled", report.message
+        else:
+            state_name, message = "failed", _failed_message(report)
+        level = logging.INFO if state_name == "completed" else logging.WARNING
+        logs.append((time.time(), level, f"{report.outcome}: {report.message}"))
+        if report.settlement is not None and report.settlement.verdict:
+            logs.append((time.time(), level, report.settlement.verdict))
+
+        async def finish(client: PrefectClient) -> None:
+            from prefect.client.schemas.actions import LogCreate
+            from prefect.states import Cancelled, Completed, Failed
+
+            run_id = entry._run.result() if entry._run.done() else None
+            if run_id is None:
+                return
+            state = {"completed": Completed, "failed": Failed, "cancelled": Cancelled}[state_name]
+            await client.create_logs(
+                [
+                    LogCreate.model_validate(
+                        {
+                            "name": "insight_queue.generation",
+                            "level": lvl,
+                            "message": self.redact(text),
+                            "timestamp": dt.datetime.fromtimestamp(at, dt.UTC),
+                            "flow_run_id": uuid.UUID(run_id),
+                        }
+                    )
+                    for at, lvl, text in logs
+                ]
+            )
+            await client.set_flow_run_state(
+                uuid.UUID(run_id), state(message=self.redact(message)), force=True
+            )
+
+        self._writer.submit(finish)
+
+    async def flush(self, timeout: float = 10.0) -> None:
+        await self._writer.flush(timeout)
+
+
+def _crash_if_running(run_id: str) -> Callable[[PrefectClient], Awaitable[None]]:
+    """The previous attempt's run, if its worker never ended it: it died, say so."""
+
+    async def crash(client: PrefectClient) -> None:
+        from prefect.states import Crashed
+
+        run = await client.read_flow_run(uuid.UUID(run_id))
+        if run.state is not None and not run.state.is_final():
+            await client.set_flow_run_state(
+                run.id,
+                Crashed(message="its worker stopped renewing the claim; the job was taken over"),
+                force=True,
+            )
+
+    return crash
+
+
+def _done_message(report: Report) -> str:
+    call = f" in {report.call_seconds:.1f} s" if report.call_seconds is not None else ""
+    waited = ""
+    job = report.job
+    if job.requested_at is not None:
+        waited = f"; the screen waited {max(0.0, time.time() - job.requested_at.timestamp()):.0f} s"
+    return f"generated{call} (attempt {job.attempts}){waited}"
+
+
+def _failed_message(report: Report) -> str:
+    first = report.message.splitlines()[0] if report.message else str(report.outcome)
+    what = {
+        "requeued": "attempt failed, queued again",
+        "failed": "failed, attempts spent",
+        "released": "handed back, attempt kept",
+        "lost": "claim taken over",
+        "unrecorded": "outcome not recorded",
+    }.get(str(report.outcome), str(report.outcome))
+    return f"{what}: {first}"[:500]
+
+
+class PrefectSlotGuard:
+    """Holds one slot of the `gateway` tag limit per `slot()` block."""
+
+    def __init__(
+        self,
+        tag: str = GATEWAY_TAG,
+        lease_seconds: float = SLOT_LEASE_SECONDS,
+        on_change: Callable[[frozenset[str]], None] | None = None,
+    ) -> None:
+        self._name = f"tag:{tag}"
+        self._lease_seconds = lease_seconds
+        # The leases held now: `on_change` records them where a restart after
+        # a crash finds them, to give them back at once.
+        self.lease_ids: set[str] = set()
+        self._on_change = on_change
+
+    def _changed(self) -> None:
+        if self._on_change is not None:
+            try:
+                self._on_change(frozenset(self.lease_ids))
+            except Exception as exc:  # noqa: BLE001 - bookkeeping never blocks a call
+                logger.warning("could not record the gateway slot leases: %s", exc)
+
+    @contextlib.asynccontextmanager
+    async def slot(self) -> AsyncIterator[None]:
+        from prefect.concurrency._asyncio import (
+            aacquire_concurrency_slots_with_lease,
+            arelease_concurrency_slots_with_lease,
+        )
+        from prefect.concurrency._leases import amaintain_concurrency_lease
+
+        response = await aacquire_concurrency_slots_with_lease(
+            [self._name],
+            1,
+            lease_duration=self._lease_seconds,
+            strict=False,
+            suppress_warnings=True,
+        )
+        if not response.limits:
+            # No `gateway` limit exists: nothing to hold (setup-limit creates it).
+            yield
+            return
+        lease_id = response.lease_id
+        self.lease_ids.add(str(lease_id))
+        self._changed()
+        try:
+            async with amaintain_concurrency_lease(
+                lease_id,
+                self._lease_seconds,
+                raise_on_lease_renewal_failure=False,
+                suppress_warnings=True,
+            ):
+                yield
+        finally:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(arelease_concurrency_slots_with_lease(lease_id))
+            self.lease_ids.discard(str(lease_id))
+            self._changed()
