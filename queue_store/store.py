@@ -126,9 +126,13 @@ class JobStore:
             self._clock = DatabaseClock()
         self._redact = Redactor.for_settings(self._settings)
         if check_schema:
-            if create and self._is_sqlite and not self._schema_is_current():
-                self.upgrade()
-            self.check_schema()
+            try:
+                if create and self._is_sqlite and not self._schema_is_current():
+                    self.upgrade()
+                self.check_schema()
+            except BaseException:
+                self._engine.dispose()
+                raise
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -312,17 +316,18 @@ class JobStore:
             }
             inserts: dict[str, dict[str, Any]] = {}
             statuses: list[Status] = []
-            for jid, request in zip(ids, chunk, strict=True):
+            for position, (jid, request) in enumerate(zip(ids, chunk, strict=True)):
                 row = existing.get(jid)
                 if row is None:
                     if jid not in inserts:
+                        # A microsecond apart: the queue keeps the order they were given in.
                         inserts[jid] = _new_job(
                             request.user_id,
                             request.kind,
                             request.subject,
                             request.fingerprint,
                             request.priority,
-                            now,
+                            now + dt.timedelta(microseconds=position),
                         )
                     else:  # the same key twice in one call: promote, never demote
                         entry = inserts[jid]
@@ -598,7 +603,7 @@ class JobStore:
                 "output": output,
                 "produced_at": now,
                 "duration_seconds": duration_seconds,
-                "flow_run_id": flow_run_id or row.flow_run_id,
+                "flow_run_id": flow_run_id,
                 "size_bytes": size,
             }
             updated = connection.execute(
@@ -608,7 +613,7 @@ class JobStore:
                 connection.execute(insert(results).values(job_id=row.id, **values))
             if duration_seconds is not None:
                 positions.record_duration(connection, row.kind, duration_seconds)
-            lease.settle_done(connection, now, row)
+            lease.settle_done(connection, now, row, flow_run_id)
         return Status.DONE
 
     def fail(
@@ -619,6 +624,7 @@ class JobStore:
         error: str,
         *,
         retry_after: float | None = None,
+        flow_run_id: str | None = None,
     ) -> Settlement:
         """Settle an attempt that ended without a result, by the rule for `failure`.
 
@@ -637,10 +643,16 @@ class JobStore:
         error = self._error(error)
         if retry_after is not None:
             retry_after = validation.seconds("retry_after", retry_after)
+        if flow_run_id is not None:
+            flow_run_id = validation.run_id(flow_run_id)
         with self._gated("fail") as (connection, now, state):
             row = lease.held_row(connection, jid, holder)
             if row is None:
                 raise ClaimLost(jid, holder)
+            if flow_run_id is not None:
+                connection.execute(
+                    update(jobs).where(jobs.c.id == jid).values(flow_run_id=flow_run_id)
+                )
             return lease.settle_failure(
                 connection, self._settings, now, state, row, failure, error, retry_after
             )

@@ -21,8 +21,8 @@ from sqlalchemy import create_engine, text
 from flows.demo import demo_scopes
 from flows.simulator import GatewaySimulator
 from queue_store import JobStore, Settings, migrate
-from tests.conftest import POSTGRES_URL, postgres_schema_url
-from tests.services import BIN, ROOT, PrefectServer, client_env, run_cli, stop
+from tests.support.databases import POSTGRES_URL, postgres_schema_url
+from tests.support.services import BIN, ROOT, PrefectServer, client_env, run_cli, stop
 
 pytestmark = [pytest.mark.prefect, pytest.mark.slow, pytest.mark.postgres]
 

@@ -19,7 +19,7 @@ from prefect.settings import PREFECT_API_URL, temporary_settings
 from flows.demo import demo_scopes
 from flows.simulator import GatewaySimulator
 from queue_store import JobStore, Settings, migrate
-from tests.services import PrefectServer, cli, client_env, run_cli, running
+from tests.support.services import PrefectServer, cli, client_env, run_cli, running
 
 pytestmark = [pytest.mark.prefect, pytest.mark.slow]
 

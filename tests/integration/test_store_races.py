@@ -20,7 +20,7 @@ from sqlalchemy import text
 
 from queue_store import INTERACTIVE, PREFETCH, JobStore, Renewal, Settings, Status, job_id
 from queue_store.engine import create_store_engine
-from tests.race_worker import actor, claim_loop, dump_tables
+from tests.support.race_worker import actor, claim_loop, dump_tables
 
 SPAWN = multiprocessing.get_context("spawn")
 

@@ -29,7 +29,14 @@ import pytest
 
 from flows.simulator import GatewaySimulator, RequestRecord
 from queue_store import INTERACTIVE, JobStore, Settings
-from tests.services import BackgroundSampler, PrefectServer, cli, client_env, run_cli, running
+from tests.support.services import (
+    BackgroundSampler,
+    PrefectServer,
+    cli,
+    client_env,
+    run_cli,
+    running,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.prefect]
 
@@ -78,7 +85,7 @@ def env(
         "AI_JOB_MAX_ATTEMPTS": "3",
         "AI_JOB_BACKOFF_SECONDS": "1",
         "AI_JOB_BACKOFF_MAX_SECONDS": "4",
-        "AI_JOB_PLUGINS": "flows.demo,tests.plugins",
+        "AI_JOB_PLUGINS": "flows.demo,tests.support.plugins",
     }
 
 

@@ -42,9 +42,9 @@ from flows.gateway import EXCERPT_CHARS, JOB_HEADER, REDACTED
 from flows.simulator import GatewaySimulator
 from queue_store import JobStore, Settings, StoreError, migrate
 from queue_store.engine import normalise_url
-from tests.conftest import POSTGRES_URL
-from tests.race_worker import dump_tables
-from tests.services import PrefectServer, client_env, run_cli
+from tests.support.databases import POSTGRES_URL
+from tests.support.race_worker import dump_tables
+from tests.support.services import PrefectServer, client_env, run_cli
 
 pytestmark = [pytest.mark.slow, pytest.mark.prefect, pytest.mark.postgres]
 
@@ -269,7 +269,7 @@ def consumer_env(
         "AI_JOB_DATABASE_URL": database_url,
         "AI_GATEWAY_URL": gateway_url,
         "AI_GATEWAY_TOKEN": token,
-        "AI_JOB_PLUGINS": "flows.demo,tests.plugins",
+        "AI_JOB_PLUGINS": "flows.demo,tests.support.plugins",
         "AI_JOB_GAP_SECONDS": "0",
         "AI_JOB_HEARTBEAT_SECONDS": "0.5",
         "AI_JOB_LEASE_SECONDS": "10",

@@ -18,7 +18,7 @@ from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from flows.simulator import GatewaySimulator
 from queue_store import INTERACTIVE, JobStore, Settings, migrate
-from tests.services import PrefectServer, cli, client_env, run_cli, running
+from tests.support.services import PrefectServer, cli, client_env, run_cli, running
 
 pytestmark = [pytest.mark.prefect, pytest.mark.slow]
 
@@ -45,7 +45,7 @@ def env(tmp_path: Path, prefect_server: PrefectServer, sim: GatewaySimulator) ->
         "AI_JOB_POLL_SECONDS": "0.5",
         "AI_JOB_BACKOFF_SECONDS": "1",
         "AI_JOB_BACKOFF_MAX_SECONDS": "4",
-        "AI_JOB_PLUGINS": "flows.demo,tests.plugins",
+        "AI_JOB_PLUGINS": "flows.demo,tests.support.plugins",
     }
 
 

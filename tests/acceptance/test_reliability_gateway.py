@@ -35,7 +35,7 @@ import pytest
 
 from flows.simulator import INJECTED_STATUS, OK, GatewaySimulator
 from queue_store import JobStore, Settings
-from tests.services import BackgroundSampler, PrefectServer, cli, client_env, running
+from tests.support.services import BackgroundSampler, PrefectServer, cli, client_env, running
 
 pytestmark = [pytest.mark.slow, pytest.mark.prefect]
 
@@ -79,7 +79,7 @@ def env(
         "AI_JOB_MAX_ATTEMPTS": "3",
         "AI_JOB_BACKOFF_SECONDS": str(BACKOFF),
         "AI_JOB_BACKOFF_MAX_SECONDS": str(BACKOFF_MAX),
-        "AI_JOB_PLUGINS": "flows.demo,tests.plugins",
+        "AI_JOB_PLUGINS": "flows.demo,tests.support.plugins",
     }
 
 

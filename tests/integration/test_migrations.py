@@ -32,8 +32,8 @@ from queue_store import (
 from queue_store.engine import create_store_engine
 from queue_store.rules import WORKER_LOST
 from queue_store.schema import SCHEMA_REVISION
-from tests.conftest import FakeClock
-from tests.race_worker import dump_tables
+from tests.support.databases import FakeClock
+from tests.support.race_worker import dump_tables
 
 ORIGINAL_DDL = """
 CREATE TABLE ai_jobs (

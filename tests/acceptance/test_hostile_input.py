@@ -35,8 +35,8 @@ from deployments import triggers
 from queue_store import INTERACTIVE, InvalidArgument, JobStore, Settings, Status, migrate
 from queue_store.engine import normalise_url
 from queue_store.schema import VERSION_TABLE
-from tests.race_worker import dump_tables
-from tests.services import BIN, ROOT, free_port
+from tests.support.race_worker import dump_tables
+from tests.support.services import BIN, ROOT, free_port
 
 STORE_TABLES = {"ai_jobs", "ai_job_results", "ai_job_gate", VERSION_TABLE}
 

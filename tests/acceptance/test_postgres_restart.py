@@ -57,8 +57,8 @@ from flows.flows import STORE_OUTAGE_SECONDS
 from flows.simulator import OK, GatewaySimulator
 from queue_store import JobStore, Settings, StoreError, migrate
 from queue_store.engine import normalise_url
-from tests.conftest import POSTGRES_URL
-from tests.services import ROOT, PrefectServer, cli, client_env, run_cli, stop
+from tests.support.databases import POSTGRES_URL
+from tests.support.services import ROOT, PrefectServer, cli, client_env, run_cli, stop
 
 pytestmark = [pytest.mark.slow, pytest.mark.prefect, pytest.mark.postgres]
 
@@ -325,7 +325,7 @@ def test_postgres_restarted_under_load_loses_and_duplicates_nothing(
             **client_env(prefect_server.api_url, tmp_path / "prefect-client"),
             "AI_JOB_DATABASE_URL": restart_db,
             "AI_GATEWAY_URL": sim.url,
-            "AI_JOB_PLUGINS": "flows.demo,tests.plugins",
+            "AI_JOB_PLUGINS": "flows.demo,tests.support.plugins",
             "AI_JOB_GAP_SECONDS": "0.2",
             "AI_JOB_HEARTBEAT_SECONDS": "0.5",
             "AI_JOB_LEASE_SECONDS": str(LEASE_SECONDS),

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.services import ROOT
+from tests.support.services import ROOT
 
 pytestmark = [pytest.mark.slow, pytest.mark.prefect]
 

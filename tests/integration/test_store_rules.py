@@ -20,7 +20,8 @@ from queue_store import (
     job_id,
 )
 from queue_store.rules import WORKER_LOST
-from tests.conftest import FakeClock, StoreFactory
+from tests.conftest import StoreFactory
+from tests.support.databases import FakeClock
 
 U = "user-1"
 
