@@ -231,9 +231,9 @@ class Consumer:
         return self._settings.poll_seconds
 
     async def _work_waiting(self) -> bool:
-        """Whether a job is queued (one indexed read; never a write)."""
+        """Whether a claim could find something (indexed reads; never a write)."""
         try:
-            return await asyncio.to_thread(self._store.has_pending)
+            return await asyncio.to_thread(self._store.has_work)
         except StoreError:
             return True  # let the claim find out, and ride out the outage there
 

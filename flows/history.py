@@ -142,9 +142,11 @@ class _PrefectEntry:
     def note(self, message: str) -> None:
         self._log(logging.INFO, message)
 
-    async def run_id(self) -> str | None:
+    async def run_id(self, wait: float | None = None) -> str | None:
         try:
-            return await asyncio.wait_for(asyncio.shield(self._run), RUN_ID_WAIT_SECONDS)
+            return await asyncio.wait_for(
+                asyncio.shield(self._run), RUN_ID_WAIT_SECONDS if wait is None else wait
+            )
         except TimeoutError:
             return None
 
@@ -216,6 +218,7 @@ class PrefectLedger:
         from flows.runner import Outcome
 
         logs = list(entry._logs)
+        name = entry._job.run_name
         if report.outcome is Outcome.DONE:
             state_name, message = "completed", _done_message(report)
         elif (
@@ -237,6 +240,7 @@ class PrefectLedger:
 
             run_id = entry._run.result() if entry._run.done() else None
             if run_id is None:
+                logger.warning("run history: %s was never recorded, so it cannot be closed", name)
                 return
             state = {"completed": Completed, "failed": Failed, "cancelled": Cancelled}[state_name]
             await client.create_logs(

@@ -28,8 +28,8 @@ class LedgerEntry(Protocol):
     def note(self, message: str) -> None:
         """A line for the entry's log."""
 
-    async def run_id(self) -> str | None:
-        """The entry's id in the history once written (waits briefly), else None."""
+    async def run_id(self, wait: float | None = None) -> str | None:
+        """The entry's id in the history once written (waits briefly, or `wait` s), else None."""
 
     def close(self, report: Report) -> None:
         """The attempt is over; `report` says how."""
@@ -47,7 +47,7 @@ class _NullEntry:
     def note(self, message: str) -> None:
         return None
 
-    async def run_id(self) -> str | None:
+    async def run_id(self, wait: float | None = None) -> str | None:
         return None
 
     def close(self, report: Report) -> None:

@@ -56,6 +56,8 @@ logger = logging.getLogger(__name__)
 # A result must reach the store even through a short database outage: the
 # call behind it cost minutes of a shared gateway. Waits between tries, seconds.
 RECORD_BACKOFF_SECONDS = (0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 15.0, 15.0)
+# How long a stopped attempt waits for its history entry's id, seconds.
+STOP_RUN_ID_WAIT_SECONDS = 5.0
 # Less than this left before the deadline: do not start a call.
 MIN_CALL_SECONDS = 1.0
 
@@ -401,10 +403,19 @@ class JobRunner:
         retry_after: float | None = None,
     ) -> Report:
         message = self._redact(" ".join(message.split()))
+        # A stop can afford to wait a little longer for the history entry: the
+        # job row then points at the run that says it was stopped.
+        wait = STOP_RUN_ID_WAIT_SECONDS if failure is Failure.STOPPED else None
+        run_id = await entry.run_id(wait)
 
         def write() -> Settlement:
             return self._store.fail(
-                job.id, job.holder or "", failure, message, retry_after=retry_after
+                job.id,
+                job.holder or "",
+                failure,
+                message,
+                retry_after=retry_after,
+                flow_run_id=run_id,
             )
 
         try:
@@ -446,7 +457,7 @@ class JobRunner:
             call_clock,
             failure=failure,
             settlement=settlement,
-            flow_run_id=await entry.run_id(),
+            flow_run_id=run_id,
         )
 
     async def _record(self, job: Job, write: Callable[[], Any]) -> Any:

@@ -467,13 +467,21 @@ class JobStore:
         with self._read("pending_count") as connection:
             return int(connection.execute(query).scalar_one())
 
-    def has_pending(self) -> bool:
-        """Whether any job is queued: the cheapest question a standing-by consumer can ask."""
-        with self._read("has_pending") as connection:
-            found = connection.execute(
+    def has_work(self) -> bool:
+        """Whether a claim could find something: a queued job, or a claim that lapsed.
+
+        The cheapest question a standing-by consumer can ask: two indexed
+        reads, never a write. A lapsed claim counts as work because only a
+        claim takes it back (and restarts its job).
+        """
+        with self._read("has_work") as connection:
+            queued = connection.execute(
                 select(jobs.c.id).where(jobs.c.status == Status.PENDING).limit(1)
             ).first()
-        return found is not None
+            if queued is not None:
+                return True
+            now = self._now(connection)
+            return any(lapsed(row, now, self._settings) for row in lease.running_rows(connection))
 
     def calls_in_flight(self) -> int:
         """Running jobs whose claim is live: gateway calls under way right now."""

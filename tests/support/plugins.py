@@ -1,6 +1,18 @@
-"""Generators for the flow tests: one that answers, and one that always raises."""
+"""Generators for the tests (named in AI_JOB_PLUGINS as `tests.support.plugins`).
+
+- `ok`: asks the gateway one short question.
+- `broken`: its prompt can never be built.
+- `sleepy`: building the prompt sleeps `TEST_SLEEPY_SECONDS` (releasing the GIL).
+- `hog`: the first time a subject's prompt is built in the directory named by
+  `TEST_MARKS`, building it holds the GIL for `TEST_HOG_SECONDS`; later times
+  are quick. A marker file per subject makes the fault happen once, by count.
+"""
 
 from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
 
 from flows.registry import Messages, register_generator
 
@@ -13,5 +25,30 @@ def _broken(user_id: str, subject: str) -> Messages:
     raise RuntimeError(f"no data for {subject}")
 
 
+def _sleepy(user_id: str, subject: str) -> Messages:
+    time.sleep(float(os.environ.get("TEST_SLEEPY_SECONDS", "1")))
+    return _ask(user_id, subject)
+
+
+def hold_the_gil(seconds: float) -> None:
+    """Keep the GIL for about `seconds`: one C call that never lets another thread run."""
+    # sum() over a range runs in C and does not release the GIL until it returns.
+    start = time.perf_counter()
+    sum(range(2_000_000))
+    rate = 2_000_000 / max(time.perf_counter() - start, 1e-6)
+    sum(range(int(rate * seconds)))
+
+
+def _hog(user_id: str, subject: str) -> Messages:
+    marks = Path(os.environ["TEST_MARKS"])
+    mark = marks / f"hogged-{subject}"
+    if not mark.exists():
+        mark.touch()
+        hold_the_gil(float(os.environ.get("TEST_HOG_SECONDS", "5")))
+    return _ask(user_id, subject)
+
+
 register_generator("ok", _ask)
 register_generator("broken", _broken)
+register_generator("sleepy", _sleepy)
+register_generator("hog", _hog)

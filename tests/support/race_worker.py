@@ -7,6 +7,7 @@ clock; the parent only ever talks to them through queues and events.
 
 from __future__ import annotations
 
+import datetime as dt
 import time
 import traceback
 from typing import Any
@@ -85,14 +86,29 @@ def claim_loop(
     out.put((name, records, error))
 
 
-def actor(url: str, settings: dict[str, Any], inbox: Any, outbox: Any) -> None:
+# The shared clock's zero, for actors that take their time from the parent.
+SHARED_EPOCH = dt.datetime(2026, 3, 1, 12, 0, tzinfo=dt.UTC)
+
+
+def actor(
+    url: str, settings: dict[str, Any], inbox: Any, outbox: Any, shared_time: Any = None
+) -> None:
     """A store in its own process that runs the method calls it is sent.
 
     Each message is `(method, args, kwargs)`; each reply is `("ok", value)` or
     `("error", exception class name, message)`. `None` ends the process.
+    With `shared_time` (a `multiprocessing.Value` of seconds), the store's
+    clock is the parent's: every actor reads the same time, which only the
+    parent moves.
     """
+    clock = None
+    if shared_time is not None:
+
+        def clock() -> dt.datetime:
+            return SHARED_EPOCH + dt.timedelta(seconds=shared_time.value)
+
     try:
-        store = JobStore(url, settings=Settings(database_url=url, **settings))
+        store = JobStore(url, settings=Settings(database_url=url, **settings), clock=clock)
     except BaseException:  # noqa: BLE001 - the parent asserts on it
         outbox.put(("error", "startup", traceback.format_exc()))
         return
