@@ -6,6 +6,8 @@
 - `hog`: the first time a subject's prompt is built in the directory named by
   `TEST_MARKS`, building it holds the GIL for `TEST_HOG_SECONDS`; later times
   are quick. A marker file per subject makes the fault happen once, by count.
+
+Users named `mixed-*` get two scopes: `ok:first` and `broken:second`.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import os
 import time
 from pathlib import Path
 
-from flows.registry import Messages, register_generator
+from flows.registry import Messages, Scope, register_generator, register_scopes
 
 
 def _ask(user_id: str, subject: str) -> Messages:
@@ -52,3 +54,11 @@ register_generator("ok", _ask)
 register_generator("broken", _broken)
 register_generator("sleepy", _sleepy)
 register_generator("hog", _hog)
+
+
+@register_scopes
+def mixed_scopes(user_id: str) -> list[Scope]:
+    """Users named `mixed-*` have one scope that works and one that never can."""
+    if not user_id.startswith("mixed-"):
+        return []
+    return [Scope("ok", "first"), Scope("broken", "second")]
