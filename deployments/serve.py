@@ -52,8 +52,8 @@ logger = logging.getLogger(__name__)
 RUNNER_POLL_SECONDS = 1
 # Flow runs this process runs at once (each follows its jobs; the consumer works).
 RUN_LIMIT = 20
-STOP_CONSUMER_SECONDS = 15.0
-STOP_RUNNER_SECONDS = 15.0
+STOP_CONSUMER_SECONDS = 8.0
+STOP_RUNNER_SECONDS = 5.0
 
 
 @dataclasses.dataclass(frozen=True)
