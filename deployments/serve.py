@@ -105,14 +105,23 @@ def configure_client(api_url: str, home: Path) -> None:
     os.environ.setdefault("PREFECT_RUNNER_POLL_FREQUENCY", str(RUNNER_POLL_SECONDS))
 
 
-def prepare(runtime: Runtime, worker: str, upgrade: bool) -> None:
+def prepare(
+    runtime: Runtime, worker: str, upgrade: bool, leases_left: tuple[str, ...] = ()
+) -> None:
     """The store's schema, the `gateway` limit, leaked slots, and what a previous serve left."""
-    from flows.limits import ensure_gateway_limit, mark_crashed, repair_gateway_slots
+    from flows.limits import (
+        ensure_gateway_limit,
+        give_back_leases,
+        mark_crashed,
+        repair_gateway_slots,
+    )
 
     settings = runtime.settings
     if upgrade:
         migrate.upgrade(settings.database_url)
     ensure_gateway_limit(settings.concurrency)
+    if leases_left and (given := give_back_leases(leases_left)):
+        logger.warning("gave back %d gateway slot(s) a previous serve held", given)
     check = repair_gateway_slots()
     if check.repaired:
         logger.warning("gateway slots: %d counted, %d live; repaired", check.counted, check.live)
@@ -225,16 +234,21 @@ def serve(settings: Settings, options: ServeOptions) -> None:
                 configure_client(api_url, home)
                 runtime = Runtime.from_env(settings)
                 worker = serve_worker(settings)
-                prepare(runtime, worker, options.upgrade)
+                left = ServeState.read_left(settings)
+                prepare(runtime, worker, options.upgrade, left.leases if left else ())
                 ui_url = api_url.removesuffix("/api")
                 state = ServeState(api_url, ui_url, os.getpid(), worker)
                 state.write(settings)
+
+                def record_leases(held: frozenset[str]) -> None:
+                    # Where a restart after a crash finds the slots to give back.
+                    dataclasses.replace(state, leases=tuple(sorted(held))).write(settings)
 
                 ledger = PrefectLedger(worker, runtime.redactor)
                 consumer = runtime.consumer(
                     standby=True,
                     ledger=ledger,
-                    guard=PrefectSlotGuard(),
+                    guard=PrefectSlotGuard(on_change=record_leases),
                     worker=worker,
                     hold_slot_when_idle=options.hold_slot_when_idle,
                 )
