@@ -54,6 +54,7 @@ RUNNER_POLL_SECONDS = 1
 RUN_LIMIT = 20
 STOP_CONSUMER_SECONDS = 8.0
 STOP_RUNNER_SECONDS = 5.0
+STOP_SERVER_SECONDS = 5.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -293,6 +294,7 @@ def _stop(
     if state is not None:
         state.remove(settings)
     if server is not None:
-        server.stop()
+        # Everything that wrote to it has stopped: it need not wait for clients.
+        server.stop(grace_seconds=STOP_SERVER_SECONDS)
     with contextlib.suppress(Exception):
         JobStore(settings.database_url, settings=settings).worker_gone(serve_worker(settings))

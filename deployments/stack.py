@@ -149,11 +149,11 @@ class PrefectServer:
             raise RuntimeError(f"the Prefect server did not start:\n{tail}") from None
         return self
 
-    def stop(self) -> None:
+    def stop(self, grace_seconds: float = 15.0) -> None:
         """Stop the server this object started (never one it merely reused)."""
         process, self.process = self.process, None
         if process is not None:
-            processes.stop_group(process, grace_seconds=15)
+            processes.stop_group(process, grace_seconds=grace_seconds)
 
     def __enter__(self) -> Self:
         return self.start()
