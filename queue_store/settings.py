@@ -43,8 +43,6 @@ from queue_store.errors import SettingsError
 
 APP_NAME = "insight-queue"
 KIB = 1024
-# The lease margin's "not given": a sixth of the lease (10 s of the default 60 s).
-LEASE_MARGIN_DEFAULT = -1.0
 MIB = 1024 * KIB
 
 # Module names in AI_JOB_PLUGINS: dotted Python identifiers.
@@ -77,7 +75,8 @@ class _EnvironmentSource(EnvSettingsSource):
 
     def _load_env_vars(self) -> Mapping[str, str | None]:
         env = _ENVIRONMENT.get()
-        return dict(os.environ if env is None else env)
+        # Unset or empty means the default.
+        return {k: v for k, v in (os.environ if env is None else env).items() if v != ""}
 
 
 class Settings(BaseSettings):
@@ -143,11 +142,12 @@ class Settings(BaseSettings):
         default=60.0,
         gt=0,
     )
-    lease_margin_seconds: float = _env(
+    lease_margin_seconds: float | None = _env(
         "AI_JOB_LEASE_MARGIN_SECONDS",
         "a worker stops its call this long before its claim could lapse; default: a sixth "
         "of the lease",
-        default=LEASE_MARGIN_DEFAULT,
+        default=None,
+        ge=0,
     )
     backoff_seconds: float = _env(
         "AI_JOB_BACKOFF_SECONDS",
@@ -274,19 +274,13 @@ class Settings(BaseSettings):
     def model_post_init(self, context: Any, /) -> None:
         if not self.database_url:
             object.__setattr__(self, "database_url", default_database_url(self.data_dir))
-        if self.lease_margin_seconds == LEASE_MARGIN_DEFAULT:
-            object.__setattr__(self, "lease_margin_seconds", self.lease_seconds / 6)
-        elif self.lease_margin_seconds < 0:
-            raise SettingsError(
-                "AI_JOB_LEASE_MARGIN_SECONDS: Input should be greater than or equal to 0"
-            )
-        if self.heartbeat_seconds + self.lease_margin_seconds >= self.lease_seconds:
+        if self.heartbeat_seconds + self.lease_margin >= self.lease_seconds:
             raise SettingsError(
                 "AI_JOB_HEARTBEAT_SECONDS: heartbeat plus AI_JOB_LEASE_MARGIN_SECONDS "
-                f"({self.heartbeat_seconds:g} + {self.lease_margin_seconds:g} s) must be shorter "
+                f"({self.heartbeat_seconds:g} + {self.lease_margin:g} s) must be shorter "
                 f"than AI_JOB_LEASE_SECONDS ({self.lease_seconds:g} s)"
             )
-        if self.lease_margin_seconds >= self.claim_timeout_seconds:
+        if self.lease_margin >= self.claim_timeout_seconds:
             raise SettingsError(
                 "AI_JOB_LEASE_MARGIN_SECONDS: must be shorter than AI_JOB_CLAIM_TIMEOUT"
             )
@@ -324,10 +318,17 @@ class Settings(BaseSettings):
     # -- derived values ----------------------------------------------------
 
     @property
+    def lease_margin(self) -> float:
+        """Seconds a worker stops before its claim could lapse (a sixth of the lease by default)."""
+        if self.lease_margin_seconds is None:
+            return self.lease_seconds / 6
+        return self.lease_margin_seconds
+
+    @property
     def call_timeout(self) -> float:
         """Seconds one gateway call may take in all, never longer than one attempt may last."""
         return min(
-            self.gateway_read_timeout, self.claim_timeout_seconds - self.lease_margin_seconds
+            self.gateway_read_timeout, self.claim_timeout_seconds - self.lease_margin
         )
 
     @property
@@ -348,6 +349,8 @@ class Settings(BaseSettings):
             value = getattr(self, name)
             if isinstance(value, SecretStr):
                 value = "(set)" if value.get_secret_value() else "(not set)"
+            elif name == "lease_margin_seconds" and value is None:
+                value = f"{self.lease_margin:g} (a sixth of the lease)"
             elif name in self._URL_FIELDS:
                 value = redact_url(value)
             elif isinstance(value, Path):
@@ -363,6 +366,8 @@ class Settings(BaseSettings):
         env: dict[str, str] = {}
         for name, field in type(self).model_fields.items():
             value = getattr(self, name)
+            if value is None:
+                continue
             if isinstance(value, SecretStr):
                 value = value.get_secret_value()
             elif isinstance(value, bool):

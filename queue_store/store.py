@@ -527,7 +527,7 @@ class JobStore:
             "retry_after_seconds": s.retry_after_seconds,
             "claim_timeout_seconds": s.claim_timeout_seconds,
             "lease_seconds": s.lease_seconds,
-            "lease_margin_seconds": s.lease_margin_seconds,
+            "lease_margin_seconds": s.lease_margin,
             "heartbeat_seconds": s.heartbeat_seconds,
         }
 
