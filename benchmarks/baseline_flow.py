@@ -7,6 +7,7 @@ from `BASELINE_GATEWAY_URL`.
 from __future__ import annotations
 
 import os
+from collections.abc import Coroutine
 
 import httpx
 from prefect import flow, serve, task
@@ -25,4 +26,6 @@ def baseline_call(subject: str) -> int:
 
 
 if __name__ == "__main__":
-    serve(baseline_call.to_deployment(name="baseline"), print_starting_message=False)
+    deployment = baseline_call.to_deployment(name="baseline")
+    assert not isinstance(deployment, Coroutine)
+    serve(deployment, print_starting_message=False)

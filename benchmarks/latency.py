@@ -31,12 +31,13 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from deployments import processes
 from deployments.prefect_api import PrefectApi
 from deployments.stack import PrefectServer, ServeProcess, client_env
-from flows.recorder import GatewayRecorder
+from flows.recorder import GatewayRecorder, RecorderSnapshot
 from flows.simulator import GatewaySimulator
 from queue_store import JobStore, Settings
 
@@ -56,6 +57,10 @@ def _new_call(recorder: GatewayRecorder, count_before: int, timeout: float = 60)
     """Wall-clock time the next connection reached the gateway."""
     seen = recorder.wait_until(lambda s: s.count > count_before, timeout, "the call")
     return seen.intervals[count_before].opened_at
+
+
+def _busy_after(count: int) -> Callable[[RecorderSnapshot], bool]:
+    return lambda seen: seen.count > count and seen.in_flight == 1
 
 
 def _quiet(store: JobStore, recorder: GatewayRecorder, gap: float) -> None:
@@ -91,7 +96,7 @@ def measure_standby(
             _quiet(store, recorder, settings.gap_seconds)
             before = recorder.snapshot().count
             store.enqueue(f"busy-{n}", "steps", "2026-11-30")  # the call in flight
-            recorder.wait_until(lambda s, b=before: s.count > b and s.in_flight == 1, 60, "busy")
+            recorder.wait_until(_busy_after(before), 60, "the call in flight")
             triggers.request_insight(f"screen-{n}", "sleep", "2026-11-30")
             arrived = _new_call(recorder, before + 1, timeout=120)
             in_flight = recorder.snapshot().intervals[before]

@@ -71,7 +71,9 @@ def _start(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[
     return processes.start([str(BIN / "insight-queue"), *args], env=env, log=log, cwd=ROOT)
 
 
-def _wait_for_line(log: Path, pattern: str, process: subprocess.Popen[bytes], timeout: float) -> str:
+def _wait_for_line(
+    log: Path, pattern: str, process: subprocess.Popen[bytes], timeout: float
+) -> str:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         text = log.read_text(errors="replace") if log.exists() else ""
@@ -83,7 +85,9 @@ def _wait_for_line(log: Path, pattern: str, process: subprocess.Popen[bytes], ti
     raise AssertionError(f"no {pattern!r} within {timeout:g} s:\n{log.read_text()[-3000:]}")
 
 
-def _stop_and_check(process: subprocess.Popen[bytes], sig: signal.Signals, ports: list[int]) -> float:
+def _stop_and_check(
+    process: subprocess.Popen[bytes], sig: signal.Signals, ports: list[int]
+) -> float:
     family = _descendants(process.pid)
     started = time.monotonic()
     process.send_signal(sig)
@@ -115,14 +119,18 @@ def test_demo_stops_everything_it_started_on_a_signal(tmp_path: Path, sig: signa
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
-def test_serve_stops_with_its_prefect_server_on_a_signal(tmp_path: Path, sig: signal.Signals) -> None:
+def test_serve_stops_with_its_prefect_server_on_a_signal(
+    tmp_path: Path, sig: signal.Signals
+) -> None:
     env = _isolated_env(tmp_path)
     port = processes.free_port()
     log = tmp_path / "serve.log"
     serve = _start(["serve", "--prefect-port", str(port), "--no-ui"], env, log)
     try:
         _wait_for_line(log, r"insight-queue serving", serve, timeout=240)
-        state = ServeState.read(Settings.from_env({}, data_dir=tmp_path / ".local/share/insight-queue"))
+        state = ServeState.read(
+            Settings.from_env({}, data_dir=tmp_path / ".local/share/insight-queue")
+        )
         assert state is not None and state.pid == serve.pid
         took = _stop_and_check(serve, sig, [port])
     finally:
@@ -139,7 +147,11 @@ def test_serve_stops_even_when_its_prefect_server_died_first(tmp_path: Path) -> 
     serve = _start(["serve", "--prefect-port", str(port), "--no-ui"], env, log)
     try:
         _wait_for_line(log, r"insight-queue serving", serve, timeout=240)
-        server = [p for p in processes.children(serve.pid) if "prefect" in Path(f"/proc/{p}/cmdline").read_text()]
+        server = [
+            p
+            for p in processes.children(serve.pid)
+            if "prefect" in Path(f"/proc/{p}/cmdline").read_text()
+        ]
         assert server, "no Prefect server under serve"
         os.killpg(server[0], signal.SIGKILL)
         took = _stop_and_check(serve, signal.SIGTERM, [port])
@@ -198,8 +210,12 @@ def test_the_readmes_first_steps_work_from_a_fresh_clone(tmp_path: Path) -> None
                 background.append(process)
                 _wait_for_line(log, r"insight-queue serving", process, timeout=240)
                 continue
-            result = subprocess.run(command, env=env, cwd=clone, capture_output=True, text=True, timeout=120)
-            assert result.returncode == 0, f"{line}\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}"
+            result = subprocess.run(
+                command, env=env, cwd=clone, capture_output=True, text=True, timeout=120
+            )
+            assert result.returncode == 0, (
+                f"{line}\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}"
+            )
             assert "Traceback" not in result.stderr, result.stderr
     finally:
         for process in background:

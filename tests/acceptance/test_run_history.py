@@ -51,7 +51,9 @@ class History:
         return run
 
     def logs(self, run_id: str) -> list[str]:
-        logs = self.post("/logs/filter", {"logs": {"flow_run_id": {"any_": [run_id]}}, "limit": 200})
+        logs = self.post(
+            "/logs/filter", {"logs": {"flow_run_id": {"any_": [run_id]}}, "limit": 200}
+        )
         return [str(entry["message"]) for entry in logs]
 
     def artifacts(self, run_id: str) -> list[dict[str, Any]]:

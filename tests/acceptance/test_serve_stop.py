@@ -9,6 +9,7 @@ is done after exactly one answer from the gateway.
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 from pathlib import Path
@@ -79,7 +80,7 @@ def test_stopping_serve_mid_call_hands_the_job_back_and_a_restart_finishes_it(
         assert code == 0, (tmp_path / "serve-1.log").read_text()[-3000:]
         for child in children:
             with pytest.raises(ProcessLookupError):
-                processes.os.kill(child, 0)
+                os.kill(child, 0)
 
         job = store.job("stopper", "ok", subject)
         assert job is not None and (job.status, job.attempts) == (Status.PENDING, 0)

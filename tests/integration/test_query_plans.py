@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime as dt
 from pathlib import Path
+from typing import Any
 
 from sqlalchemy import insert, text
 
@@ -45,9 +46,9 @@ def test_liveness_and_claim_queries_use_indexes_on_a_large_analysed_backlog(
         connection.execute(insert(jobs), rows)
         connection.execute(text("ANALYZE"))
 
-    statements: list[str] = []
+    statements: list[tuple[str, Any]] = []
 
-    def record(conn, cursor, statement, parameters, context, executemany):  # type: ignore[no-untyped-def]
+    def record(conn, cursor, statement, parameters, context, executemany):
         if statement.lstrip().upper().startswith(("SELECT", "UPDATE")):
             statements.append((statement, parameters))
 

@@ -17,10 +17,16 @@ ROOT = Path(__file__).resolve().parents[2]
     ("env", "message"),
     [
         ({"AI_JOB_CONCURRENCY": "x"}, "AI_JOB_CONCURRENCY: Input should be a valid integer"),
-        ({"AI_JOB_CONCURRENCY": "0"}, "AI_JOB_CONCURRENCY: Input should be greater than or equal to 1"),
+        (
+            {"AI_JOB_CONCURRENCY": "0"},
+            "AI_JOB_CONCURRENCY: Input should be greater than or equal to 1",
+        ),
         ({"AI_JOB_GAP_SECONDS": "nan"}, "AI_JOB_GAP_SECONDS"),
         ({"AI_JOBS": "maybe"}, "AI_JOBS: Input should be a valid boolean"),
-        ({"AI_GATEWAY_URL": "ftp://u:secret@host"}, "AI_GATEWAY_URL: expected an http:// or https:// URL"),
+        (
+            {"AI_GATEWAY_URL": "ftp://u:secret@host"},
+            "AI_GATEWAY_URL: expected an http:// or https:// URL",
+        ),
         ({"AI_GATEWAY_PATH": "v1"}, "AI_GATEWAY_PATH: must start with '/'"),
         ({"AI_JOB_PLUGINS": "ok,no-such"}, "AI_JOB_PLUGINS: 'no-such' is not a Python module name"),
         ({"AI_JOB_LEASE_SECONDS": "5"}, "AI_JOB_HEARTBEAT_SECONDS: heartbeat plus"),
