@@ -187,7 +187,7 @@ def test_a_screens_command_answers_within_five_seconds_whatever_prefects_state(
 
 
 def test_the_readmes_first_steps_work_from_a_fresh_clone(tmp_path: Path) -> None:
-    """Clone the repository, and run the README's first steps as written, with nothing configured."""
+    """Clone the repository and run the README's first steps as written, nothing configured."""
     clone = tmp_path / "clone"
     subprocess.run(["git", "clone", "--quiet", str(ROOT), str(clone)], check=True, timeout=120)
     readme = (clone / "README.md").read_text()
