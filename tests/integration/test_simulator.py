@@ -25,7 +25,7 @@ import httpx
 import pytest
 from click.testing import CliRunner
 
-from deployments.embedded import stop_process_group
+from deployments.processes import stop_group as stop_process_group
 from flows.simulator import (
     DEFAULT_HUGE_BYTES,
     DEFAULT_PORT,

@@ -28,7 +28,7 @@ import httpx
 import pytest
 import yaml
 
-from deployments.embedded import stop_process_group
+from deployments.processes import stop_group as stop_process_group
 
 JOB_HEADER = "x-insight-job"
 JOB_HEADER_SAFE = ":/@-_.~"  # what the gateway client leaves unencoded
