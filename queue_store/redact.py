@@ -1,9 +1,11 @@
 """Redaction of secrets in every form they can be echoed in (G5).
 
 A gateway may echo our bearer token in an error body: plainly, JSON-escaped
-(`sk-abc\\/def=`), URL-encoded, or inside the base64 of `user:token` of a
-basic-auth header. A URL setting may carry `user:password@`. `Redactor` knows
-the secrets of one `Settings` and removes every such form from a text; the
+(`sk-abc\\/def=`, or every character as `\\u0073...`), URL-encoded, in a
+bytes repr, escaped twice, any mixture of these, or inside the base64 of
+`user:token` of a basic-auth header. A URL setting may carry
+`user:password@`. `Redactor` knows the secrets of one `Settings` and removes
+every such form from a text; the
 store applies it to every error it stores, the flows to every message, log
 line and run-history entry they write.
 
@@ -13,7 +15,6 @@ Pure Python: no Prefect, no httpx.
 from __future__ import annotations
 
 import base64
-import json
 import logging
 import re
 import urllib.parse
@@ -30,25 +31,57 @@ MIN_SECRET_LENGTH = 4
 MIN_BASE64_CORE = 6
 
 _CREDENTIALS_IN_URL = re.compile(r"(?<=://)[^/@\s\"']*@")
+# Characters with a short escape of their own in JSON or a Python repr.
+_SHORT_ESCAPES = {
+    '"': '"',
+    "'": "'",
+    "\\": "\\",
+    "/": "/",
+    "\b": "b",
+    "\f": "f",
+    "\n": "n",
+    "\r": "r",
+    "\t": "t",
+}
 
 
-def _json_forms(secret: str) -> set[str]:
-    plain = json.dumps(secret)[1:-1]
-    forms = {plain, plain.replace("/", "\\/")}
-    # Every character \u-escaped, as some encoders do for non-alphanumerics.
-    forms.add("".join(c if c.isalnum() else f"\\u{ord(c):04x}" for c in secret))
-    forms.add("".join(c if c.isalnum() else f"\\u{ord(c):04X}" for c in secret))
-    return forms
+def _hex(value: int, width: int) -> str:
+    """A pattern for `value` in hexadecimal, either case."""
+    digits = f"{value:0{width}x}"
+    return "".join(f"[{d}{d.upper()}]" if d.isalpha() else d for d in digits)
 
 
-def _url_forms(secret: str) -> set[str]:
-    forms = {
-        urllib.parse.quote(secret, safe=""),
-        urllib.parse.quote_plus(secret, safe=""),
-        urllib.parse.quote(secret, safe="/"),
-    }
-    forms |= {re.sub(r"%[0-9A-F]{2}", lambda m: m.group().lower(), f) for f in set(forms)}
-    return forms
+def _character(c: str) -> str:
+    """A pattern for one character of a secret, in every escape a text can give it.
+
+    As it is; JSON's `\\uXXXX` (a surrogate pair beyond the BMP), a Python
+    bytes repr's `\\xNN` per UTF-8 byte, or a short escape such as `\\/` and
+    `\\"`, each behind any number of backslashes (a JSON string inside a JSON
+    string); percent-encoded per UTF-8 byte, either case; `+` for a space.
+    Characters are matched one by one, so any mixture of these is found: an
+    encoder that escapes only some characters, or a log that escaped it twice.
+    """
+    units = c.encode("utf-16-be")
+    raw = c.encode("utf-8")
+    options = [
+        re.escape(c),
+        "".join(
+            r"\\+u" + _hex(int.from_bytes(units[i : i + 2], "big"), 4)
+            for i in range(0, len(units), 2)
+        ),
+        "".join(r"\\+x" + _hex(byte, 2) for byte in raw),
+        "".join("%" + _hex(byte, 2) for byte in raw),
+    ]
+    if c in _SHORT_ESCAPES:
+        options.append(r"\\+" + re.escape(_SHORT_ESCAPES[c]))
+    if c == " ":
+        options.append(r"\+")
+    return "(?:" + "|".join(options) + ")"
+
+
+def _spelled(text: str) -> str:
+    """A pattern for `text` with each character in any of its escapes."""
+    return "".join(_character(c) for c in text)
 
 
 def _base64_cores(secret: bytes) -> set[str]:
@@ -68,12 +101,15 @@ def _base64_cores(secret: bytes) -> set[str]:
 
 
 def forms_of(secret: str) -> set[str]:
-    """Every rendering of `secret` that `Redactor` removes."""
+    """The renderings of `secret` that `Redactor` searches for, before escaping.
+
+    The secret itself and the base64 stretches that encode only it; each is
+    then matched with every character in any escape (`_character`), which
+    covers JSON, URL and repr encodings and their mixtures.
+    """
     if len(secret) < MIN_SECRET_LENGTH:
         return set()
-    forms = {secret} | _json_forms(secret) | _url_forms(secret)
-    forms |= _base64_cores(secret.encode())
-    return {f for f in forms if len(f) >= MIN_SECRET_LENGTH}
+    return {secret} | _base64_cores(secret.encode())
 
 
 class Redactor:
@@ -85,8 +121,8 @@ class Redactor:
             if secret:
                 forms |= forms_of(secret)
         # Longest first, so a form that contains another is removed whole.
-        ordered = sorted(forms, key=len, reverse=True)
-        self._pattern = re.compile("|".join(map(re.escape, ordered))) if ordered else None
+        ordered = sorted(forms, key=lambda form: (-len(form), form))
+        self._pattern = re.compile("|".join(map(_spelled, ordered))) if ordered else None
 
     @classmethod
     def for_settings(cls, settings: Settings) -> Redactor:
