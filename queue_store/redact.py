@@ -162,7 +162,11 @@ class RedactingFilter(logging.Filter):
         redacted = self._redact(message)
         if redacted != message or record.args:
             record.msg, record.args = redacted, None
-        if record.exc_info and record.exc_info[1] is not None and not record.exc_text:
+        if record.exc_text:
+            # Another handler formatted the traceback first and cached it in
+            # the record: formatters print that cache as it is.
+            record.exc_text = self._redact(record.exc_text)
+        elif record.exc_info and record.exc_info[1] is not None:
             record.exc_text = self._redact(logging.Formatter().formatException(record.exc_info))
         return True
 
