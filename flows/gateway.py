@@ -223,7 +223,7 @@ def _plain_number(text: str) -> float | None:
         value = float(text)
     except ValueError:
         return None
-    return value if value >= 0 else None
+    return value if 0 <= value < float("inf") else None
 
 
 class GatewayClient:
