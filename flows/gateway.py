@@ -365,17 +365,29 @@ class GatewayClient:
     async def _read_excerpt(self, response: httpx.Response, progress: _Progress) -> str:
         """The start of an error answer, secrets removed; never more than a few kB read."""
         head = b""
+        cut = False
         try:
             async for chunk in response.aiter_bytes():
                 progress.received += len(chunk)
                 head += chunk
                 if len(head) >= ERROR_BODY_BYTES:
+                    cut = True
                     break
         except httpx.TransportError:
-            pass  # the status says enough; a cut-off excerpt is still an excerpt
+            cut = True  # the status says enough; a cut-off excerpt is still an excerpt
+        return self._excerpt(head, cut)
+
+    def _excerpt(self, data: bytes, cut: bool = False) -> str:
+        """The start of a body on one line, secrets removed; `cut`: more of it followed."""
+        cut = cut or len(data) > ERROR_BODY_BYTES
         # Redact before cutting, so a secret straddling the cut goes whole.
-        text = self._redact(head[:ERROR_BODY_BYTES].decode("utf-8", errors="replace"))
-        return " ".join(text.split())[:EXCERPT_CHARS]
+        words = self._redact(data[:ERROR_BODY_BYTES].decode("utf-8", errors="replace")).split()
+        if cut and words:
+            # What was read ends mid-body, perhaps mid-secret, where nothing
+            # could recognise it; squeezing blank space may bring that end
+            # into the excerpt, so its last word goes.
+            words.pop()
+        return " ".join(words)[:EXCERPT_CHARS]
 
     def _status_error(self, response: httpx.Response, excerpt: str) -> GatewayError:
         status = response.status_code
@@ -442,8 +454,7 @@ class GatewayClient:
         try:
             parsed = json.loads(data)
         except (ValueError, UnicodeDecodeError):
-            excerpt = self._redact(data[:ERROR_BODY_BYTES].decode("utf-8", "replace"))
-            excerpt = " ".join(excerpt.split())[:EXCERPT_CHARS]
+            excerpt = self._excerpt(data)
             raise GatewayRejected(
                 f"POST {self._url}: answer is not JSON (HTTP {status}): {excerpt}", status, excerpt
             ) from None
