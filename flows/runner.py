@@ -41,6 +41,7 @@ from flows.registry import Registry
 from queue_store import (
     ClaimLost,
     Failure,
+    InvalidArgument,
     Job,
     JobStore,
     Redactor,
@@ -365,6 +366,16 @@ class JobRunner:
                 call_started,
                 call_clock,
             )
+        except InvalidArgument as exc:  # too large, or not JSON: this result never fits
+            return await self._settle(
+                job,
+                entry,
+                Failure.PARSE,
+                f"the result could not be stored: {exc}",
+                started,
+                call_started,
+                call_clock,
+            )
         except StoreError as exc:
             return self._report(
                 job,
@@ -450,12 +461,13 @@ class JobRunner:
         )
 
     async def _record(self, job: Job, write: Callable[[], Any]) -> Any:
-        """Write the outcome, riding out a short store outage; `ClaimLost` is final."""
+        """Write the outcome, riding out a short store outage; `ClaimLost` and
+        `InvalidArgument` are final."""
         for attempt, pause in enumerate((*RECORD_BACKOFF_SECONDS, None), start=1):
             try:
                 return await _shielded(asyncio.to_thread(write))
-            except ClaimLost:
-                raise
+            except (ClaimLost, InvalidArgument):
+                raise  # the same write would be refused again
             except StoreError as exc:
                 if pause is None:
                     raise
