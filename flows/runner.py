@@ -307,6 +307,9 @@ class JobRunner:
             logger.warning("%s: %s (%s)", job.run_name, report.message, ended)
         except GatewayError as exc:
             retry_after = exc.retry_after if isinstance(exc, GatewayRateLimited) else None
+            if retry_after is not None:
+                # The store pauses at most this long (G1) and refuses absurd waits.
+                retry_after = min(retry_after, self._settings.backoff_max_seconds)
             report = await self._settle(
                 job, entry, exc.failure, str(exc), started, call_started, call_clock, retry_after
             )
