@@ -115,6 +115,7 @@ class LeaseKeeper:
         self.deadline = min(claim_sent + self._budget, self.hard_deadline)
         self.renewal: Renewal | None = None  # set when a renewal was refused
         self.store_error: str | None = None  # the last renewal that failed to reach the store
+        self.unconfirmed: str | None = None  # the store error of the renewal before the call
         self._scope: asyncio.Timeout | None = None
         self._task: asyncio.Task[None] | None = None
 
@@ -151,7 +152,7 @@ class LeaseKeeper:
         try:
             renewal = await asyncio.to_thread(self._store.heartbeat, self._job.id, self._holder)
         except StoreError as exc:
-            self.store_error = str(exc)
+            self.store_error = self.unconfirmed = str(exc)
             raise LeaseEnded(f"the claim could not be renewed: {exc}") from exc
         if not renewal:
             self.renewal = renewal
@@ -200,6 +201,13 @@ class LeaseKeeper:
         held = time.monotonic() - started
         if self.renewal is Renewal.LOST:
             return None, "the claim was taken over by another worker"
+        if self.unconfirmed is not None:
+            # The store could not be reached right before the call: no call
+            # started, and this side stopped, so the attempt is not spent.
+            return Failure.STOPPED, (
+                "no call started: the claim could not be renewed right before it "
+                f"({self.unconfirmed})"
+            )
         if phase in ("build", "parse"):
             what = "prompt building" if phase == "build" else "turning the answer into a result"
             return Failure.BUILD if phase == "build" else Failure.PARSE, (
