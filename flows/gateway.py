@@ -49,6 +49,9 @@ logger = logging.getLogger(__name__)
 
 EXCERPT_CHARS = 300  # characters of a response body kept on an error
 ERROR_BODY_BYTES = 16 * 1024  # bytes of an error answer read for its excerpt
+# Seconds spent reading an error answer for its excerpt: its status already
+# says what happened, and a stalled body must not turn it into a timeout.
+EXCERPT_SECONDS = 5.0
 USER_AGENT = "insight-queue"
 # Labels a call for the gateway's logs (and the simulator's records) without
 # adding a body field, which strict OpenAI-compatible servers reject.
@@ -363,17 +366,18 @@ class GatewayClient:
         return b"".join(chunks)
 
     async def _read_excerpt(self, response: httpx.Response, progress: _Progress) -> str:
-        """The start of an error answer, secrets removed; never more than a few kB read."""
+        """The start of an error answer, secrets removed; a few kB, a few seconds at most."""
         head = b""
         cut = False
         try:
-            async for chunk in response.aiter_bytes():
-                progress.received += len(chunk)
-                head += chunk
-                if len(head) >= ERROR_BODY_BYTES:
-                    cut = True
-                    break
-        except httpx.TransportError:
+            async with asyncio.timeout(EXCERPT_SECONDS):
+                async for chunk in response.aiter_bytes():
+                    progress.received += len(chunk)
+                    head += chunk
+                    if len(head) >= ERROR_BODY_BYTES:
+                        cut = True
+                        break
+        except (httpx.TransportError, TimeoutError):
             cut = True  # the status says enough; a cut-off excerpt is still an excerpt
         return self._excerpt(head, cut)
 

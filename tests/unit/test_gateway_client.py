@@ -23,6 +23,7 @@ from pydantic import SecretStr
 from flows.gateway import (
     ERROR_BODY_BYTES,
     EXCERPT_CHARS,
+    EXCERPT_SECONDS,
     JOB_HEADER,
     Completion,
     GatewayClient,
@@ -337,6 +338,30 @@ def test_an_error_body_is_read_only_as_far_as_its_excerpt_needs() -> None:
     assert type(error) is GatewayRejected
     assert stream.pulled <= ERROR_BODY_BYTES // 4096 + 1
     assert stream.closed.is_set()
+
+
+@pytest.mark.parametrize(
+    ("status", "error_type", "headers"),
+    [
+        (429, GatewayRateLimited, {"Retry-After": "2"}),
+        (401, GatewayRefused, {}),
+        (503, GatewayUnavailable, {}),
+    ],
+)
+def test_an_error_body_that_never_ends_still_gives_the_status_verdict(
+    status: int, error_type: type[GatewayError], headers: dict[str, str]
+) -> None:
+    # The status line is the signal; a stalled error body must not turn a
+    # rate limit (attempt kept) into a timeout (attempt spent).
+    stream = Stream([b'{"error": "slow down"'], forever=True)
+    started = time.monotonic()
+    error = failure(stream.handler(status, **headers), gateway_read_timeout=60.0)
+    assert type(error) is error_type, error
+    assert error.status == status
+    assert time.monotonic() - started < EXCERPT_SECONDS + LATE
+    assert stream.closed.is_set()
+    if isinstance(error, GatewayRateLimited):
+        assert error.retry_after == 2.0
 
 
 # --- redirects: refused, naming only the host ---------------------------------------------------
