@@ -31,6 +31,8 @@ MIN_SECRET_LENGTH = 4
 MIN_BASE64_CORE = 6
 
 _CREDENTIALS_IN_URL = re.compile(r"(?<=://)[^/@\s\"']*@")
+# URL query parameters that carry a password (libpq reads `password`).
+_PASSWORD_PARAMETERS = frozenset({"password", "passwd", "pwd", "sslpassword"})
 # Characters with a short escape of their own in JSON or a Python repr.
 _SHORT_ESCAPES = {
     '"': '"',
@@ -139,6 +141,10 @@ class Redactor:
                     f"{urllib.parse.unquote(parts.username)}:{urllib.parse.unquote(parts.password)}"
                 )
                 secrets.append(pair)
+            # libpq also takes the password as a query parameter.
+            for name, value in urllib.parse.parse_qsl(parts.query):
+                if name.lower() in _PASSWORD_PARAMETERS and value:
+                    secrets.append(value)
         return cls(secrets)
 
     def __call__(self, text: str) -> str:

@@ -118,6 +118,17 @@ def test_the_secrets_of_the_settings_are_known() -> None:
             assert exposures(cleaned, *secrets) == [], (secret, cleaned)
 
 
+def test_a_password_given_as_a_url_query_parameter_is_known_too() -> None:
+    settings = Settings.from_env(
+        {},
+        database_url="postgresql://db-role@127.0.0.1:5432/q?sslmode=disable&password=pw-in-query-42",
+    )
+    redact = Redactor.for_settings(settings)
+    for form in echo_forms("pw-in-query-42").values():
+        assert exposures(redact(f"failed: {form}"), "pw-in-query-42") == [], form
+    assert redact("sslmode=disable") == "sslmode=disable"
+
+
 # --- the logging filter ---------------------------------------------------------------------
 
 
