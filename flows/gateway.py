@@ -385,8 +385,9 @@ class GatewayClient:
         """The start of a body on one line, secrets removed; `cut`: more of it followed."""
         cut = cut or len(data) > ERROR_BODY_BYTES
         # Redact before cutting, so a secret straddling the cut goes whole.
-        words = self._redact(data[:ERROR_BODY_BYTES].decode("utf-8", errors="replace")).split()
-        if cut and words:
+        text = self._redact(data[:ERROR_BODY_BYTES].decode("utf-8", errors="replace"))
+        words = text.split()
+        if cut and words and not text[-1:].isspace():
             # What was read ends mid-body, perhaps mid-secret, where nothing
             # could recognise it; squeezing blank space may bring that end
             # into the excerpt, so its last word goes.

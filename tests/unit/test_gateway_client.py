@@ -20,6 +20,7 @@ import httpx
 import pytest
 from pydantic import SecretStr
 
+from flows import gateway
 from flows.gateway import (
     ERROR_BODY_BYTES,
     EXCERPT_CHARS,
@@ -349,16 +350,22 @@ def test_an_error_body_is_read_only_as_far_as_its_excerpt_needs() -> None:
     ],
 )
 def test_an_error_body_that_never_ends_still_gives_the_status_verdict(
-    status: int, error_type: type[GatewayError], headers: dict[str, str]
+    status: int,
+    error_type: type[GatewayError],
+    headers: dict[str, str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # The status line is the signal; a stalled error body must not turn a
     # rate limit (attempt kept) into a timeout (attempt spent).
-    stream = Stream([b'{"error": "slow down"'], forever=True)
+    assert EXCERPT_SECONDS < 60.0
+    monkeypatch.setattr(gateway, "EXCERPT_SECONDS", 0.3)
+    stream = Stream([b'{"error": "slow down", '], forever=True)
     started = time.monotonic()
     error = failure(stream.handler(status, **headers), gateway_read_timeout=60.0)
     assert type(error) is error_type, error
     assert error.status == status
-    assert time.monotonic() - started < EXCERPT_SECONDS + LATE
+    assert "slow down" in error.excerpt
+    assert time.monotonic() - started < 0.3 + LATE
     assert stream.closed.is_set()
     if isinstance(error, GatewayRateLimited):
         assert error.retry_after == 2.0
