@@ -29,6 +29,8 @@ MIN_SECRET_LENGTH = 4
 # The part of a base64 rendering that depends on the secret alone must be at
 # least this long to be searched for.
 MIN_BASE64_CORE = 6
+# Backslashes an escape may stand behind: JSON inside JSON inside JSON needs 7.
+MAX_ESCAPE_BACKSLASHES = 8
 
 _CREDENTIALS_IN_URL = re.compile(r"(?<=://)[^/@\s\"']*@")
 # URL query parameters that carry a password (libpq reads `password`).
@@ -58,24 +60,33 @@ def _character(c: str) -> str:
 
     As it is; JSON's `\\uXXXX` (a surrogate pair beyond the BMP), a Python
     bytes repr's `\\xNN` per UTF-8 byte, or a short escape such as `\\/` and
-    `\\"`, each behind any number of backslashes (a JSON string inside a JSON
-    string); percent-encoded per UTF-8 byte, either case; `+` for a space.
-    Characters are matched one by one, so any mixture of these is found: an
-    encoder that escapes only some characters, or a log that escaped it twice.
+    `\\"`, each behind up to `MAX_ESCAPE_BACKSLASHES` backslashes (a JSON
+    string inside a JSON string, and so on); percent-encoded per UTF-8 byte,
+    either case; `+` for a space. Characters are matched one by one, so any
+    mixture of these is found: an encoder that escapes only some characters,
+    or a log that escaped it twice.
+
+    The runs of backslashes are bounded, and taken whole except for a
+    backslash of the secret itself (which may share its run with the escape
+    of the next character, `\\\\\\u003c`), so the time to search a text stays
+    linear in its length whatever the text holds.
     """
     units = c.encode("utf-16-be")
     raw = c.encode("utf-8")
+    escape = rf"\\{{1,{MAX_ESCAPE_BACKSLASHES}}}+"
     options = [
         re.escape(c),
         "".join(
-            r"\\+u" + _hex(int.from_bytes(units[i : i + 2], "big"), 4)
+            escape + "u" + _hex(int.from_bytes(units[i : i + 2], "big"), 4)
             for i in range(0, len(units), 2)
         ),
-        "".join(r"\\+x" + _hex(byte, 2) for byte in raw),
+        "".join(escape + "x" + _hex(byte, 2) for byte in raw),
         "".join("%" + _hex(byte, 2) for byte in raw),
     ]
-    if c in _SHORT_ESCAPES:
-        options.append(r"\\+" + re.escape(_SHORT_ESCAPES[c]))
+    if c == "\\":
+        options.append(rf"\\{{1,{MAX_ESCAPE_BACKSLASHES}}}")
+    elif c in _SHORT_ESCAPES:
+        options.append(escape + re.escape(_SHORT_ESCAPES[c]))
     if c == " ":
         options.append(r"\+")
     return "(?:" + "|".join(options) + ")"

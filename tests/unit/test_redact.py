@@ -11,6 +11,7 @@ import base64
 import io
 import json
 import logging
+import time
 import urllib.parse
 from collections.abc import Iterator
 
@@ -69,6 +70,26 @@ def test_base64_of_user_and_token_is_redacted_at_any_alignment(
 def test_a_secret_inside_longer_base64_is_redacted(redact: Redactor) -> None:
     encoded = base64.b64encode(f"header bytes {TOKEN} trailer bytes".encode()).decode()
     assert exposures(redact(encoded), TOKEN) == []
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "\\" * 131_072,
+        ("\\" * 50 + "u00") * 2_500,
+        "s\\" * 65_536,
+        "ordinary words of a long log line " * 4_000,
+    ],
+    ids=["backslashes", "broken-escapes", "first-letter-and-backslash", "ordinary"],
+)
+def test_a_long_hostile_text_is_searched_in_linear_time(text: str) -> None:
+    # An error body is chosen by the gateway. Measured: about 0.3 s for these
+    # 128 kB texts; a pattern that backtracks over runs of backslashes takes
+    # minutes.
+    redact = Redactor([TOKEN, PASSWORD, "\\back\\slash-secret", "alice:pw-0123456789"])
+    started = time.monotonic()
+    assert redact(text) == text
+    assert time.monotonic() - started < 5.0
 
 
 def test_credentials_in_any_url_are_removed() -> None:
