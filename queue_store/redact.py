@@ -4,10 +4,10 @@ A gateway may echo our bearer token in an error body: plainly, JSON-escaped
 (`sk-abc\\/def=`, or every character as `\\u0073...`), URL-encoded, in a
 bytes repr, escaped twice, any mixture of these, or inside the base64 of
 `user:token` of a basic-auth header. A URL setting may carry
-`user:password@`. `Redactor` knows the secrets of one `Settings` and removes
-every such form from a text; the
-store applies it to every error it stores, the flows to every message, log
-line and run-history entry they write.
+`user:password@` or `?password=`. `Redactor` knows the secrets of one
+`Settings` and removes every such form from a text; the store applies it to
+every error it stores, the flows to every message, log line and run-history
+entry they write.
 
 Pure Python: no Prefect, no httpx.
 """
