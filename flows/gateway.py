@@ -49,6 +49,9 @@ logger = logging.getLogger(__name__)
 
 EXCERPT_CHARS = 300  # characters of a response body kept on an error
 ERROR_BODY_BYTES = 16 * 1024  # bytes of an error answer read for its excerpt
+# Seconds spent reading an error answer for its excerpt: its status already
+# says what happened, and a stalled body must not turn it into a timeout.
+EXCERPT_SECONDS = 5.0
 USER_AGENT = "insight-queue"
 # Labels a call for the gateway's logs (and the simulator's records) without
 # adding a body field, which strict OpenAI-compatible servers reject.
@@ -223,7 +226,7 @@ def _plain_number(text: str) -> float | None:
         value = float(text)
     except ValueError:
         return None
-    return value if value >= 0 else None
+    return value if 0 <= value < float("inf") else None
 
 
 class GatewayClient:
@@ -363,19 +366,33 @@ class GatewayClient:
         return b"".join(chunks)
 
     async def _read_excerpt(self, response: httpx.Response, progress: _Progress) -> str:
-        """The start of an error answer, secrets removed; never more than a few kB read."""
+        """The start of an error answer, secrets removed; a few kB, a few seconds at most."""
         head = b""
+        cut = False
         try:
-            async for chunk in response.aiter_bytes():
-                progress.received += len(chunk)
-                head += chunk
-                if len(head) >= ERROR_BODY_BYTES:
-                    break
-        except httpx.TransportError:
-            pass  # the status says enough; a cut-off excerpt is still an excerpt
+            async with asyncio.timeout(EXCERPT_SECONDS):
+                async for chunk in response.aiter_bytes():
+                    progress.received += len(chunk)
+                    head += chunk
+                    if len(head) >= ERROR_BODY_BYTES:
+                        cut = True
+                        break
+        except (httpx.TransportError, TimeoutError):
+            cut = True  # the status says enough; a cut-off excerpt is still an excerpt
+        return self._excerpt(head, cut)
+
+    def _excerpt(self, data: bytes, cut: bool = False) -> str:
+        """The start of a body on one line, secrets removed; `cut`: more of it followed."""
+        cut = cut or len(data) > ERROR_BODY_BYTES
         # Redact before cutting, so a secret straddling the cut goes whole.
-        text = self._redact(head[:ERROR_BODY_BYTES].decode("utf-8", errors="replace"))
-        return " ".join(text.split())[:EXCERPT_CHARS]
+        text = self._redact(data[:ERROR_BODY_BYTES].decode("utf-8", errors="replace"))
+        words = text.split()
+        if cut and words and not text[-1:].isspace():
+            # What was read ends mid-body, perhaps mid-secret, where nothing
+            # could recognise it; squeezing blank space may bring that end
+            # into the excerpt, so its last word goes.
+            words.pop()
+        return " ".join(words)[:EXCERPT_CHARS]
 
     def _status_error(self, response: httpx.Response, excerpt: str) -> GatewayError:
         status = response.status_code
@@ -442,8 +459,7 @@ class GatewayClient:
         try:
             parsed = json.loads(data)
         except (ValueError, UnicodeDecodeError):
-            excerpt = self._redact(data[:ERROR_BODY_BYTES].decode("utf-8", "replace"))
-            excerpt = " ".join(excerpt.split())[:EXCERPT_CHARS]
+            excerpt = self._excerpt(data)
             raise GatewayRejected(
                 f"POST {self._url}: answer is not JSON (HTTP {status}): {excerpt}", status, excerpt
             ) from None

@@ -41,6 +41,7 @@ from flows.registry import Registry
 from queue_store import (
     ClaimLost,
     Failure,
+    InvalidArgument,
     Job,
     JobStore,
     Redactor,
@@ -116,6 +117,7 @@ class LeaseKeeper:
         self.deadline = min(claim_sent + self._budget, self.hard_deadline)
         self.renewal: Renewal | None = None  # set when a renewal was refused
         self.store_error: str | None = None  # the last renewal that failed to reach the store
+        self.unconfirmed: str | None = None  # the store error of the renewal before the call
         self._scope: asyncio.Timeout | None = None
         self._task: asyncio.Task[None] | None = None
 
@@ -152,7 +154,7 @@ class LeaseKeeper:
         try:
             renewal = await asyncio.to_thread(self._store.heartbeat, self._job.id, self._holder)
         except StoreError as exc:
-            self.store_error = str(exc)
+            self.store_error = self.unconfirmed = str(exc)
             raise LeaseEnded(f"the claim could not be renewed: {exc}") from exc
         if not renewal:
             self.renewal = renewal
@@ -201,6 +203,13 @@ class LeaseKeeper:
         held = time.monotonic() - started
         if self.renewal is Renewal.LOST:
             return None, "the claim was taken over by another worker"
+        if self.unconfirmed is not None:
+            # The store could not be reached right before the call: no call
+            # started, and this side stopped, so the attempt is not spent.
+            return Failure.STOPPED, (
+                "no call started: the claim could not be renewed right before it "
+                f"({self.unconfirmed})"
+            )
         if phase in ("build", "parse"):
             what = "prompt building" if phase == "build" else "turning the answer into a result"
             return Failure.BUILD if phase == "build" else Failure.PARSE, (
@@ -308,6 +317,9 @@ class JobRunner:
             logger.warning("%s: %s (%s)", job.run_name, report.message, ended)
         except GatewayError as exc:
             retry_after = exc.retry_after if isinstance(exc, GatewayRateLimited) else None
+            if retry_after is not None:
+                # The store pauses at most this long (G1) and refuses absurd waits.
+                retry_after = min(retry_after, self._settings.backoff_max_seconds)
             report = await self._settle(
                 job, entry, exc.failure, str(exc), started, call_started, call_clock, retry_after
             )
@@ -363,6 +375,16 @@ class JobRunner:
                 job,
                 Outcome.LOST,
                 "the claim was taken over before the result was recorded",
+                started,
+                call_started,
+                call_clock,
+            )
+        except InvalidArgument as exc:  # too large, or not JSON: this result never fits
+            return await self._settle(
+                job,
+                entry,
+                Failure.PARSE,
+                f"the result could not be stored: {exc}",
                 started,
                 call_started,
                 call_clock,
@@ -461,12 +483,13 @@ class JobRunner:
         )
 
     async def _record(self, job: Job, write: Callable[[], Any]) -> Any:
-        """Write the outcome, riding out a short store outage; `ClaimLost` is final."""
+        """Write the outcome, riding out a short store outage; `ClaimLost` and
+        `InvalidArgument` are final."""
         for attempt, pause in enumerate((*RECORD_BACKOFF_SECONDS, None), start=1):
             try:
                 return await _shielded(asyncio.to_thread(write))
-            except ClaimLost:
-                raise
+            except (ClaimLost, InvalidArgument):
+                raise  # the same write would be refused again
             except StoreError as exc:
                 if pause is None:
                     raise

@@ -8,8 +8,8 @@ and every decision is made on one clock in lock order.
 
 A claim is live while `now - heartbeat_at <= AI_JOB_LEASE_SECONDS` and
 `now - claimed_at <= AI_JOB_CLAIM_TIMEOUT`. A lapsed claim can no longer be
-renewed; the next claim takes its job back first, and that takeover counts as
-the end of a call for the gap. The worker stops its call
+renewed; it still counts as in flight until it is reaped, and reaping counts
+as the end of a call for the gap. The worker stops its call
 `AI_JOB_LEASE_MARGIN_SECONDS` before its claim could lapse, measured on its own
 monotonic clock from before it sent the renewal; so by the time anyone can
 take the job over, the old call has been over for at least that margin.
@@ -363,7 +363,8 @@ def _refund(connection: Connection, row: Row[Any], now: dt.datetime, error: str)
 def settle_done(
     connection: Connection, now: dt.datetime, row: Row[Any], flow_run_id: str | None = None
 ) -> None:
-    changes: dict[str, Any] = {"flow_run_id": flow_run_id} if flow_run_id else {}
+    """The attempt produced a result: the job is done, and names the run that made it (N4)."""
+    more: dict[str, Any] = {} if flow_run_id is None else {"flow_run_id": flow_run_id}
     _settle_row(
         connection,
         row,
@@ -372,6 +373,6 @@ def settle_done(
         error=None,
         unavailable_since=None,
         requested_at=None,
-        **changes,
+        **more,
     )
     _ended_call(connection, now, last_answer_at=now, outages_in_a_row=0)

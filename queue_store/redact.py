@@ -1,11 +1,13 @@
 """Redaction of secrets in every form they can be echoed in (G5).
 
 A gateway may echo our bearer token in an error body: plainly, JSON-escaped
-(`sk-abc\\/def=`), URL-encoded, or inside the base64 of `user:token` of a
-basic-auth header. A URL setting may carry `user:password@`. `Redactor` knows
-the secrets of one `Settings` and removes every such form from a text; the
-store applies it to every error it stores, the flows to every message, log
-line and run-history entry they write.
+(`sk-abc\\/def=`, or every character as `\\u0073...`), URL-encoded, in a
+bytes repr, escaped twice, any mixture of these, or inside the base64 of
+`user:token` of a basic-auth header. A URL setting may carry
+`user:password@` or `?password=`. `Redactor` knows the secrets of one
+`Settings` and removes every such form from a text; the store applies it to
+every error it stores, the flows to every message, log line and run-history
+entry they write.
 
 Pure Python: no Prefect, no httpx.
 """
@@ -13,7 +15,6 @@ Pure Python: no Prefect, no httpx.
 from __future__ import annotations
 
 import base64
-import json
 import logging
 import re
 import urllib.parse
@@ -28,27 +29,72 @@ MIN_SECRET_LENGTH = 4
 # The part of a base64 rendering that depends on the secret alone must be at
 # least this long to be searched for.
 MIN_BASE64_CORE = 6
+# Backslashes an escape may stand behind: JSON inside JSON inside JSON needs 7.
+MAX_ESCAPE_BACKSLASHES = 8
 
 _CREDENTIALS_IN_URL = re.compile(r"(?<=://)[^/@\s\"']*@")
+# URL query parameters that carry a password (libpq reads `password`).
+_PASSWORD_PARAMETERS = frozenset({"password", "passwd", "pwd", "sslpassword"})
+# Characters with a short escape of their own in JSON or a Python repr.
+_SHORT_ESCAPES = {
+    '"': '"',
+    "'": "'",
+    "\\": "\\",
+    "/": "/",
+    "\b": "b",
+    "\f": "f",
+    "\n": "n",
+    "\r": "r",
+    "\t": "t",
+}
 
 
-def _json_forms(secret: str) -> set[str]:
-    plain = json.dumps(secret)[1:-1]
-    forms = {plain, plain.replace("/", "\\/")}
-    # Every character \u-escaped, as some encoders do for non-alphanumerics.
-    forms.add("".join(c if c.isalnum() else f"\\u{ord(c):04x}" for c in secret))
-    forms.add("".join(c if c.isalnum() else f"\\u{ord(c):04X}" for c in secret))
-    return forms
+def _hex(value: int, width: int) -> str:
+    """A pattern for `value` in hexadecimal, either case."""
+    digits = f"{value:0{width}x}"
+    return "".join(f"[{d}{d.upper()}]" if d.isalpha() else d for d in digits)
 
 
-def _url_forms(secret: str) -> set[str]:
-    forms = {
-        urllib.parse.quote(secret, safe=""),
-        urllib.parse.quote_plus(secret, safe=""),
-        urllib.parse.quote(secret, safe="/"),
-    }
-    forms |= {re.sub(r"%[0-9A-F]{2}", lambda m: m.group().lower(), f) for f in set(forms)}
-    return forms
+def _character(c: str) -> str:
+    """A pattern for one character of a secret, in every escape a text can give it.
+
+    As it is; JSON's `\\uXXXX` (a surrogate pair beyond the BMP), a Python
+    bytes repr's `\\xNN` per UTF-8 byte, or a short escape such as `\\/` and
+    `\\"`, each behind up to `MAX_ESCAPE_BACKSLASHES` backslashes (a JSON
+    string inside a JSON string, and so on); percent-encoded per UTF-8 byte,
+    either case; `+` for a space. Characters are matched one by one, so any
+    mixture of these is found: an encoder that escapes only some characters,
+    or a log that escaped it twice.
+
+    The runs of backslashes are bounded, and taken whole except for a
+    backslash of the secret itself (which may share its run with the escape
+    of the next character, `\\\\\\u003c`), so the time to search a text stays
+    linear in its length whatever the text holds.
+    """
+    units = c.encode("utf-16-be")
+    raw = c.encode("utf-8")
+    escape = rf"\\{{1,{MAX_ESCAPE_BACKSLASHES}}}+"
+    options = [
+        re.escape(c),
+        "".join(
+            escape + "u" + _hex(int.from_bytes(units[i : i + 2], "big"), 4)
+            for i in range(0, len(units), 2)
+        ),
+        "".join(escape + "x" + _hex(byte, 2) for byte in raw),
+        "".join("%" + _hex(byte, 2) for byte in raw),
+    ]
+    if c == "\\":
+        options.append(rf"\\{{1,{MAX_ESCAPE_BACKSLASHES}}}")
+    elif c in _SHORT_ESCAPES:
+        options.append(escape + re.escape(_SHORT_ESCAPES[c]))
+    if c == " ":
+        options.append(r"\+")
+    return "(?:" + "|".join(options) + ")"
+
+
+def _spelled(text: str) -> str:
+    """A pattern for `text` with each character in any of its escapes."""
+    return "".join(_character(c) for c in text)
 
 
 def _base64_cores(secret: bytes) -> set[str]:
@@ -68,12 +114,15 @@ def _base64_cores(secret: bytes) -> set[str]:
 
 
 def forms_of(secret: str) -> set[str]:
-    """Every rendering of `secret` that `Redactor` removes."""
+    """The renderings of `secret` that `Redactor` searches for, before escaping.
+
+    The secret itself and the base64 stretches that encode only it; each is
+    then matched with every character in any escape (`_character`), which
+    covers JSON, URL and repr encodings and their mixtures.
+    """
     if len(secret) < MIN_SECRET_LENGTH:
         return set()
-    forms = {secret} | _json_forms(secret) | _url_forms(secret)
-    forms |= _base64_cores(secret.encode())
-    return {f for f in forms if len(f) >= MIN_SECRET_LENGTH}
+    return {secret} | _base64_cores(secret.encode())
 
 
 class Redactor:
@@ -85,8 +134,8 @@ class Redactor:
             if secret:
                 forms |= forms_of(secret)
         # Longest first, so a form that contains another is removed whole.
-        ordered = sorted(forms, key=len, reverse=True)
-        self._pattern = re.compile("|".join(map(re.escape, ordered))) if ordered else None
+        ordered = sorted(forms, key=lambda form: (-len(form), form))
+        self._pattern = re.compile("|".join(map(_spelled, ordered))) if ordered else None
 
     @classmethod
     def for_settings(cls, settings: Settings) -> Redactor:
@@ -103,6 +152,10 @@ class Redactor:
                     f"{urllib.parse.unquote(parts.username)}:{urllib.parse.unquote(parts.password)}"
                 )
                 secrets.append(pair)
+            # libpq also takes the password as a query parameter.
+            for name, value in urllib.parse.parse_qsl(parts.query):
+                if name.lower() in _PASSWORD_PARAMETERS and value:
+                    secrets.append(value)
         return cls(secrets)
 
     def __call__(self, text: str) -> str:
@@ -126,7 +179,11 @@ class RedactingFilter(logging.Filter):
         redacted = self._redact(message)
         if redacted != message or record.args:
             record.msg, record.args = redacted, None
-        if record.exc_info and record.exc_info[1] is not None and not record.exc_text:
+        if record.exc_text:
+            # Another handler formatted the traceback first and cached it in
+            # the record: formatters print that cache as it is.
+            record.exc_text = self._redact(record.exc_text)
+        elif record.exc_info and record.exc_info[1] is not None:
             record.exc_text = self._redact(logging.Formatter().formatException(record.exc_info))
         return True
 

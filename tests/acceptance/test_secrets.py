@@ -38,10 +38,11 @@ import pytest
 from prefect.settings import PREFECT_API_URL, temporary_settings
 from sqlalchemy import create_engine, text
 
-from flows.gateway import EXCERPT_CHARS, JOB_HEADER, REDACTED
+from flows.gateway import EXCERPT_CHARS, JOB_HEADER
 from flows.simulator import GatewaySimulator
 from queue_store import JobStore, Settings, StoreError, migrate
 from queue_store.engine import normalise_url
+from queue_store.redact import REDACTED
 from tests.support.databases import POSTGRES_URL
 from tests.support.race_worker import dump_tables
 from tests.support.services import PrefectServer, client_env, run_cli
@@ -370,9 +371,9 @@ def test_cli_settings_and_db_commands_mask_both_secrets(tmp_path: Path, role_url
     # The same through --database-url instead of the environment.
     flagged = run_cli("--database-url", role_url, "db", "status", env={"AI_JOB_DATABASE_URL": ""})
 
-    settings = json.loads(shown.stdout)
-    assert settings["gateway_token"] == "(set)"
-    assert ":***@" in settings["database_url"]
+    settings = json.loads(shown.stdout)["settings"]
+    assert settings["AI_GATEWAY_TOKEN"] == "(set)"
+    assert ":***@" in settings["AI_JOB_DATABASE_URL"]
     assert "(set)" in table.stdout and ":***@" in table.stdout
     assert outdated.returncode == 1 and "db upgrade" in outdated.stderr
     assert "schema revision" in upgraded.stdout and "current" in current.stdout
@@ -412,7 +413,8 @@ def test_database_errors_never_quote_the_password(case: str, tmp_path: Path) -> 
     assert_absent(chain, "the error and its cause", password)
     assert_absent(repr(raised.value), "the error's repr", password)
 
-    done = run_cli("enqueue", "u", "k", "s", env={"AI_JOB_DATABASE_URL": url}, check=False)
+    env = {"AI_JOB_DATABASE_URL": url, "AI_JOB_PLUGINS": "flows.demo"}
+    done = run_cli("enqueue", "u", "sleep", "s", env=env, check=False)
     assert done.returncode == 1 and done.stderr.startswith("error: "), done.stderr
     assert "Traceback" not in done.stderr
     assert_absent(done.stdout + done.stderr, "insight-queue enqueue", password)

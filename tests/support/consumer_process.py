@@ -1,0 +1,108 @@
+"""A consumer in a process of its own, for the acceptance tests.
+
+`python -m tests.support.consumer_process [--log-level LEVEL]` builds
+`Runtime.from_env()` from its environment (the `AI_*` settings) and runs
+drain-mode consumers, with no run history and no Prefect slot, until nothing
+is queued; then it prints one JSON line on stdout: the jobs it ran, each
+outcome, verdict, pause and message. SIGTERM or SIGINT stop it as a graceful
+stop does in production: the calls in flight are stopped and their jobs
+handed back. Logs go to stderr, at `--log-level` (INFO by default).
+
+It measures nothing: a test reads its memory from outside (the rusage of the
+exited child) and the gateway's view from the recorder in front of it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+import sys
+from typing import Any
+
+from flows.consumer import Consumer
+from flows.runner import Report
+from flows.runtime import Runtime
+
+
+def describe(report: Report) -> dict[str, Any]:
+    settlement = report.settlement
+    return {
+        "job": report.job.run_name,
+        "subject": report.job.subject,
+        "attempt": report.job.attempts,
+        "outcome": str(report.outcome),
+        "failure": None if report.failure is None else str(report.failure),
+        "attempt_spent": None if settlement is None else settlement.attempt_spent,
+        "pause_seconds": report.pause_seconds,
+        "verdict": None if settlement is None else settlement.verdict,
+        "message": report.message,
+        "called": report.called,
+        "call_started_at": report.call_started_at,
+    }
+
+
+async def drain(runtime: Runtime) -> dict[str, Any]:
+    loop = asyncio.get_running_loop()
+    stopping = asyncio.Event()
+    current: list[Consumer] = []
+
+    def stop(reason: str) -> None:
+        stopping.set()
+        for consumer in current:
+            consumer.stop(reason)
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop, signum.name)
+    reports: list[Report] = []
+    reasons: list[str] = []
+    # A drain consumer ends when a lane finds nothing to claim, while another
+    # lane may still hand a job back (a rate limit, an outage), or when
+    # another process holds the gateway: go again until nothing is queued.
+    while not stopping.is_set() and await asyncio.to_thread(runtime.store.has_pending):
+        consumer = runtime.consumer(standby=False)
+        current[:] = [consumer]
+        summary = await consumer.run()
+        reports += summary.reports
+        reasons.append(summary.stopped_because)
+        if not summary.ran:
+            # Another process holds the gateway: look again in a moment.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stopping.wait(), runtime.settings.poll_seconds)
+    outcomes: dict[str, int] = {}
+    for report in reports:
+        outcomes[str(report.outcome)] = outcomes.get(str(report.outcome), 0) + 1
+    return {
+        "rounds": len(reasons),
+        "stopped_because": reasons,
+        "signalled": stopping.is_set(),
+        "ran": len(reports),
+        "outcomes": outcomes,
+        "reports": [describe(report) for report in reports],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="consumer_process")
+    parser.add_argument("--log-level", default="INFO")
+    options = parser.parse_args(argv)
+    # Handlers first: the runtime adds its redaction filter to the handlers there are.
+    logging.basicConfig(
+        level=options.log_level.upper(),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    runtime = Runtime.from_env()
+    try:
+        summary = asyncio.run(drain(runtime))
+    finally:
+        runtime.close()
+    print(json.dumps(summary), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
