@@ -139,6 +139,12 @@ class GatewayTimeout(GatewayError):
     failure = Failure.TIMEOUT
 
 
+class GatewayRequestFailed(GatewayError):
+    """The request could not be made on our side (a misconfiguration); nothing was answered."""
+
+    failure = Failure.BUILD
+
+
 class GatewayRejected(GatewayError):
     """The gateway answered, but not with a usable completion.
 
@@ -437,6 +443,9 @@ class GatewayClient:
         # connect to is unavailable, not slow.
         if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout | httpx.ProxyError):
             return GatewayUnavailable(f"{where}: cannot connect: {detail}")
+        # It would not even take our request: overloaded or away, not slow to answer.
+        if isinstance(exc, httpx.WriteTimeout | httpx.PoolTimeout):
+            return GatewayUnavailable(f"{where}: the request could not be sent in time: {detail}")
         if isinstance(exc, httpx.TimeoutException):
             return GatewayTimeout(
                 f"{where}: no answer in time ({type(exc).__name__}; received "
@@ -452,8 +461,9 @@ class GatewayClient:
                 )
             return GatewayUnavailable(f"{where}: connection lost before an answer: {detail}")
         # Our own side is misconfigured (unsupported scheme, a local protocol
-        # error): the gateway said nothing; the attempt is spent.
-        return GatewayRejected(f"{where}: request failed: {detail}")
+        # error): the gateway said nothing; the attempt is spent, and it is no
+        # evidence that the gateway is up.
+        return GatewayRequestFailed(f"{where}: request failed: {detail}")
 
     def _parse(self, data: bytes, status: int) -> tuple[str, dict[str, Any]]:
         try:

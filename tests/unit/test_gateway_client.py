@@ -32,6 +32,7 @@ from flows.gateway import (
     GatewayRateLimited,
     GatewayRefused,
     GatewayRejected,
+    GatewayRequestFailed,
     GatewayTimeout,
     GatewayUnavailable,
     parse_retry_after,
@@ -441,10 +442,17 @@ def test_an_httpx_read_timeout_is_a_timeout_with_the_bytes_received() -> None:
     assert "ReadTimeout; received 10 bytes" in str(error)
 
 
-def test_a_request_our_side_cannot_send_is_rejected() -> None:
+def test_a_request_our_side_cannot_send_spends_the_attempt_as_our_failure() -> None:
+    """Not the gateway's answer: no evidence it is up (the outage rules must not count it)."""
     error = failure(raising(httpx.UnsupportedProtocol, "Request URL has an unsupported protocol"))
-    assert type(error) is GatewayRejected and error.failure is Failure.REJECTED
+    assert type(error) is GatewayRequestFailed and error.failure is Failure.BUILD
     assert "request failed" in str(error)
+
+
+def test_a_request_the_gateway_would_not_take_in_time_is_unavailable() -> None:
+    for kind in (httpx.WriteTimeout, httpx.PoolTimeout):
+        error = failure(raising(kind, "timed out"))
+        assert type(error) is GatewayUnavailable and error.failure is Failure.UNAVAILABLE
 
 
 # --- one deadline for the whole call (G3) ----------------------------------------------------
