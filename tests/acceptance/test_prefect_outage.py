@@ -1,14 +1,16 @@
-"""`serve` outlasts a Prefect server that stays away long enough for Prefect's runner to give up.
+"""Consumers outlast a Prefect server that is away: `serve`, and `consume` beside workers.
 
-Prefect's runner stops for good after a few polls that could not reach its
-server. `serve` must not stop with it: it starts another runner (its log
-says so) while its consumer goes on, and once the server is back the
-deployments are served again.
-
-Here serve's Prefect client retries a refused connection once instead of
-five times with a growing backoff, so the runner gives up within seconds of
-the outage instead of minutes: a fault by count. The test waits for serve's
-log to say it starts another runner (the event), then brings Prefect back.
+- Prefect's runner stops for good after a few polls that could not reach its
+  server. `serve` must not stop with it: it starts another runner (its log
+  says so) while its consumer goes on, and once the server is back the
+  deployments are served again. Here serve's Prefect client retries a
+  refused connection once instead of five times with a growing backoff, so
+  the runner gives up within seconds of the outage instead of minutes: a
+  fault by count. The test waits for serve's log to say it starts another
+  runner (the event), then brings Prefect back.
+- `insight-queue consume` takes a `gateway` slot for each call. With Prefect
+  away no slot can be asked for: it starts no call, keeps standing by, and
+  makes the call once Prefect is back.
 """
 
 from __future__ import annotations
@@ -21,12 +23,14 @@ from typing import Any
 
 import httpx
 import pytest
+from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from deployments.processes import free_port
 from deployments.stack import ServeProcess
-from queue_store import Settings
+from flows.limits import ensure_gateway_limit
+from queue_store import JobStore, Settings
 from tests.support.faults import Gateway
-from tests.support.services import ROOT, PrefectServer, run_cli
+from tests.support.services import ROOT, PrefectServer, cli, client_env, run_cli, running
 
 pytestmark = [pytest.mark.prefect, pytest.mark.slow]
 
@@ -111,4 +115,59 @@ def test_serve_starts_another_runner_when_prefect_s_gives_up_and_serves_again(
         finally:
             serve.stop()
             server.stop()
+        gateway.assert_kept(concurrency=1, gap=GAP)
+
+
+def test_consume_waits_for_a_gateway_slot_while_prefect_is_away_and_calls_once_it_is_back(
+    tmp_path: Path,
+) -> None:
+    with Gateway(latency=0.2) as gateway:
+        recorder = gateway.recorder
+        assert recorder is not None
+        settings = Settings.from_env(
+            {},
+            data_dir=tmp_path / "data",
+            gateway_url=gateway.url,
+            gap_seconds=GAP,
+            lease_seconds=5.0,
+            heartbeat_seconds=0.5,
+            poll_seconds=0.5,
+        )
+        server = PrefectServer(tmp_path / "prefect-server", free_port(), ui=False, reuse=False)
+        env = {**settings.to_env(), **client_env(server.api_url, tmp_path / "client")}
+        log = tmp_path / "consume.log"
+        try:
+            server.start()
+            with temporary_settings({PREFECT_API_URL: server.api_url}):
+                ensure_gateway_limit(1)
+            with (
+                JobStore(settings.database_url, settings=settings) as store,
+                running(cli("consume"), env, log) as consumer,
+            ):
+                wait_for(store.consumer_standing_by, 60, "the consumer standing by")
+                server.stop()
+                store.enqueue(USER, "sleep", "2026-01-01")
+                wait_for(
+                    lambda: "slot could be asked for" in log.read_text() or consumer.poll(),
+                    60,
+                    "the consumer to find no gateway slot",
+                )
+                assert consumer.poll() is None, log.read_text(errors="replace")[-4000:]
+                assert recorder.count == 0  # no call without the slot
+                server.start()
+
+                def done() -> bool:
+                    job = store.job(USER, "sleep", "2026-01-01")
+                    return job is not None and job.status == "done"
+
+                wait_for(done, 120, "the job done once Prefect is back")
+                consumer.send_signal(15)
+                assert consumer.wait(30) == 0, log.read_text(errors="replace")[-4000:]
+        finally:
+            server.stop()
+        summary = json.loads(
+            next(line for line in reversed(log.read_text().splitlines()) if line.startswith("{"))
+        )
+        assert summary["outcomes"] == {"done": 1}, summary
+        assert gateway.answers_for("sleep:2026-01-01") == 1
         gateway.assert_kept(concurrency=1, gap=GAP)
