@@ -17,6 +17,9 @@ serve runs per data directory. Its worker name is stable for the data
 directory and host, so a restart takes back the claims of the previous serve
 at once, even after a crash, and marks their runs crashed.
 
+When Prefect's server cannot be reached for a while, Prefect's runner gives
+up; serve starts another (with a growing pause) and its consumer goes on.
+
 SIGTERM, SIGINT or SIGHUP stop it within seconds: the call in flight is
 stopped and its job handed back without spending the attempt, its run ends
 Cancelled, the runner's flow runs are cancelled, the Prefect server it started
@@ -55,6 +58,11 @@ RUN_LIMIT = 20
 STOP_CONSUMER_SECONDS = 8.0
 STOP_RUNNER_SECONDS = 5.0
 STOP_SERVER_SECONDS = 5.0
+# Prefect's runner stops for good after a few polls that could not reach its
+# server. serve starts another after this pause, doubling up to the maximum,
+# while its consumer goes on.
+RUNNER_RESTART_SECONDS = 2.0
+RUNNER_RESTART_MAX_SECONDS = 60.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,12 +154,18 @@ class _RunnerThread(threading.Thread):
     decides how it stops.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, served: bool = False) -> None:
         super().__init__(name="prefect-runner", daemon=True)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._runner: Any = None
         self.error: BaseException | None = None
         self.started_serving = threading.Event()
+        self._served_before = served
+
+    @property
+    def served(self) -> bool:
+        """Whether serve's runner got going (this one, or one before it)."""
+        return self._served_before or self.started_serving.is_set()
 
     def run(self) -> None:
         try:
@@ -258,8 +272,26 @@ def serve(settings: Settings, options: ServeOptions) -> None:
                 runner_thread = _RunnerThread()
                 runner_thread.start()
                 print(f"insight-queue serving; Prefect UI at {ui_url}", flush=True)
-                while consumer_thread.is_alive() and runner_thread.is_alive():
-                    time.sleep(0.5)
+                pause = RUNNER_RESTART_SECONDS
+                started = time.monotonic()
+                while consumer_thread.is_alive():
+                    if runner_thread.is_alive():
+                        time.sleep(0.5)
+                        continue
+                    if not runner_thread.served:
+                        break  # it never got going: not an outage, a fault to report
+                    if time.monotonic() - started > RUNNER_RESTART_MAX_SECONDS:
+                        pause = RUNNER_RESTART_SECONDS  # it had been running a while
+                    logger.warning(
+                        "Prefect's runner stopped (%s); starting it again in %g s",
+                        runner_thread.error,
+                        pause,
+                    )
+                    time.sleep(pause)
+                    pause = min(pause * 2, RUNNER_RESTART_MAX_SECONDS)
+                    runner_thread = _RunnerThread(served=True)
+                    runner_thread.start()
+                    started = time.monotonic()
                 for thread in (consumer_thread, runner_thread):
                     if thread.error is not None:
                         raise RuntimeError(

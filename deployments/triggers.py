@@ -18,11 +18,13 @@ functions use the process's own (`current()`), made on first use.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import dataclasses
 import logging
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from deployments import table
@@ -31,6 +33,7 @@ from flows import runtime as runtimes
 from queue_store import (
     INTERACTIVE,
     PREFETCH,
+    DatabaseError,
     EnqueueRequest,
     InvalidArgument,
     JobStore,
@@ -99,6 +102,14 @@ class Triggers:
     @property
     def store(self) -> JobStore:
         return self.runtime.store
+
+    def close(self) -> None:
+        """Close the store and the connection to Prefect."""
+        with self._lock:
+            if self._api is not None:
+                self._api.close()
+                self._api = None
+        self.runtime.close()
 
     def _prefect(self) -> PrefectApi:
         url = self._prefect_url or api_url(self.runtime.settings)
@@ -267,13 +278,36 @@ def use(triggers: Triggers) -> contextvars.Token[Triggers | None]:
     return _installed.set(triggers)
 
 
+@contextlib.contextmanager
+def _in_force() -> Iterator[Triggers]:
+    """The triggers in force, even when the store cannot be opened right now.
+
+    Opening the store checks its schema, which needs the database. When the
+    database cannot be reached, this one call gets triggers on a store opened
+    without that check: it meets the outage like any call does (the state
+    says so), and the next call opens the store again.
+    """
+    try:
+        triggers = current()
+    except DatabaseError:
+        one_off = Triggers(runtimes.Runtime.from_env(check_schema=False))
+        try:
+            yield one_off
+        finally:
+            one_off.close()
+        return
+    yield triggers
+
+
 def request_insight(
     user_id: str, kind: str, subject: str, fingerprint: str | None = None
 ) -> InsightState:
     """A screen's poll (see `Triggers.request_insight`)."""
-    return current().request_insight(user_id, kind, subject, fingerprint)
+    with _in_force() as triggers:
+        return triggers.request_insight(user_id, kind, subject, fingerprint)
 
 
 def trigger_backfill(user_id: str, sync_id: str | None = None) -> BackfillState:
     """The post-sync hook (see `Triggers.trigger_backfill`)."""
-    return current().trigger_backfill(user_id, sync_id)
+    with _in_force() as triggers:
+        return triggers.trigger_backfill(user_id, sync_id)

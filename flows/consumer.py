@@ -28,7 +28,7 @@ import time
 import uuid
 from typing import Any
 
-from flows.guard import Guard, NullGuard
+from flows.guard import Guard, GuardUnavailable, NullGuard
 from flows.runner import JobRunner, Outcome, Report
 from queue_store import Blocked, JobStore, Settings, StoreError
 
@@ -103,6 +103,7 @@ class Consumer:
         self._lanes: list[asyncio.Task[None]] = []
         self._busy: dict[int, str] = {}
         self._store_down_since: float | None = None
+        self._guard_down_since: float | None = None
 
     # -- control -----------------------------------------------------------
 
@@ -177,7 +178,13 @@ class Consumer:
                     continue
                 if slot is None:
                     slot = contextlib.AsyncExitStack()
-                    await slot.enter_async_context(self._guard.slot())
+                    try:
+                        await slot.enter_async_context(self._guard.slot())
+                    except GuardUnavailable as exc:
+                        slot = None
+                        await self._pause(self._guard_trouble(exc))
+                        continue
+                    self._guard_down_since = None
                 wait = await self._claim_and_run(lane)
                 if not self._hold_slot or wait is None:
                     await slot.aclose()
@@ -228,6 +235,23 @@ class Consumer:
             self._finished(f"store error: {exc}")
             return 0.0
         logger.warning("claim failed, retrying: %s", exc)
+        return self._settings.poll_seconds
+
+    def _guard_trouble(self, exc: GuardUnavailable) -> float:
+        """No gateway slot can be had (Prefect is away): claim nothing, look again later.
+
+        A consumer standing by waits for as long as it takes; a draining one
+        stops after `STORE_OUTAGE_SECONDS`, like it does when the store is away.
+        """
+        now = time.monotonic()
+        if self._guard_down_since is None:
+            logger.warning("%s; no call starts until one can", exc)
+        self._guard_down_since = self._guard_down_since or now
+        down = now - self._guard_down_since
+        if not self._standby and down > STORE_OUTAGE_SECONDS:
+            logger.error("no gateway slot for %.0f s, stopping: %s", down, exc)
+            self._finished(f"gateway slot unavailable: {exc}")
+            return 0.0
         return self._settings.poll_seconds
 
     async def _work_waiting(self) -> bool:

@@ -21,9 +21,16 @@ from typing import Protocol
 GATEWAY_TAG = "gateway"
 
 
+class GuardUnavailable(Exception):
+    """The guard could not be asked for a slot (its server is away): no call may start."""
+
+
 class Guard(Protocol):
     def slot(self) -> contextlib.AbstractAsyncContextManager[None]:
-        """Hold one slot for the duration of the block (waits for one)."""
+        """Hold one slot for the duration of the block (waits for one).
+
+        Raises `GuardUnavailable` when no slot can be asked for now.
+        """
 
 
 class NullGuard:

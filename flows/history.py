@@ -33,7 +33,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from flows.guard import GATEWAY_TAG
+from flows.guard import GATEWAY_TAG, GuardUnavailable
 from flows.ledger import LedgerEntry
 from queue_store import Job, Redactor
 
@@ -331,18 +331,25 @@ class PrefectSlotGuard:
     @contextlib.asynccontextmanager
     async def slot(self) -> AsyncIterator[None]:
         from prefect.concurrency._asyncio import (
+            ConcurrencySlotAcquisitionError,
             aacquire_concurrency_slots_with_lease,
             arelease_concurrency_slots_with_lease,
         )
         from prefect.concurrency._leases import amaintain_concurrency_lease
 
-        response = await aacquire_concurrency_slots_with_lease(
-            [self._name],
-            1,
-            lease_duration=self._lease_seconds,
-            strict=False,
-            suppress_warnings=True,
-        )
+        try:
+            response = await aacquire_concurrency_slots_with_lease(
+                [self._name],
+                1,
+                lease_duration=self._lease_seconds,
+                strict=False,
+                suppress_warnings=True,
+            )
+        except ConcurrencySlotAcquisitionError as exc:
+            cause = exc.__cause__ or exc
+            raise GuardUnavailable(
+                f"no `{self._name}` slot could be asked for ({type(cause).__name__}: {cause})"
+            ) from exc
         if not response.limits:
             # No `gateway` limit exists: nothing to hold (setup-limit creates it).
             yield

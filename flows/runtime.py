@@ -42,15 +42,23 @@ class Runtime:
 
     @classmethod
     def from_env(
-        cls, settings: Settings | None = None, registry: Registry | None = None
+        cls,
+        settings: Settings | None = None,
+        registry: Registry | None = None,
+        *,
+        check_schema: bool = True,
     ) -> Runtime:
-        """The runtime for these settings (default: the environment), plugins loaded."""
+        """The runtime for these settings (default: the environment), plugins loaded.
+
+        The store's schema is checked as it is opened, which needs the
+        database; `check_schema=False` opens it without touching the database.
+        """
         settings = settings or Settings.from_env()
         redactor = Redactor.for_settings(settings)
         install_log_redaction(redactor, ("", "prefect", "httpx"))
         registry = registry or default
         registry.load(settings.plugin_modules)
-        store = JobStore(settings.database_url, settings=settings)
+        store = JobStore(settings.database_url, settings=settings, check_schema=check_schema)
         return cls(settings, store, registry, redactor)
 
     def client(self) -> GatewayClient:

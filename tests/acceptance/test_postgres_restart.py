@@ -1,36 +1,26 @@
-"""PostgreSQL restarted under load: nothing lost, nothing run twice, nobody crashes.
+"""PostgreSQL restarted under load: consumers ride it out, nothing lost, nothing generated twice.
 
-The store lives in a database of its own (`insight_queue_restart_<hex>`,
-dropped afterwards) on the machine's PostgreSQL. Two consumer slots each keep
-an `insight-queue drain` process running, a screen polls `insight-queue
-request-insight` every ~0.5 s, and 30 jobs with 0.3 s simulated gateway calls
-drain through the session's Prefect server. PostgreSQL is restarted twice
-with `pg_ctlcluster`: stopped while a gateway call is in flight and started
-a second after its answer, so the result has to be written through the
-outage, then a plain `restart` between calls, so claims and polls meet it.
+The store lives in a throwaway PostgreSQL cluster (`tests.support.pgcluster`)
+that the test stops and starts; the machine's own server is never touched.
+Two consumer processes (`tests.support.worker`, standing by, without Prefect)
+work through 24 jobs of short calls to the gateway simulator behind the
+recorder, while a screen polls `insight-queue request-insight` for one job
+after another, from the back of the queue. The cluster goes down twice, each
+time by event:
 
-Consumers ride the outage out inside their process: `drain_queue` retries a
-failing claim every poll for up to `flows.flows.STORE_OUTAGE_SECONDS` before
-it stops with `stopped_because: "store error: ..."`, the heartbeat keeps
-trying, and a result write is retried (`flows.runner.RECORD_RETRIES`). A
-drain also leaves when another consumer holds the gateway, so each consumer
-slot starts a new `drain` whenever its last one exited, as `serve`'s
-safety-net schedule would, only sooner. What must hold:
+1. while a call is in flight (the simulator has started it), and comes back
+   once its answer was written: the worker's result write meets the outage
+   and lands on a retry;
+2. between calls (nothing open at the recorder): claims, renewals and polls
+   meet it; a screen's poll and a post-sync hook made while it is down print
+   their JSON state with `error` set and exit 0.
 
-- every drain process exits 0, without a traceback, and none gives up on
-  the store (a restart takes seconds); a result whose write met the outage
-  lands on a retry;
-- every screen poll prints a JSON state and exits 0 (its `error` set while
-  the database is away), never a traceback; see the known defect below;
-- every job ends done, its result stored; the gateway answered each job
-  once (a second call only for a job whose first result could not be
-  recorded, which the test names), never two at once;
-- attempts are sane: one per gateway call, plus at most one for a claim
-  whose commit reached the database but whose answer did not.
-
-It restarts the machine's PostgreSQL, so it must not run beside other
-PostgreSQL tests: CI runs the suite serially. It finally makes sure the
-server is up again (`pg_ctlcluster ... start`).
+What must hold: both consumers are still running at the end, without a
+traceback; every screen poll printed a JSON state and exited 0; every job is
+done with its result; the gateway answered each job exactly once (counted at
+the simulator) and never had two calls open at once (the recorder); attempts
+are one per call, plus at most one for a claim whose commit reached the
+database while its answer did not.
 """
 
 from __future__ import annotations
@@ -39,194 +29,50 @@ import contextlib
 import dataclasses
 import json
 import os
-import shutil
 import subprocess
 import threading
 import time
-import uuid
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import create_engine, text
-from sqlalchemy.engine import make_url
 
-from flows.flows import STORE_OUTAGE_SECONDS
-from flows.simulator import OK, GatewaySimulator
+from flows.simulator import HUNG, OK, GatewaySimulator
 from queue_store import JobStore, Settings, StoreError, migrate
-from queue_store.engine import normalise_url
-from tests.support.databases import POSTGRES_URL
-from tests.support.services import ROOT, PrefectServer, cli, client_env, run_cli, stop
+from tests.support.faults import Gateway, Workers
+from tests.support.pgcluster import ThrowawayPostgres
+from tests.support.services import ROOT, cli, run_cli
 
-pytestmark = [pytest.mark.slow, pytest.mark.prefect, pytest.mark.postgres]
+pytestmark = [pytest.mark.slow, pytest.mark.postgres]
 
-JOBS = 30
-CALL_SECONDS = 0.3
-LEASE_SECONDS = 8
+JOBS = 24
 USER = "restart-user"
+CALL_SECONDS = 0.3
+LONG_CALL_SECONDS = 1.5  # the call the first outage catches in flight
+GAP = 0.2
+LEASE = 8.0
 SCREEN_EVERY = 0.5  # seconds between the end of one poll and the next
-DEADLINE = 240  # seconds for the whole run after the consumers start
-LONG_CALL_SECONDS = 1.5  # the call the first restart catches in flight
-DOWN_SECONDS = 1.0  # the first restart stays down this long after that call's answer
+DEADLINE = 180.0  # seconds for each stage of the run
 
 
-# -- the machine's PostgreSQL ---------------------------------------------------------------
-
-
-def _local_cluster() -> tuple[str, str, int]:
-    """(version, host, port) of the local cluster named by AI_JOB_TEST_POSTGRES_URL."""
-    if not POSTGRES_URL:
-        if os.environ.get("CI"):
-            pytest.fail("CI must run the PostgreSQL tests: set AI_JOB_TEST_POSTGRES_URL")
-        pytest.skip("AI_JOB_TEST_POSTGRES_URL is not set")
-    url = make_url(POSTGRES_URL)
-    host, port = url.host or "127.0.0.1", url.port or 5432
-    if host not in ("127.0.0.1", "localhost") or not shutil.which("pg_ctlcluster"):
-        pytest.skip("restarting PostgreSQL needs the local cluster and pg_ctlcluster")
-    versions = sorted(os.listdir("/etc/postgresql")) if os.path.isdir("/etc/postgresql") else []
-    if not versions:
-        pytest.skip("no cluster under /etc/postgresql")
-    return versions[-1], host, port
-
-
-def _ready(host: str, port: int) -> bool:
-    done = subprocess.run(
-        ["pg_isready", "-h", host, "-p", str(port), "-q"], timeout=30, check=False
-    )
-    return done.returncode == 0
-
-
-def _ctl(version: str, action: str) -> float:
-    """Run `pg_ctlcluster <version> main <action>`; returns the seconds it took."""
-    started = time.monotonic()
-    subprocess.run(
-        ["pg_ctlcluster", "--skip-systemctl-redirect", version, "main", action],
-        check=True,
-        timeout=120,
-        capture_output=True,
-    )
-    return time.monotonic() - started
-
-
-def _ensure_up(version: str, host: str, port: int) -> None:
-    if _ready(host, port):
-        return
-    with contextlib.suppress(subprocess.CalledProcessError):
-        _ctl(version, "start")
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and not _ready(host, port):
-        time.sleep(1)
-    assert _ready(host, port), "PostgreSQL did not come back"
+def subject(n: int) -> str:
+    return f"s{n:02d}"
 
 
 @pytest.fixture
-def cluster() -> Iterator[tuple[str, str, int]]:
-    version, host, port = _local_cluster()
-    _ensure_up(version, host, port)
+def cluster() -> Iterator[ThrowawayPostgres]:
+    made = ThrowawayPostgres().create()
     try:
-        yield version, host, port
+        migrate.upgrade(made.url)
+        yield made
     finally:
-        _ensure_up(version, host, port)
-
-
-@pytest.fixture
-def restart_db(cluster: tuple[str, str, int]) -> Iterator[str]:
-    """A database of its own, upgraded; dropped (with its connections) afterwards."""
-    name = f"insight_queue_restart_{uuid.uuid4().hex[:10]}"
-    admin = create_engine(normalise_url(POSTGRES_URL), isolation_level="AUTOCOMMIT")
-    with admin.connect() as connection:
-        connection.execute(text(f"CREATE DATABASE {name}"))
-    url = make_url(POSTGRES_URL).set(database=name).render_as_string(hide_password=False)
-    try:
-        migrate.upgrade(url)
-        yield url
-    finally:
-        _ensure_up(*cluster)
-        admin.dispose()  # its pooled connection did not survive the restarts
-        with admin.connect() as connection:
-            connection.execute(text(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
-        admin.dispose()
-
-
-# -- consumers and the screen ----------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class DrainRun:
-    slot: int
-    number: int
-    exit_code: int
-    seconds: float
-    summary: dict[str, Any] | None
-    stderr: str
-    stopped_by_test: bool  # still running when the test ended: SIGTERM, not a crash
-
-
-class ConsumerSlot:
-    """Keeps one `insight-queue drain` process running, starting another when it exits."""
-
-    def __init__(self, slot: int, env: dict[str, str], logs: Path) -> None:
-        self.slot, self.env, self.logs = slot, env, logs
-        self.runs: list[DrainRun] = []
-        self._no_more = threading.Event()  # start no new drain
-        self._stop = threading.Event()  # stop the running one now
-        self._thread = threading.Thread(target=self._loop, name=f"consumer-{slot}", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def finish(self, grace: float) -> None:
-        """Let the running drain end by itself within `grace` seconds, then stop it."""
-        self._no_more.set()
-        self._thread.join(grace)
-        self._stop.set()
-        self._thread.join(60)
-
-    def _loop(self) -> None:
-        number = 0
-        while not self._no_more.is_set():
-            number += 1
-            out = self.logs / f"drain-{self.slot}-{number}.out"
-            err = self.logs / f"drain-{self.slot}-{number}.err"
-            started = time.monotonic()
-            with open(out, "wb") as stdout, open(err, "wb") as stderr:
-                process = subprocess.Popen(
-                    cli("drain"),
-                    env={**os.environ, **self.env},
-                    stdout=stdout,
-                    stderr=stderr,
-                    stdin=subprocess.DEVNULL,
-                    start_new_session=True,
-                    cwd=ROOT,
-                )
-            try:
-                while process.poll() is None and not self._stop.wait(0.1):
-                    pass
-            finally:
-                stopped_by_test = process.poll() is None
-                stop(process)  # by its PID (its process group), if still running
-            summary = None
-            with contextlib.suppress(ValueError):
-                summary = json.loads(out.read_text())
-            self.runs.append(
-                DrainRun(
-                    self.slot,
-                    number,
-                    process.returncode,
-                    round(time.monotonic() - started, 2),
-                    summary,
-                    err.read_text(errors="replace"),
-                    stopped_by_test,
-                )
-            )
-            self._no_more.wait(0.3)
+        made.destroy()
 
 
 @dataclasses.dataclass
 class Poll:
-    at: float
     subject: str
     exit_code: int
     stdout: str
@@ -241,6 +87,19 @@ class Poll:
         return parsed if isinstance(parsed, dict) else None
 
 
+def poll(env: dict[str, str], key: str) -> Poll:
+    done = subprocess.run(
+        cli("request-insight", USER, "ok", key),
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        check=False,
+    )
+    return Poll(key, done.returncode, done.stdout, done.stderr)
+
+
 class Screen:
     """Polls `request-insight` for one job after another, as a user moving between screens."""
 
@@ -250,244 +109,202 @@ class Screen:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="screen", daemon=True)
 
-    def start(self) -> None:
+    def __enter__(self) -> Screen:
         self._thread.start()
+        return self
 
-    def stop(self) -> None:
+    def __exit__(self, *_: object) -> None:
         self._stop.set()
-        self._thread.join(120)
+        self._thread.join(150)
 
     def _loop(self) -> None:
         while not self._stop.is_set() and self.subjects:
-            subject = self.subjects[0]
-            done = subprocess.run(
-                cli("request-insight", USER, "ok", subject),
-                env={**os.environ, **self.env},
-                capture_output=True,
-                text=True,
-                timeout=120,
-                cwd=ROOT,
-                check=False,
-            )
-            poll = Poll(time.monotonic(), subject, done.returncode, done.stdout, done.stderr)
-            self.polls.append(poll)
-            if poll.state and poll.state.get("status") == "done":
+            seen = poll(self.env, self.subjects[0])
+            self.polls.append(seen)
+            if seen.state and seen.state.get("status") == "done":
                 self.subjects.pop(0)
             self._stop.wait(SCREEN_EVERY)
 
 
-# -- the scenario ------------------------------------------------------------------------------
-
-
-def _wait_until(condition: Any, timeout: float, what: str) -> None:
+def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None:
+    """Poll `condition` (a store that is down counts as "not yet")."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         with contextlib.suppress(StoreError):
             if condition():
                 return
         time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+    raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
 
 
-def _started_since(sim: GatewaySimulator, since: float) -> bool:
-    return any(r.started and r.started > since and r.ended is None for r in sim.stats().requests)
-
-
-def _answered_since(sim: GatewaySimulator, since: float) -> bool:
-    return any(r.started and r.started > since and r.ended for r in sim.stats().requests)
-
-
-def _done_count(store: JobStore) -> int:
+def done_count(store: JobStore) -> int:
     return sum(
         1
         for n in range(JOBS)
-        if (job := store.job(USER, "ok", f"s{n:02d}")) is not None and job.status == "done"
+        if (job := store.job(USER, "ok", subject(n))) is not None and job.status == "done"
     )
 
 
+def started_since(sim: GatewaySimulator, since: float) -> bool:
+    return any(r.started and r.started > since and r.ended is None for r in sim.stats().requests)
+
+
+def answered_since(sim: GatewaySimulator, since: float) -> bool:
+    return any(r.started and r.started > since and r.ended for r in sim.stats().requests)
+
+
 def test_postgres_restarted_under_load_loses_and_duplicates_nothing(
-    tmp_path: Path,
-    prefect_server: PrefectServer,
-    cluster: tuple[str, str, int],
-    restart_db: str,
+    cluster: ThrowawayPostgres, tmp_path: Path
 ) -> None:
-    version = cluster[0]
-    logs = tmp_path / "logs"
-    logs.mkdir()
-    settings = Settings(database_url=restart_db, gap_seconds=0.2, lease_seconds=LEASE_SECONDS)
-    restarts: list[dict[str, Any]] = []
-
-    with (
-        GatewaySimulator(workers=4, latency=CALL_SECONDS) as sim,
-        JobStore(restart_db, settings=settings) as store,
-    ):
-        env = {
-            **client_env(prefect_server.api_url, tmp_path / "prefect-client"),
-            "AI_JOB_DATABASE_URL": restart_db,
-            "AI_GATEWAY_URL": sim.url,
-            "AI_JOB_PLUGINS": "flows.demo,tests.support.plugins",
-            "AI_JOB_GAP_SECONDS": "0.2",
-            "AI_JOB_HEARTBEAT_SECONDS": "0.5",
-            "AI_JOB_LEASE_SECONDS": str(LEASE_SECONDS),
-            "AI_JOB_POLL_SECONDS": "0.5",
-            "AI_JOB_BACKOFF_SECONDS": "1",
-            "AI_JOB_BACKOFF_MAX_SECONDS": "2",
-            "PREFECT_LOGGING_LEVEL": "INFO",
-        }
+    with Gateway(latency=CALL_SECONDS) as gateway:
+        assert gateway.recorder is not None
+        settings = Settings.from_env(
+            {},
+            database_url=cluster.url,
+            data_dir=tmp_path / "data",
+            gateway_url=gateway.url,
+            gap_seconds=GAP,
+            lease_seconds=LEASE,
+            heartbeat_seconds=0.5,
+            poll_seconds=0.5,
+            backoff_seconds=1.0,
+            backoff_max_seconds=2.0,
+            plugins="flows.demo,tests.support.plugins",
+        )
+        # The app side: no Prefect server here (consumers stand by, so a
+        # poll needs no run; an outage never reaches Prefect either).
+        env = {**settings.to_env(), "PYTHONPATH": str(ROOT), "PREFECT_API_URL": ""}
+        store = JobStore(cluster.url, settings=settings)
         for n in range(JOBS):
-            store.enqueue(USER, "ok", f"s{n:02d}")
+            store.enqueue(USER, "ok", subject(n))
 
-        slots = [ConsumerSlot(slot, env, logs) for slot in (1, 2)]
-        # The screen opens jobs from the back of the queue, one after another.
-        screen = Screen(env, [f"s{n:02d}" for n in range(JOBS - 1, -1, -4)])
-        started = time.monotonic()
-        try:
-            for slot in slots:
-                slot.start()
-            screen.start()
+        outage_polls: list[Poll] = []
+        outage_hook: dict[str, Any] = {}
+        with Workers(settings, tmp_path / "logs").running() as workers:
+            workers.start("a")
+            workers.start("b")
+            with Screen(env, [subject(n) for n in range(JOBS - 1, -1, -4)]) as screen:
+                # 1. Down while a (longer) call is in flight; up once it was answered.
+                wait_until(lambda: done_count(store) >= 5, DEADLINE, "five jobs done")
+                gateway.simulator.set_latency(LONG_CALL_SECONDS)
+                changed = time.time()
+                wait_until(lambda: started_since(gateway.simulator, changed), 60, "a long call")
+                cluster.stop()
+                wait_until(lambda: answered_since(gateway.simulator, changed), 60, "its answer")
+                gateway.simulator.set_latency(CALL_SECONDS)
+                cluster.start()
 
-            # 1. Mid-call: stopped while a (longer) call is in flight, started
-            # again a second after its answer, so writing the result meets it.
-            _wait_until(lambda: _done_count(store) >= 5, DEADLINE, "five jobs done")
-            sim.set_latency(LONG_CALL_SECONDS)
-            changed = time.time()
-            _wait_until(lambda: _started_since(sim, changed), 60, "a long call in flight")
-            down_at = time.monotonic()
-            _ctl(version, "stop")
-            _wait_until(lambda: _answered_since(sim, changed), 60, "its answer")
-            sim.set_latency(CALL_SECONDS)
-            time.sleep(DOWN_SECONDS)
-            _ctl(version, "start")
-            restarts.append(
-                {
-                    "when": "stop mid-call, start after the answer",
-                    "down": time.monotonic() - down_at,
-                }
-            )
+                # 2. Down between calls: claims and polls meet it.
+                wait_until(lambda: done_count(store) >= 15, DEADLINE, "fifteen jobs done")
+                gateway.recorder.wait_until(lambda s: s.in_flight == 0, 60, "no call open")
+                cluster.stop()
+                outage_polls.append(poll(env, subject(0)))
+                hook = run_cli("trigger-backfill", "hook-user", env=env, check=False, timeout=120)
+                outage_hook = {"code": hook.returncode, "out": hook.stdout, "err": hook.stderr}
+                cluster.start()
 
-            # 2. Between calls, a plain restart: claims and polls meet it.
-            _wait_until(lambda: _done_count(store) >= 15, DEADLINE, "fifteen jobs done")
-            _wait_until(lambda: sim.stats().in_flight == 0, 60, "no call in flight")
-            restarts.append({"when": "restart between calls", "down": _ctl(version, "restart")})
-            assert all(r["down"] < STORE_OUTAGE_SECONDS / 2 for r in restarts), restarts
+                wait_until(lambda: done_count(store) == JOBS, DEADLINE, "every job done")
+                wait_until(lambda: not screen.subjects, 60, "the screen's jobs done")
+            alive = {name: p.poll() is None for name, p in workers.started.items()}
+            summaries = workers.stop_all()
+            logs = {name: workers.log(name).read_text(errors="replace") for name in ("a", "b")}
 
-            _wait_until(lambda: _done_count(store) == JOBS, DEADLINE, "every job done")
-            # The screen sees its last job done too.
-            _wait_until(lambda: not screen.subjects, 60, "the screen's jobs done")
-        finally:
-            screen.stop()
-            for slot in slots:  # an idle drain leaves within a poll or two
-                slot.finish(grace=20)
-            _ensure_up(*cluster)
-        elapsed = time.monotonic() - started
+        jobs = {n: store.job(USER, "ok", subject(n)) for n in range(JOBS)}
+        results = {n: store.result_of(USER, "ok", subject(n)) for n in range(JOBS)}
+        left = store.pending_count()
+        store.close()
+        requests = gateway.simulator.stats().requests
+        seen = gateway.assert_kept(concurrency=1, gap=GAP)
 
-        jobs = {n: store.job(USER, "ok", f"s{n:02d}") for n in range(JOBS)}
-        results = {n: store.result_of(USER, "ok", f"s{n:02d}") for n in range(JOBS)}
-        stats = sim.stats()
-        running = store.pending_count()
+    answered = Counter(r.job for r in requests if r.outcome in (OK, HUNG))
+    calls = Counter(r.job for r in requests)
+    polls = screen.polls + outage_polls
+    print(
+        "\n"
+        + json.dumps(
+            {
+                "gateway_calls": len(requests),
+                "gateway_peak_in_flight": seen.peak_in_flight,
+                "screen_polls": len(polls),
+                "screen_polls_with_error": sum(1 for p in polls if (p.state or {}).get("error")),
+                "worker_outcomes": {n: s.get("outcomes") for n, s in summaries.items()},
+                "result_writes_retried": sum(log.count("recording ok:") for log in logs.values()),
+                "claims_retried": sum(log.count("claim failed") for log in logs.values()),
+                "attempts": dict(Counter(j.attempts for j in jobs.values() if j)),
+            },
+            indent=2,
+        )
+    )
 
-    runs = [run for slot in slots for run in slot.runs]
-    report = _report(restarts, runs, screen.polls, stats, jobs, elapsed)
-    (tmp_path / "report.json").write_text(json.dumps(report, indent=2, default=str))
-    print(json.dumps(report, indent=2, default=str))
+    # The consumers rode both outages out: still standing by, no traceback.
+    assert alive == {"a": True, "b": True}, logs
+    for name, log in logs.items():
+        assert "Traceback" not in log, f"worker {name}:\n{log[-3000:]}"
+    assert sum(s["outcomes"].get("done", 0) for s in summaries.values()) == JOBS, summaries
+    # The first outage caught a result write: it failed, was retried, and landed.
+    assert any("recording ok:" in log for log in logs.values()), "no result write met the outage"
 
-    # Consumers: every drain ended by itself, exit 0, no traceback.
-    assert not [r for r in runs if r.stopped_by_test], "a drain did not leave an empty queue"
-    crashed = [r for r in runs if r.exit_code != 0 or "Traceback" in r.stderr]
-    assert not crashed, [(r.slot, r.number, r.exit_code, r.stderr[-2000:]) for r in crashed]
-    assert all(r.summary is not None for r in runs), "a drain printed no summary"
-    # The first restart caught a result write: it failed, was retried, and landed.
-    assert any("recording ok:" in r.stderr for r in runs), "no result write met the outage"
-    gave_up = [r for r in runs if (r.summary or {}).get("stopped_because", "").startswith("store")]
-    assert not gave_up, [r.summary for r in gave_up]
-
-    # The screen: a JSON state each time (with "error" set while the store is
-    # down); never a traceback.
-    polls = screen.polls
+    # The screen: a JSON state every time, exit 0, never a traceback; while
+    # the store is down the state says so.
     assert not [p for p in polls if "Traceback" in p.stdout + p.stderr]
-    bad = [p for p in polls if p.state is None]
-    assert not bad, [(p.exit_code, p.stdout[-500:], p.stderr[-500:]) for p in bad]
-    assert all(p.exit_code == 0 for p in polls if p.state is not None)
+    bad = [(p.exit_code, p.stdout[-500:], p.stderr[-500:]) for p in polls if p.state is None]
+    assert not bad, bad
+    assert all(p.exit_code == 0 for p in polls)
+    down = outage_polls[0].state
+    assert down is not None and down["status"] == "unknown" and down["error"], down
+    # The post-sync hook during the outage: its JSON state, the error, exit 0.
+    assert outage_hook["code"] == 0, outage_hook
+    assert "Traceback" not in outage_hook["err"], outage_hook
+    hook_state = json.loads(outage_hook["out"])
+    assert hook_state["error"] and hook_state["flow_run_id"] is None, hook_state
 
     # Every job done with its result; nothing left running or pending.
-    assert running == 0
+    assert left == 0
     assert all(job is not None and job.status == "done" for job in jobs.values()), jobs
-    assert all(
-        r is not None and r.output == {"text": f"insight for insight for {USER}/s{n:02d}"}
-        for n, r in results.items()
-    ), results
+    for n, result in results.items():
+        assert result is not None and result.output == {
+            "text": f"insight for insight for {USER}/{subject(n)}"
+        }, (n, result)
 
-    # The gateway: never two at once; each job answered once, or explained.
-    assert stats.peak_in_flight == 1
-    answered = Counter(r.job for r in stats.requests if r.outcome == OK)
-    assert set(answered) == {f"ok:s{n:02d}" for n in range(JOBS)}
-    twice = {label: count for label, count in answered.items() if count > 1}
-    for label in twice:
-        # ("lost the claim" is no explanation: it is also logged, spuriously, by a
-        # heartbeat that renews just after its own job's result was recorded.)
-        assert any(f"recording {label} failed" in r.stderr for r in runs), (
-            f"{label} was generated {twice[label]} times without a failed result write"
-        )
-    assert len(twice) <= len(restarts), twice
-
+    # The gateway: each job answered exactly once; one call at a time.
+    assert answered == {f"ok:{subject(n)}": 1 for n in range(JOBS)}, answered
+    assert seen.peak_in_flight == 1
     # Attempts: one per call, plus at most one for a claim whose answer was lost.
     for n, job in jobs.items():
         assert job is not None
-        calls = answered[f"ok:s{n:02d}"]
-        assert calls <= job.attempts <= min(calls + 1, settings.max_attempts), (n, job, calls)
-
-
-def _report(
-    restarts: list[dict[str, Any]],
-    runs: list[DrainRun],
-    polls: list[Poll],
-    stats: Any,
-    jobs: dict[int, Any],
-    elapsed: float,
-) -> dict[str, Any]:
-    """What happened, for the reliability notes."""
-    stopped = Counter((r.summary or {}).get("stopped_because", "?").split(":")[0] for r in runs)
-    outcomes: Counter[str] = Counter()
-    for r in runs:
-        outcomes.update((r.summary or {}).get("outcomes", {}))
-    return {
-        "elapsed_seconds": round(elapsed, 1),
-        "restarts": restarts,
-        "drain_processes": len(runs),
-        "drain_exit_codes": dict(Counter(r.exit_code for r in runs)),
-        "drains_stopped_because": dict(stopped),
-        "drain_outcomes": dict(outcomes),
-        "drain_log_lines": {
-            "recording failed (retried)": sum(r.stderr.count("recording ") for r in runs),
-            "heartbeat failed": sum(r.stderr.count("heartbeat for ") for r in runs),
-            "claim failed, retried": sum(r.stderr.count("claim failed") for r in runs),
-            "lost the claim": sum(r.stderr.count("lost the claim") for r in runs),
-        },
-        "screen_polls": len(polls),
-        "screen_polls_with_error_state": sum(
-            1 for p in polls if p.state is not None and p.state.get("error")
-        ),
-        "screen_exit_codes": dict(Counter(p.exit_code for p in polls)),
-        "gateway_requests": len(stats.requests),
-        "gateway_outcomes": dict(Counter(r.outcome for r in stats.requests)),
-        "gateway_peak_in_flight": stats.peak_in_flight,
-        "attempts": dict(Counter(job.attempts for job in jobs.values() if job)),
-    }
-
-
-# -- regression tests for defects these tests found -----------------------------------
+        made = calls[f"ok:{subject(n)}"]
+        assert made <= job.attempts <= min(made + 1, settings.max_attempts), (n, job, made)
 
 
 def test_request_insight_with_the_database_down_prints_a_state_with_the_error(
     tmp_path: Path,
 ) -> None:
+    """Even the first poll of a process, whose store cannot be opened, answers with a state."""
     env = {
         "AI_JOB_DATABASE_URL": "postgresql://postgres@127.0.0.1:1/nowhere",
         "AI_JOB_DATA_DIR": str(tmp_path / "data"),
-        "PREFECT_API_URL": "http://127.0.0.1:1/api",
+        "PREFECT_API_URL": "",
     }
-    done = run_cli("request-insight", "u", "ok", "s1", env=env, check=False, timeout=120)
+    done = run_cli("request-insight", "u", "sleep", "s1", env=env, check=False, timeout=120)
     assert "Traceback" not in done.stderr
     assert done.returncode == 0, done.stderr
     state = json.loads(done.stdout)
-    assert state["error"] and state["status"] == "unknown"
+    assert state["status"] == "unknown" and state["error"], state
+    # Bad input is still refused as such, store or no store.
+    refused = run_cli("request-insight", "u|x", "sleep", "s1", env=env, check=False)
+    assert refused.returncode == 2 and "user_id" in refused.stderr, refused.stderr
+
+
+def test_trigger_backfill_with_the_database_down_prints_a_state_with_the_error(
+    tmp_path: Path,
+) -> None:
+    env = {
+        "AI_JOB_DATABASE_URL": "postgresql://postgres@127.0.0.1:1/nowhere",
+        "AI_JOB_DATA_DIR": str(tmp_path / "data"),
+        "PREFECT_API_URL": "",
+    }
+    done = run_cli("trigger-backfill", "u", env=env, check=False, timeout=120)
+    assert "Traceback" not in done.stderr
+    assert done.returncode == 0, done.stderr
+    state = json.loads(done.stdout)
+    assert state["user_id"] == "u" and state["error"] and state["flow_run_id"] is None, state

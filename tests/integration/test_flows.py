@@ -1,216 +1,459 @@
-"""The flows against a real Prefect server subprocess and the gateway simulator.
+"""The flows against a real Prefect server (the session's) and the simulator behind the recorder.
 
-Consumers run as `insight-queue` CLI processes, so every claim, heartbeat and
-gateway call crosses real process boundaries; the simulator records what the
-gateway saw.
+The backfill and screen flows run in this process on a runtime the test
+installs; `drain` runs as `insight-queue drain` processes. What they leave in
+Prefect (runs, states, artifacts, logs) is read back over its REST API. The
+recorder, not the store, says how many calls were open at the gateway at once.
+
+- With no consumer standing by, a flow drains the queue itself: a backfill
+  queues the user's scopes in one transaction, sees them through, and leaves
+  a progress artifact and a table of its scopes; a screen's run ends with its
+  story, linking to the generation run.
+- With a consumer standing by, the flows only follow: the consumer does the
+  work, and the flows write no generation of their own.
+- Each generation attempt is a flow run of `generate`, named `kind:subject`,
+  tagged with the user, kind, priority class and attempt, ending in an honest
+  state: Completed, or Failed with a one-line message and no traceback.
 """
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
-import itertools
+import json
+import re
 import time
-from collections.abc import Iterator
+import uuid
+from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
+from typing import Any, TypeVar, cast
 
+import httpx
 import pytest
+from prefect.client.schemas.objects import State
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
-from flows.simulator import GatewaySimulator
-from queue_store import INTERACTIVE, JobStore, Settings, migrate
-from tests.support.services import PrefectServer, cli, client_env, run_cli, running
+from flows import runtime as runtimes
+from flows.demo import demo_scopes
+from flows.flows import backfill, drain, interactive
+from flows.limits import ensure_gateway_limit
+from flows.registry import Registry, Scope
+from flows.simulator import HUNG, OK
+from queue_store import INTERACTIVE, JobStore, Redactor, Settings, Status
+from tests.support import plugins
+from tests.support.faults import Gateway, Workers
+from tests.support.services import ROOT, PrefectServer, cli, run_cli, running
 
 pytestmark = [pytest.mark.prefect, pytest.mark.slow]
 
-GAP = 0.4  # seconds: AI_JOB_GAP_SECONDS for these tests
+GAP = 0.3  # AI_JOB_GAP_SECONDS for these tests
+T = TypeVar("T")
 
 
 @pytest.fixture
-def sim() -> Iterator[GatewaySimulator]:
-    with GatewaySimulator(workers=4, latency=0.3) as simulator:
-        yield simulator
+def gateway() -> Iterator[Gateway]:
+    with Gateway(latency=0.2) as started:
+        yield started
 
 
 @pytest.fixture
-def env(tmp_path: Path, prefect_server: PrefectServer, sim: GatewaySimulator) -> dict[str, str]:
-    url = f"sqlite:///{tmp_path / 'queue.db'}"
-    migrate.upgrade(url)
-    return {
-        **client_env(prefect_server.api_url, tmp_path / "prefect-client"),
-        "AI_JOB_DATABASE_URL": url,
-        "AI_GATEWAY_URL": sim.url,
-        "AI_JOB_GAP_SECONDS": str(GAP),
-        "AI_JOB_HEARTBEAT_SECONDS": "0.5",
-        "AI_JOB_LEASE_SECONDS": "10",
-        "AI_JOB_POLL_SECONDS": "0.5",
-        "AI_JOB_BACKOFF_SECONDS": "1",
-        "AI_JOB_BACKOFF_MAX_SECONDS": "4",
-        "AI_JOB_PLUGINS": "flows.demo,tests.support.plugins",
-    }
+def settings(tmp_path: Path, gateway: Gateway) -> Settings:
+    return Settings.from_env(
+        {},
+        data_dir=tmp_path / "data",
+        gateway_url=gateway.url,
+        gap_seconds=GAP,
+        lease_seconds=10.0,
+        heartbeat_seconds=0.5,
+        poll_seconds=0.5,
+        backoff_seconds=0.5,
+        backoff_max_seconds=2.0,
+        plugins="flows.demo,tests.support.plugins",
+    )
 
 
 @pytest.fixture
-def store(env: dict[str, str]) -> Iterator[JobStore]:
-    settings = Settings.from_env(env)
-    with JobStore(settings.database_url, settings=settings) as opened:
-        yield opened
+def prefect(prefect_server: PrefectServer) -> Iterator[PrefectReader]:
+    with temporary_settings({PREFECT_API_URL: prefect_server.api_url}):
+        ensure_gateway_limit(1)
+        reader = PrefectReader(prefect_server.api_url)
+        try:
+            yield reader
+        finally:
+            reader.close()
 
 
-def wait_for(condition: object, timeout: float, what: str) -> None:
+@pytest.fixture
+def rt(settings: Settings) -> Iterator[runtimes.Runtime]:
+    made = runtimes.Runtime.from_env(settings)
+    try:
+        yield made
+    finally:
+        made.close()
+
+
+@pytest.fixture
+def user() -> str:
+    return f"user-{uuid.uuid4().hex[:8]}"
+
+
+class PrefectReader:
+    """What a flow left in Prefect, read over the REST API."""
+
+    def __init__(self, api_url: str) -> None:
+        self.api_url = api_url
+        self._http = httpx.Client(base_url=api_url, timeout=30)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def _post(self, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+        response = self._http.post(path, json={"limit": 200, **body})
+        response.raise_for_status()
+        found: list[dict[str, Any]] = response.json()
+        return found
+
+    def runs_tagged(self, *tags: str) -> list[dict[str, Any]]:
+        return self._post("/flow_runs/filter", {"flow_runs": {"tags": {"all_": list(tags)}}})
+
+    def run(self, run_id: str) -> dict[str, Any]:
+        response = self._http.get(f"/flow_runs/{run_id}")
+        response.raise_for_status()
+        found: dict[str, Any] = response.json()
+        return found
+
+    def flow_name(self, run: dict[str, Any]) -> str:
+        response = self._http.get(f"/flows/{run['flow_id']}")
+        response.raise_for_status()
+        return str(response.json()["name"])
+
+    def artifacts(self, run_id: str) -> dict[str, dict[str, Any]]:
+        """The artifacts of a flow run, by key."""
+        found = self._post("/artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [run_id]}}})
+        return {str(a["key"]): a for a in found}
+
+    def logs(self, run_id: str) -> list[str]:
+        found = self._post("/logs/filter", {"logs": {"flow_run_id": {"any_": [run_id]}}})
+        return [str(line["message"]) for line in found]
+
+
+def table_rows(artifact: dict[str, Any]) -> list[dict[str, Any]]:
+    data = artifact["data"]
+    rows: list[dict[str, Any]] = json.loads(data) if isinstance(data, str) else data
+    return rows
+
+
+def state_of(run: dict[str, Any]) -> tuple[str, str]:
+    return str(run["state"]["type"]), str(run["state"]["message"] or "")
+
+
+def run_flow(rt: runtimes.Runtime, flow_call: Coroutine[Any, Any, T]) -> T:
+    """Run a flow (a coroutine) in this process, on the test's runtime."""
+    with runtimes.use(rt):
+        return asyncio.run(flow_call)
+
+
+async def backfilled(user_id: str) -> State[Any]:
+    """The backfill flow's final state."""
+    return cast(State[Any], await backfill(user_id, return_state=True))
+
+
+async def screened(
+    user_id: str, kind: str, subject: str, fingerprint: str | None = None
+) -> State[Any]:
+    """A screen's run's final state."""
+    return cast(
+        State[Any], await interactive(user_id, kind, subject, fingerprint, return_state=True)
+    )
+
+
+async def drained() -> dict[str, Any]:
+    return await drain()
+
+
+def run_id_of(state: State[Any]) -> str:
+    run_id = state.state_details.flow_run_id
+    assert run_id is not None
+    return str(run_id)
+
+
+def wait_for(condition: Callable[[], object], timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if condition():  # type: ignore[operator]
+        if condition():
             return
         time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+    raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
 
 
-def served(sim: GatewaySimulator) -> list[str]:
-    """The jobs the gateway received, in the order it started them."""
-    records = sorted(
-        (r for r in sim.stats().requests if r.started is not None), key=lambda r: r.started or 0
-    )
+def served(gateway: Gateway) -> list[str]:
+    """The jobs the gateway received, in the order it received them."""
+    records = sorted(gateway.simulator.stats().requests, key=lambda r: r.received)
     return [r.job or "" for r in records]
 
 
-def test_interactive_request_is_the_next_call_the_gateway_receives(
-    env: dict[str, str], sim: GatewaySimulator, store: JobStore, tmp_path: Path
-) -> None:
-    sim.set_latency(2.0)
-    with running(cli("backfill", "demo"), env, tmp_path / "backfill.log") as backfill:
-        wait_for(lambda: sim.stats().in_flight == 1, 60, "the first backfill call")
-        today = dt.datetime.now(dt.UTC).date().isoformat()
-        target = f"recovery:{today}"  # queued sixth of eight
-        assert served(sim)[0] != target
-        # The promotion happens while this command runs; at most one more
-        # prefetch call can be claimed before it commits.
-        started_before = len(served(sim))
-        run_cli("interactive", "demo", "recovery", today, env=env)
-        promoted = store.job("demo", "recovery", today)
-        assert promoted is not None and promoted.priority == INTERACTIVE
-        assert backfill.wait(120) == 0
-
-    order = served(sim)
-    assert len(order) == 8 and len(set(order)) == 8
-    assert order.index(target) <= started_before + 1, (
-        f"the screen's insight did not jump the queue ({started_before} calls had started "
-        f"when it was requested): {order}"
+def answers(gateway: Gateway, label: str) -> int:
+    return sum(
+        1 for r in gateway.simulator.stats().requests if r.job == label and r.outcome in (OK, HUNG)
     )
-    assert order.index(target) < 5, order
 
 
-def test_three_consumers_never_overlap_and_keep_the_gap(
-    env: dict[str, str], sim: GatewaySimulator, store: JobStore, tmp_path: Path
+def generation_runs(prefect: PrefectReader, user: str, *, settled: int) -> list[dict[str, Any]]:
+    """The user's generation runs, once `settled` of them have a final state."""
+    found: list[dict[str, Any]] = []
+
+    def enough() -> bool:
+        nonlocal found
+        found = prefect.runs_tagged("generation", f"user:{user}")
+        return sum(1 for r in found if r["state"]["type"] != "RUNNING") >= settled
+
+    wait_for(enough, 30, f"{settled} generation runs of {user} ended")
+    return found
+
+
+def test_a_backfill_with_no_consumer_drains_its_scopes_itself_and_reports_them(
+    rt: runtimes.Runtime, gateway: Gateway, prefect: PrefectReader, user: str
 ) -> None:
-    sim.set_latency(0.2)
-    for n in range(20):
-        store.enqueue(f"user-{n % 4}", "ok", f"s{n:02d}")
-    logs = [tmp_path / f"consumer-{i}.log" for i in range(3)]
-    with (
-        running(cli("drain"), env, logs[0]) as first,
-        running(cli("drain"), env, logs[1]) as second,
-        running(cli("drain"), env, logs[2]) as third,
-    ):
-        for consumer in (first, second, third):
-            assert consumer.wait(180) == 0
-        # A consumer that found another holding the gateway may have left
-        # early; whoever was last drained the rest.
-    if store.pending_count():
-        run_cli("drain", env=env)
+    state = run_flow(rt, backfilled(user))
+    assert (state.type.value, state.message) == ("COMPLETED", "8 done")
+    run_id = run_id_of(state)
 
-    stats = sim.stats()
-    assert stats.peak_in_flight == 1
-    calls = sorted((r for r in stats.requests), key=lambda r: r.started or 0)
-    assert len(calls) == 20
-    assert sorted(r.job or "" for r in calls) == sorted(f"ok:s{n:02d}" for n in range(20))
-    for before, after in itertools.pairwise(calls):
-        assert after.started is not None and before.ended is not None
-        assert after.started - before.ended >= GAP - 0.05, (before, after)
-    for n in range(20):
-        row = store.job(f"user-{n % 4}", "ok", f"s{n:02d}")
-        assert row is not None and row.status == "done" and row.attempts == 1
+    scopes = demo_scopes(user)
+    jobs = [rt.store.job(user, s.kind, s.subject) for s in scopes]
+    assert all(j is not None and (j.status, j.attempts) == (Status.DONE, 1) for j in jobs), jobs
+    # Queued in one transaction: one reading of the store's clock, a
+    # microsecond apart in the order given.
+    created = [j.created_at for j in jobs if j is not None]
+    assert [(t - created[0]) for t in created] == [
+        dt.timedelta(microseconds=n) for n in range(len(scopes))
+    ]
+    # It drained them itself, one call at a time, each answered once.
+    assert sorted(served(gateway)) == sorted(f"{s.kind}:{s.subject}" for s in scopes)
+    assert all(answers(gateway, f"{s.kind}:{s.subject}") == 1 for s in scopes)
+    gateway.assert_kept(concurrency=1, gap=GAP)
+
+    artifacts = prefect.artifacts(run_id)
+    key = f"backfill-{user}"
+    progress = artifacts[f"{key}-progress"]
+    assert progress["type"] == "progress" and float(progress["data"]) == 100.0
+    table = artifacts[f"{key}-scopes"]
+    assert table["type"] == "table"
+    rows = table_rows(table)
+    assert [(r["kind"], r["subject"], r["status"]) for r in rows] == [
+        (s.kind, s.subject, "done") for s in scopes
+    ]
+    for row, job in zip(rows, jobs, strict=True):
+        assert job is not None and job.flow_run_id
+        assert row["generated_by"].endswith(f"/runs/flow-run/{job.flow_run_id}"), row
+
+    runs = generation_runs(prefect, user, settled=len(scopes))
+    assert len(runs) == len(scopes)
+    by_name = {r["name"]: r for r in runs}
+    for scope, job in zip(scopes, jobs, strict=True):
+        assert job is not None
+        generation = by_name[f"{scope.kind}:{scope.subject}"]
+        assert generation["id"] == job.flow_run_id
+        assert prefect.flow_name(generation) == "generate"
+        assert set(generation["tags"]) == {
+            "generation",
+            f"user:{user}",
+            f"kind:{scope.kind}",
+            "priority:prefetch",
+            "attempt:1",
+        }
+        assert state_of(generation)[0] == "COMPLETED"
 
 
-def test_outage_spends_no_attempt_and_the_queue_recovers(
-    env: dict[str, str], sim: GatewaySimulator, store: JobStore, tmp_path: Path
+def test_a_backfill_with_a_broken_scope_fails_naming_it_and_its_attempts_fail_honestly(
+    settings: Settings, gateway: Gateway, prefect: PrefectReader, user: str
 ) -> None:
-    for n in range(3):
-        store.enqueue("u", "ok", f"s{n}")
-    sim.set_fault("status", status=503, seconds=4)
-    run_cli("drain", env=env, timeout=120)
+    registry = Registry()
+    registry.register_generator("ok", plugins._ask)
+    registry.register_generator("broken", plugins._broken)
+    registry.register_scopes(
+        lambda uid: [Scope("ok", f"day-{n}") for n in range(1, 8)] + [Scope("broken", "day-8")]
+    )
+    store = JobStore(settings.database_url, settings=settings)
+    rt = runtimes.Runtime(settings, store, registry, Redactor.for_settings(settings))
+    try:
+        state = run_flow(rt, backfilled(user))
+        broken = store.job(user, "broken", "day-8")
+    finally:
+        rt.close()
+    assert (state.type.value, state.message) == ("FAILED", "7 done, 1 failed")
+    assert broken is not None and (broken.status, broken.attempts) == (Status.FAILED, 3)
+    assert broken.error is not None and "no data for day-8" in broken.error
+    # Its prompt could never be built: the gateway never heard of it.
+    assert gateway.calls_for("broken:day-8") == 0
+    assert len(served(gateway)) == 7
 
-    statuses = [r.status for r in sorted(sim.stats().requests, key=lambda r: r.received)]
-    assert 503 in statuses and statuses[-3:] == [200, 200, 200]
-    for n in range(3):
-        row = store.job("u", "ok", f"s{n}")
-        assert row is not None and (row.status, row.attempts) == ("done", 1)
-    assert store.gate_state().outages_in_a_row == 0
-    # The consumer backed off instead of hammering: 1 s, then 2 s, then 4 s
-    # pauses fit in a 4 s outage with a handful of probes, not dozens.
-    assert statuses.count(503) <= 5
+    rows = table_rows(prefect.artifacts(run_id_of(state))[f"backfill-{user}-scopes"])
+    failed = [r for r in rows if r["status"] == "failed"]
+    assert len(failed) == 1 and failed[0]["subject"] == "day-8" and failed[0]["attempts"] == 3
+    assert "no data for day-8" in failed[0]["error"]
 
-
-def test_a_failing_generator_spends_its_attempts_and_the_queue_goes_on(
-    env: dict[str, str], sim: GatewaySimulator, store: JobStore
-) -> None:
-    store.enqueue("u", "broken", "day-1")
-    store.enqueue("u", "ok", "day-1")
-    run_cli("drain", env=env, timeout=120)
-
-    broken = store.job("u", "broken", "day-1")
-    assert broken is not None
-    assert (broken.status, broken.attempts) == ("failed", 3)
-    assert broken.error is not None and "no data for day-1" in broken.error
-    ok = store.job("u", "ok", "day-1")
-    assert ok is not None and ok.status == "done"
-    table = run_cli("jobs", "--user", "u", env=env).stdout
-    assert "no data for day-1" in table and "failed" in table
-
-
-def test_gateway_limit_exists_and_gateway_task_runs_carry_the_tag(
-    env: dict[str, str], store: JobStore, prefect_server: PrefectServer
-) -> None:
-    from prefect import get_client
-    from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterName
-
-    run_cli("setup-limit", env={**env, "AI_JOB_CONCURRENCY": "2"})
-    run_cli("setup-limit", env={**env, "AI_JOB_CONCURRENCY": "1"})
-    store.enqueue("tagged", "ok", "one")
-    run_cli("drain", env=env)
-    job = store.job("tagged", "ok", "one")
-    assert job is not None and job.flow_run_id
-
-    with (
-        temporary_settings({PREFECT_API_URL: prefect_server.api_url}),
-        get_client(sync_client=True) as client,
-    ):
-        limit = client.read_concurrency_limit_by_tag("gateway")
-        runs = client.read_task_runs(
-            task_run_filter=TaskRunFilter(name=TaskRunFilterName(any_=["ok:one"]))
+    runs = generation_runs(prefect, user, settled=10)
+    attempts = sorted((r for r in runs if r["name"] == "broken:day-8"), key=lambda r: r["tags"])
+    assert [t for r in attempts for t in r["tags"] if t.startswith("attempt:")] == [
+        "attempt:1",
+        "attempt:2",
+        "attempt:3",
+    ]
+    for attempt in attempts:
+        kind, message = state_of(attempt)
+        assert kind == "FAILED" and "\n" not in message and "no data for day-8" in message
+        assert {"generation", f"user:{user}", "kind:broken", "priority:prefetch"} <= set(
+            attempt["tags"]
         )
-    assert limit.concurrency_limit == 1
-    assert len(runs) == 1
-    assert set(runs[0].tags) >= {"gateway", "kind:ok", "priority:prefetch"}
-    assert str(runs[0].flow_run_id) == job.flow_run_id
+        logs = prefect.logs(attempt["id"])
+        assert logs and not [line for line in logs if "Traceback" in line], logs
+    assert state_of(attempts[-1])[1].startswith("failed, attempts spent")
+
+    # The operator's view of the user's queue names the failure too.
+    listed = json.loads(run_cli("jobs", "--user", user, "--json", env=settings.to_env()).stdout)
+    assert (listed[0]["kind"], listed[0]["status"]) == ("broken", "failed")
+    assert "no data for day-8" in listed[0]["error"]
 
 
-def test_a_consumer_standing_by_takes_new_work_without_a_new_run(
-    env: dict[str, str], sim: GatewaySimulator, store: JobStore, tmp_path: Path
+def test_a_screen_s_run_ends_with_its_story_linking_to_the_generation_run(
+    rt: runtimes.Runtime, gateway: Gateway, prefect: PrefectReader, user: str
 ) -> None:
-    with running(cli("drain", "--standby", "60"), env, tmp_path / "standby.log") as consumer:
-        store.enqueue("u", "ok", "warm-up")
-        wait_for(lambda: len(sim.stats().requests) == 1, 60, "the warm-up call")
-        wait_for(lambda: store.pending_count() == 0, 30, "the warm-up job done")
-        time.sleep(GAP + 1)  # idle now: standing by
+    scope = demo_scopes(user)[0]
+    state = run_flow(rt, screened(user, scope.kind, scope.subject, scope.fingerprint))
+    job = rt.store.job(user, scope.kind, scope.subject)
+    assert job is not None and job.status == Status.DONE and job.flow_run_id
+    assert state.type.value == "COMPLETED"
+    message = state.message or ""
+    assert re.fullmatch(rf"served in [0-9.]+ s by generation run {job.flow_run_id}", message)
+    story = prefect.artifacts(run_id_of(state))[f"screen-{scope.kind.replace('_', '-')}"]
+    assert story["type"] == "markdown"
+    assert f"/runs/flow-run/{job.flow_run_id}" in story["data"]
+    assert f"[{scope.kind}:{scope.subject}]" in story["data"]
 
-        asked = time.time()
-        store.enqueue("u", "ok", "screen", priority=INTERACTIVE)
-        wait_for(lambda: len(sim.stats().requests) == 2, 10, "the screen's call")
-        assert consumer.poll() is None  # still standing by, no new process
-    assert sim.stats().requests[-1].job == "ok:screen"
-    # Claimed by the consumer already running: within a few standby polls,
-    # not after a new flow run's process has started (1.5 s and more). What
-    # follows the claim (the task run, the `gateway` slot) is Prefect's time.
-    job = store.job("u", "ok", "screen")
-    assert job is not None and job.claimed_at is not None
-    assert job.claimed_at.timestamp() - asked < 1.0, job.claimed_at.timestamp() - asked
+    (generation,) = generation_runs(prefect, user, settled=1)
+    assert generation["id"] == job.flow_run_id
+    assert generation["name"] == f"{scope.kind}:{scope.subject}"
+    assert "priority:interactive" in generation["tags"]
+    assert state_of(generation)[0] == "COMPLETED"
+    assert answers(gateway, f"{scope.kind}:{scope.subject}") == 1
+
+
+def test_a_screen_s_job_is_the_next_call_while_a_backfill_drains(
+    rt: runtimes.Runtime, gateway: Gateway, prefect: PrefectReader, user: str
+) -> None:
+    recorder = gateway.recorder
+    assert recorder is not None
+    scopes = demo_scopes(user)
+    target = next(s for s in scopes if s.kind == "recovery")  # queued sixth of eight
+    # The backfill's first call is held at the gateway until the screen has asked.
+    gateway.simulator.set_fault("hang", requests=1)
+
+    async def both() -> tuple[State[Any], State[Any]]:
+        filling = asyncio.create_task(backfilled(user))
+        await asyncio.to_thread(recorder.wait_until, lambda s: s.in_flight == 1, 60, "a call")
+        screen = asyncio.create_task(
+            screened(user, target.kind, target.subject, target.fingerprint)
+        )
+
+        def promoted() -> bool:
+            job = rt.store.job(user, target.kind, target.subject)
+            return job is not None and job.priority == INTERACTIVE
+
+        await asyncio.to_thread(wait_for, promoted, 60, "the screen's job at the front")
+        gateway.simulator.clear_fault()
+        return await filling, await screen
+
+    filled, screen = run_flow(rt, both())
+    assert filled.type.value == "COMPLETED" and screen.type.value == "COMPLETED"
+    order = served(gateway)
+    assert order[1] == f"{target.kind}:{target.subject}", order
+    assert all(answers(gateway, f"{s.kind}:{s.subject}") == 1 for s in scopes)
+    gateway.assert_kept(concurrency=1, gap=GAP)
+
+
+def test_with_a_consumer_standing_by_the_flows_only_follow(
+    rt: runtimes.Runtime,
+    settings: Settings,
+    gateway: Gateway,
+    prefect: PrefectReader,
+    user: str,
+    tmp_path: Path,
+) -> None:
+    with Workers(settings, tmp_path).running() as workers:
+        workers.start("standby")
+        wait_for(rt.store.consumer_standing_by, 30, "the consumer standing by")
+        filled = run_flow(rt, backfilled(user))
+        screen = run_flow(rt, screened(user, "ok", "on-screen"))
+        summary = workers.stop("standby")
+
+    assert (filled.type.value, filled.message) == ("COMPLETED", "8 done")
+    assert screen.type.value == "COMPLETED"
+    assert summary["outcomes"] == {"done": 9}, summary
+    # The consumer made every call; the flows wrote no generation of their
+    # own (a flow that drains records each attempt as a run).
+    assert prefect.runs_tagged("generation", f"user:{user}") == []
+    rows = table_rows(prefect.artifacts(run_id_of(filled))[f"backfill-{user}-scopes"])
+    assert [r["status"] for r in rows] == ["done"] * 8
+    assert len(served(gateway)) == 9
+    gateway.assert_kept(concurrency=1, gap=GAP)
+
+
+def test_an_outage_spends_no_attempt_and_the_drain_recovers(
+    rt: runtimes.Runtime, gateway: Gateway, prefect: PrefectReader, user: str
+) -> None:
+    for n in range(3):
+        rt.store.enqueue(user, "ok", f"s{n}")
+    gateway.simulator.set_fault("status", status=503, requests=3)
+    summary = run_flow(rt, drained())
+
+    statuses = [
+        r.status for r in sorted(gateway.simulator.stats().requests, key=lambda r: r.received)
+    ]
+    assert statuses == [503, 503, 503, 200, 200, 200], statuses
+    for n in range(3):
+        job = rt.store.job(user, "ok", f"s{n}")
+        assert job is not None and (job.status, job.attempts) == (Status.DONE, 1), job
+    assert rt.store.gate_state().outages_in_a_row == 0
+    assert summary["outcomes"] == {"released": 3, "done": 3}, summary
+    gateway.assert_kept(concurrency=1, gap=GAP)
+
+
+def test_three_drains_at_once_never_overlap_at_the_gateway(
+    settings: Settings, gateway: Gateway, prefect: PrefectReader, tmp_path: Path
+) -> None:
+    with JobStore(settings.database_url, settings=settings) as store:
+        for n in range(12):
+            store.enqueue(f"user-{n % 4}", "ok", f"s{n:02d}")
+        env = {
+            **settings.to_env(),
+            "PYTHONPATH": str(ROOT),
+            "PREFECT_API_URL": prefect.api_url,
+            "PREFECT_SERVER_ALLOW_EPHEMERAL_MODE": "false",
+        }
+        logs = [tmp_path / f"drain-{n}.log" for n in range(3)]
+        with (
+            running(cli("drain"), env, logs[0]) as first,
+            running(cli("drain"), env, logs[1]) as second,
+            running(cli("drain"), env, logs[2]) as third,
+        ):
+            for process in (first, second, third):
+                assert process.wait(180) == 0
+        # A drain that found another holding the gateway leaves; whoever was
+        # last may have left work for the next one.
+        if store.pending_count():
+            run_cli("drain", env=env, timeout=180)
+        jobs = [store.job(f"user-{n % 4}", "ok", f"s{n:02d}") for n in range(12)]
+    assert all(j is not None and (j.status, j.attempts) == (Status.DONE, 1) for j in jobs), jobs
+    assert sorted(served(gateway)) == sorted(f"ok:s{n:02d}" for n in range(12))
+    seen = gateway.assert_kept(concurrency=1, gap=GAP)
+    assert seen.count == 12
+
+
+def test_setup_limit_updates_the_gateway_limit(settings: Settings, prefect: PrefectReader) -> None:
+    """`setup-limit` sets the `gateway` tag limit (the fixture made it 1) to AI_JOB_CONCURRENCY."""
+    env = {**settings.to_env(), "PREFECT_API_URL": prefect.api_url, "AI_JOB_CONCURRENCY": "2"}
+    shown = run_cli("setup-limit", env=env).stdout
+    assert shown.startswith("gateway limit 2; slots counted 0, live 0"), shown
+    response = httpx.get(f"{prefect.api_url}/concurrency_limits/tag/gateway", timeout=10)
+    response.raise_for_status()
+    assert response.json()["concurrency_limit"] == 2
