@@ -118,12 +118,7 @@ def prepare(
     runtime: Runtime, worker: str, upgrade: bool, leases_left: tuple[str, ...] = ()
 ) -> None:
     """The store's schema, the `gateway` limit, leaked slots, and what a previous serve left."""
-    from flows.limits import (
-        ensure_gateway_limit,
-        give_back_leases,
-        mark_crashed,
-        repair_gateway_slots,
-    )
+    from flows.limits import ensure_gateway_limit, give_back_leases, mark_crashed
 
     settings = runtime.settings
     if upgrade:
@@ -131,9 +126,9 @@ def prepare(
     ensure_gateway_limit(settings.concurrency)
     if leases_left and (given := give_back_leases(leases_left)):
         logger.warning("gave back %d gateway slot(s) a previous serve held", given)
-    check = repair_gateway_slots()
-    if check.repaired:
-        logger.warning("gateway slots: %d counted, %d live; repaired", check.counted, check.live)
+    # No blanket repair of the slot count here: a consumer's lease has no task
+    # run, so Prefect cannot tell it from a leak. Leases are file-backed, and a
+    # crashed serve's own are given back above; others lapse on their own.
     taken: list[Job] = runtime.store.recover(worker)
     if taken:
         logger.warning(

@@ -92,14 +92,34 @@ def drain_command(ctx: click.Context, max_jobs: int | None) -> None:
 
 
 @click.command("setup-limit")
+@click.option(
+    "--repair",
+    is_flag=True,
+    help="give back slots counted as taken but held by no task run (only with no consumer alive)",
+)
 @click.pass_context
 @fails_cleanly
-def setup_limit_command(ctx: click.Context) -> None:
-    """Create or update the `gateway` tag concurrency limit to AI_JOB_CONCURRENCY."""
+def setup_limit_command(ctx: click.Context, repair: bool) -> None:
+    """Create or update the `gateway` tag concurrency limit to AI_JOB_CONCURRENCY.
+
+    A Prefect server with in-memory leases forgets who holds slots when it
+    restarts, but not that they are taken: `--repair` sets the count back.
+    A consumer's slot has no task run, so Prefect cannot tell it from such a
+    leak: `--repair` refuses while any consumer says it is alive.
+    """
+    from flows.limits import ensure_gateway_limit, repair_gateway_slots
+    from flows.runtime import Runtime
+
     settings = settings_from(ctx)
     _require_prefect(settings)
-    from flows.limits import ensure_gateway_limit, repair_gateway_slots
-
     limit = ensure_gateway_limit(settings.concurrency)
-    check = repair_gateway_slots()
-    click.echo(f"gateway limit {limit}; slots counted {check.counted}, live {check.live}")
+    if repair:
+        alive = [w.name for w in Runtime.from_env(settings).store.workers() if w.alive]
+        if alive:
+            raise click.ClickException(
+                f"consumers are alive ({', '.join(alive)}): their slots would be given back too"
+            )
+    check = repair_gateway_slots(repair=repair)
+    state = "; repaired" if check.repaired else ""
+    held = f"held by task runs {check.live}{state}"
+    click.echo(f"gateway limit {limit}; slots counted {check.counted}, {held}")

@@ -28,7 +28,7 @@ import time
 import uuid
 from typing import Any
 
-from flows.guard import Guard, GuardUnavailable, NullGuard
+from flows.guard import Guard, GuardUnavailable, Held, NullGuard
 from flows.runner import JobRunner, Outcome, Report
 from queue_store import Blocked, JobStore, Settings, StoreError
 
@@ -115,6 +115,14 @@ class Consumer:
         with contextlib.suppress(RuntimeError):  # the loop has just closed
             loop.call_soon_threadsafe(self._stop_now, reason)
 
+    def finish_current(self, reason: str = "asked to finish") -> None:
+        """Stop after the calls in flight end; claim nothing new. Thread-safe."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(self._finished, reason)
+
     def _stop_now(self, reason: str) -> None:
         if self._stopping is None or self._stopping.is_set():
             return
@@ -165,6 +173,7 @@ class Consumer:
     async def _lane(self, lane: int) -> None:
         assert self._stopping is not None
         slot: contextlib.AsyncExitStack | None = None
+        held: Held | None = None
         try:
             while not self._stopping.is_set():
                 if self._max_jobs is not None and self.summary.ran >= self._max_jobs:
@@ -176,10 +185,14 @@ class Consumer:
                         return
                     await self._pause(STANDBY_POLL_SECONDS)
                     continue
+                if slot is not None and held is not None and held.lost:
+                    # The guard took the idle slot back: take a new one first.
+                    await slot.aclose()
+                    slot = held = None
                 if slot is None:
                     slot = contextlib.AsyncExitStack()
                     try:
-                        await slot.enter_async_context(self._guard.slot())
+                        held = await slot.enter_async_context(self._guard.slot())
                     except GuardUnavailable as exc:
                         slot = None
                         await self._pause(self._guard_trouble(exc))
@@ -188,7 +201,7 @@ class Consumer:
                 wait = await self._claim_and_run(lane)
                 if not self._hold_slot or wait is None:
                     await slot.aclose()
-                    slot = None
+                    slot = held = None
                 if wait:
                     await self._pause(wait)
         finally:

@@ -43,7 +43,7 @@ from prefect.runtime import flow_run
 from prefect.states import Completed, Failed
 
 from flows import runtime
-from flows.consumer import Consumer, Summary, worker_name
+from flows.consumer import Consumer, worker_name
 from flows.history import PrefectLedger, PrefectSlotGuard, run_url
 from queue_store import INTERACTIVE, PREFETCH, EnqueueRequest, Job, Status, StoreError, job_id
 
@@ -127,8 +127,7 @@ async def backfill(user_id: str) -> State[Any]:
         await aupdate_progress_artifact(progress, 100.0 * done / max(len(tracked), 1))
 
     async with _consuming(rt, role="backfill") as consumer:
-        drain = asyncio.create_task(consumer.run()) if consumer else None
-        jobs = await _follow(rt, [t.job_id for t in tracked], show, drain)
+        jobs = await _follow(rt, [t.job_id for t in tracked], show, consumer)
     rows, done, failed = _scope_rows(tracked, jobs, _ui_url())
     await acreate_table_artifact(rows, key=f"{key}-scopes", description=f"Scopes of {user_id}")
     summary = f"{done} done" + (f", {failed} failed" if failed else "")
@@ -159,8 +158,7 @@ async def interactive(
         )
         return Completed(message="already done for this data")
     async with _consuming(rt, role="screen") as consumer:
-        drain = asyncio.create_task(consumer.run()) if consumer else None
-        jobs = await _follow(rt, [jid], None, drain)
+        jobs = await _follow(rt, [jid], None, consumer)
     job = jobs.get(jid)
     waited = time.time() - asked
     result = await asyncio.to_thread(rt.store.result_of, user_id, kind, subject)
@@ -212,12 +210,19 @@ async def _follow(
     rt: runtime.Runtime,
     ids: list[str],
     show: Any,
-    drain: asyncio.Task[Summary] | None,
+    consumer: Consumer | None,
 ) -> dict[str, Job]:
-    """Watch these jobs until each is done, failed or gone; returns their last rows."""
+    """Watch these jobs until each is done, failed or gone; returns their last rows.
+
+    With `consumer`, this run drains the queue meanwhile; once its own jobs
+    are settled the consumer takes nothing new, and the call it may have in
+    flight for someone else's job ends normally before the run does.
+    """
+    drain = asyncio.create_task(consumer.run()) if consumer is not None else None
     deadline = time.monotonic() + FOLLOW_LIMIT_SECONDS
     latest: dict[str, Job] = {}
     shown = -1
+    settled = False
     try:
         while time.monotonic() < deadline:
             try:
@@ -234,13 +239,18 @@ async def _follow(
                 with contextlib.suppress(Exception):
                     await show(finished)
             if finished == len(ids):
+                settled = True
                 break
             if drain is not None and drain.done():
                 drain = None  # nothing more it can run now; a warm consumer or a retry will
             await asyncio.sleep(FOLLOW_POLL_SECONDS)
     finally:
         if drain is not None and not drain.done():
-            drain.cancel()
+            assert consumer is not None
+            if settled:
+                consumer.finish_current("this run's jobs are settled")
+            else:
+                drain.cancel()
             await asyncio.gather(drain, return_exceptions=True)
     return latest
 

@@ -25,8 +25,15 @@ class GuardUnavailable(Exception):
     """The guard could not be asked for a slot (its server is away): no call may start."""
 
 
+class Held:
+    """A slot held: `lost` turns true if the guard took it back (its lease lapsed)."""
+
+    def __init__(self) -> None:
+        self.lost = False
+
+
 class Guard(Protocol):
-    def slot(self) -> contextlib.AbstractAsyncContextManager[None]:
+    def slot(self) -> contextlib.AbstractAsyncContextManager[Held]:
         """Hold one slot for the duration of the block (waits for one).
 
         Raises `GuardUnavailable` when no slot can be asked for now.
@@ -37,5 +44,5 @@ class NullGuard:
     """No second guard: the store's claim alone keeps the limit."""
 
     @contextlib.asynccontextmanager
-    async def slot(self) -> AsyncIterator[None]:
-        yield
+    async def slot(self) -> AsyncIterator[Held]:
+        yield Held()

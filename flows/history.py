@@ -33,7 +33,9 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from flows.guard import GATEWAY_TAG, GuardUnavailable
+import httpx
+
+from flows.guard import GATEWAY_TAG, GuardUnavailable, Held
 from flows.ledger import LedgerEntry
 from queue_store import Job, Redactor
 
@@ -52,6 +54,8 @@ MAX_PENDING_WRITES = 1000
 # Seconds the gateway slot's lease lasts without renewal; Prefect renews it
 # while held, and frees it this long after a holder died.
 SLOT_LEASE_SECONDS = 60.0
+# Renewals per lease: a missed one or two still leave the lease alive.
+SLOT_RENEWALS_PER_LEASE = 4
 TAG_PREFIX_USER = "user:"
 
 
@@ -329,13 +333,12 @@ class PrefectSlotGuard:
                 logger.warning("could not record the gateway slot leases: %s", exc)
 
     @contextlib.asynccontextmanager
-    async def slot(self) -> AsyncIterator[None]:
+    async def slot(self) -> AsyncIterator[Held]:
         from prefect.concurrency._asyncio import (
             ConcurrencySlotAcquisitionError,
             aacquire_concurrency_slots_with_lease,
             arelease_concurrency_slots_with_lease,
         )
-        from prefect.concurrency._leases import amaintain_concurrency_lease
 
         try:
             response = await aacquire_concurrency_slots_with_lease(
@@ -350,23 +353,46 @@ class PrefectSlotGuard:
             raise GuardUnavailable(
                 f"no `{self._name}` slot could be asked for ({type(cause).__name__}: {cause})"
             ) from exc
+        held = Held()
         if not response.limits:
             # No `gateway` limit exists: nothing to hold (setup-limit creates it).
-            yield
+            yield held
             return
         lease_id = response.lease_id
         self.lease_ids.add(str(lease_id))
         self._changed()
+        keeper = asyncio.create_task(self._renew(lease_id, held), name="gateway-slot-lease")
         try:
-            async with amaintain_concurrency_lease(
-                lease_id,
-                self._lease_seconds,
-                raise_on_lease_renewal_failure=False,
-                suppress_warnings=True,
-            ):
-                yield
+            yield held
         finally:
+            keeper.cancel()
+            await asyncio.gather(keeper, return_exceptions=True)
             with contextlib.suppress(Exception):
                 await asyncio.shield(arelease_concurrency_slots_with_lease(lease_id))
             self.lease_ids.discard(str(lease_id))
             self._changed()
+
+    async def _renew(self, lease_id: uuid.UUID, held: Held) -> None:
+        """Renew the lease for as long as the slot is held; say when it is gone.
+
+        Prefect's own renewal gives up after a few failures, and the lease then
+        lapses while its holder goes on as if it held the slot. Here renewals
+        go on through a server outage; if the lease lapsed meanwhile, the
+        server says so and the holder learns that it must take a new slot.
+        """
+        from prefect.client.orchestration import get_client
+
+        interval = self._lease_seconds / SLOT_RENEWALS_PER_LEASE
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                async with get_client() as client:
+                    await client.renew_concurrency_lease(lease_id, self._lease_seconds)
+            except httpx.HTTPStatusError as exc:
+                if exc.response.status_code in (404, 410):
+                    logger.warning("the `%s` slot lease lapsed; a new slot is needed", self._name)
+                    held.lost = True
+                    return
+                logger.warning("renewing the `%s` slot lease failed: %s", self._name, exc)
+            except Exception as exc:  # noqa: BLE001 - the server may be restarting: keep trying
+                logger.warning("renewing the `%s` slot lease failed: %s", self._name, exc)

@@ -111,9 +111,7 @@ class LeaseKeeper:
         self._holder = job.holder
         self._settings = settings
         self._budget = settings.lease_seconds - settings.lease_margin
-        self.hard_deadline = (
-            claim_sent + settings.claim_timeout_seconds - settings.lease_margin
-        )
+        self.hard_deadline = claim_sent + settings.claim_timeout_seconds - settings.lease_margin
         self.deadline = min(claim_sent + self._budget, self.hard_deadline)
         self.renewal: Renewal | None = None  # set when a renewal was refused
         self.store_error: str | None = None  # the last renewal that failed to reach the store

@@ -453,7 +453,7 @@ def test_setup_limit_updates_the_gateway_limit(settings: Settings, prefect: Pref
     """`setup-limit` sets the `gateway` tag limit (the fixture made it 1) to AI_JOB_CONCURRENCY."""
     env = {**settings.to_env(), "PREFECT_API_URL": prefect.api_url, "AI_JOB_CONCURRENCY": "2"}
     shown = run_cli("setup-limit", env=env).stdout
-    assert shown.startswith("gateway limit 2; slots counted 0, live 0"), shown
+    assert shown.startswith("gateway limit 2; slots counted 0, held by task runs 0"), shown
     response = httpx.get(f"{prefect.api_url}/concurrency_limits/tag/gateway", timeout=10)
     response.raise_for_status()
     assert response.json()["concurrency_limit"] == 2
