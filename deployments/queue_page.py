@@ -25,6 +25,7 @@ from collections.abc import Iterable, Sequence
 from queue_store import GateState, QueueEntry, QueueView, Worker
 
 TITLE = "insight-queue"
+NONE = '<span class="muted">–</span>'  # a value that is not there
 ERROR_PREVIEW = 600  # characters of an error shown in a row; the whole text is in its tooltip
 
 SHORT_VALUE = 24  # characters: a value this short, without spaces, is never wrapped
@@ -42,14 +43,14 @@ STYLE = """
   --bg: #f6f7f9; --panel: #ffffff; --text: #1d2330; --muted: #5d6678;
   --line: #e1e4ea; --accent: #2f6fde; --accent-bg: #e8f0fd;
   --ok: #1c7c54; --ok-bg: #e3f4ec; --warn: #8a5a00; --warn-bg: #fff3d6;
-  --bad: #b3261e; --bad-bg: #fdecea;
+  --bad: #b3261e; --bad-bg: #fdecea; --bad-text: #8c2f28;
 }
 @media (prefers-color-scheme: dark) {
   :root {
     --bg: #14171c; --panel: #1c2027; --text: #e4e7ec; --muted: #9aa3b2;
     --line: #2c323c; --accent: #7fa8f5; --accent-bg: #1f2b42;
     --ok: #6fd3a3; --ok-bg: #173127; --warn: #f0c46a; --warn-bg: #372b12;
-    --bad: #f3958f; --bad-bg: #3b1d1b;
+    --bad: #f3958f; --bad-bg: #3b1d1b; --bad-text: #eaa59f;
   }
 }
 * { box-sizing: border-box; }
@@ -115,21 +116,27 @@ td.num { font-variant-numeric: tabular-nums; white-space: nowrap; }
 .pill.alive { background: var(--ok-bg); color: var(--ok); }
 .pill.gone { background: var(--bad-bg); color: var(--bad); }
 .err {
-  color: var(--bad); display: -webkit-box; -webkit-line-clamp: 3; -webkit-box-orient: vertical;
+  color: var(--bad-text); display: -webkit-box; -webkit-line-clamp: 3; -webkit-box-orient: vertical;
   overflow: hidden; white-space: pre-wrap;
 }
 footer { margin-top: 18px; font-size: 13px; color: var(--muted); }
 @media (max-width: 720px) {
   main { padding: 14px 12px 32px; }
-  table, thead, tbody, tr, th, td { display: block; }
+  table, thead, tbody, th { display: block; }
   thead { position: absolute; width: 1px; height: 1px; overflow: hidden; clip: rect(0 0 0 0); }
-  tbody tr { padding: 8px 14px; }
+  tbody tr {
+    display: grid; grid-template-columns: repeat(2, minmax(0, 1fr)); gap: 8px 14px;
+    padding: 12px 16px;
+  }
   tbody tr + tr { border-top: 1px solid var(--line); }
   tbody tr + tr td { border-top: 0; }
-  td { display: flex; gap: 10px; padding: 3px 0; }
+  td { display: block; padding: 0; }
   td::before {
-    content: attr(data-label); flex: 0 0 6.5em; color: var(--muted); font-size: 13px;
+    content: attr(data-label); display: block; color: var(--muted); font-size: 11px;
+    font-weight: 600; text-transform: uppercase; letter-spacing: .03em;
   }
+  td.wide { grid-column: 1 / -1; }
+  td.blank { display: none; }
   td.num { white-space: normal; }
 }
 """
@@ -154,7 +161,7 @@ def value(value: object) -> str:
 def duration(seconds: float | None) -> str:
     """Seconds for people: 42 s, 3 min 20 s, 2 h 05 min, 3 d 4 h."""
     if seconds is None:
-        return "–"
+        return NONE
     whole = max(0, round(seconds))
     if whole < 60:
         return f"{whole} s"
@@ -168,10 +175,14 @@ def duration(seconds: float | None) -> str:
     return f"{days} d {hours} h"
 
 
+def plural(count: int, noun: str) -> str:
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+
+
 def clock_time(at: dt.datetime | None, now: dt.datetime) -> str:
     """A time as `<time>`: hh:mm:ss UTC today, else with its date; ISO 8601 in the attribute."""
     if at is None:
-        return "–"
+        return NONE
     at = at.astimezone(dt.UTC)
     iso = at.isoformat(timespec="seconds")
     shown = at.strftime("%H:%M:%S") if at.date() == now.date() else at.strftime("%Y-%m-%d %H:%M")
@@ -180,19 +191,19 @@ def clock_time(at: dt.datetime | None, now: dt.datetime) -> str:
 
 def ago(at: dt.datetime | None, now: dt.datetime) -> str:
     if at is None:
-        return "–"
+        return NONE
     return f'<span title="{at.astimezone(dt.UTC).isoformat(timespec="seconds")}">{duration((now - at).total_seconds())} ago</span>'  # noqa: E501
 
 
 def run_link(ui_url: str | None, flow_run_id: str | None) -> str:
     """A link to the flow run in the Prefect UI, or the id alone when there is no UI to link."""
     if not flow_run_id:
-        return "–"
+        return NONE
     if ui_url is None:
-        return f'<span class="muted v">{text(flow_run_id[:8])}</span>'
+        return f'<span class="muted v nw">{text(flow_run_id[:8])}</span>'
     href = f"{ui_url}/runs/flow-run/{urllib.parse.quote(flow_run_id, safe='')}"
     return (
-        f'<a href="{html.escape(href, quote=True)}" rel="noopener noreferrer" '
+        f'<a class="nw" href="{html.escape(href, quote=True)}" rel="noopener noreferrer" '
         f'target="_blank" title="{text(flow_run_id)}">run {text(flow_run_id[:8])} ↗</a>'
     )
 
@@ -214,17 +225,26 @@ def pill(priority_class: str) -> str:
 
 def error_cell(error: str | None) -> str:
     if not error:
-        return '<span class="muted">–</span>'
+        return NONE
     preview = error if len(error) <= ERROR_PREVIEW else error[: ERROR_PREVIEW - 1] + "…"
     return f'<span class="err v" title="{text(error)}">{text(preview)}</span>'
 
 
 def _cells(cells: Iterable[tuple[str, str, str]]) -> str:
-    """`<td>`s from (label, css class, html)."""
-    return "".join(
-        f'<td data-label="{label}"{f" class={chr(34)}{css}{chr(34)}" if css else ""}>{body}</td>'
-        for label, css, body in cells
-    )
+    """`<td>`s from (label, css classes, html); a cell with no value is marked `blank`."""
+    shown = []
+    for label, css, body in cells:
+        classes = " ".join(c for c in (css, "blank" if body == NONE else "") if c)
+        attribute = f' class="{classes}"' if classes else ""
+        shown.append(f'<td data-label="{label}"{attribute}>{body}</td>')
+    return "".join(shown)
+
+
+def _busy(worker: Worker) -> str:
+    busy = worker.info.get("busy")
+    if not isinstance(busy, list) or not busy:
+        return NONE
+    return value(", ".join(map(str, busy)))
 
 
 def _table(name: str, columns: Sequence[str], rows: Sequence[tuple[str, str]], empty: str) -> str:
@@ -251,7 +271,11 @@ def _banner(gate: GateState, now: dt.datetime) -> str:
         else ""
     )
     if not gate.paused:
-        streak = f" · {gate.outages_in_a_row} outage(s) in a row" if gate.outages_in_a_row else ""
+        streak = (
+            f" · {plural(gate.outages_in_a_row, 'outage')} in a row"
+            if gate.outages_in_a_row
+            else ""
+        )
         return (
             f'<div class="banner open" data-claiming="open"><strong>Claiming is open</strong>'
             f'<span class="meta">{streak}{answered}</span></div>'
@@ -285,7 +309,7 @@ def _tiles(view: QueueView) -> str:
     return (
         '<div class="tiles">'
         + "".join(
-            f'<div class="tile" data-tile="{name}"><span class="n">{number}</span>'
+            f'<div class="tile" data-tile="{name}"><span class="n">{number}</span> '
             f'<span class="label">{label}</span></div>'
             for name, number, label in tiles
         )
@@ -306,7 +330,7 @@ def _in_flight(view: QueueView, ui_url: str | None) -> str:
                     ("Attempt", "num", f"{e.job.attempts} of {view.max_attempts}"),
                     ("Running for", "num", duration(e.running_seconds)),
                     ("Time left", "num", duration(e.eta_seconds)),
-                    ("Worker", "", value(e.job.worker or "–")),
+                    ("Worker", "wide", value(e.job.worker) if e.job.worker else NONE),
                     ("Run", "", run_link(ui_url, e.job.flow_run_id)),
                 ]
             ),
@@ -338,7 +362,7 @@ def _waiting(view: QueueView, ui_url: str | None) -> str:
                     ("Class", "", pill(e.job.priority_class)),
                     ("Attempts", "num", f"{e.job.attempts} of {view.max_attempts}"),
                     ("ETA", "num", duration(e.eta_seconds)),
-                    ("Last error", "", error_cell(e.job.error)),
+                    ("Last error", "wide", error_cell(e.job.error)),
                     ("Run", "", run_link(ui_url, e.job.flow_run_id)),
                 ]
             ),
@@ -351,7 +375,7 @@ def _waiting(view: QueueView, ui_url: str | None) -> str:
     columns = ["#", "User", "Kind", "Subject", "Class", "Attempts", "ETA", "Last error", "Run"]
     return (
         '<section data-section="waiting"><div class="head"><h2>Waiting</h2>'
-        f'<span class="meta">{view.waiting_total} job(s){shown}, in the order the worker '
+        f'<span class="meta">{plural(view.waiting_total, "job")}{shown}, in the order the worker '
         "takes them</span></div>"
         + _table("waiting", columns, rows, "Nothing is waiting.")
         + "</section>"
@@ -369,7 +393,7 @@ def _failures(view: QueueView, ui_url: str | None, now: dt.datetime) -> str:
                     ("Kind", "", value(e.job.kind)),
                     ("Subject", "", value(e.job.subject)),
                     ("Attempts", "num", f"{e.job.attempts} of {view.max_attempts}"),
-                    ("Reason", "", error_cell(e.job.error)),
+                    ("Reason", "wide", error_cell(e.job.error)),
                     ("Run", "", run_link(ui_url, e.job.flow_run_id)),
                 ]
             ),
@@ -397,10 +421,10 @@ def _consumers(workers: Sequence[Worker], now: dt.datetime) -> str:
             f'data-worker="{text(w.name)}" data-alive="{str(w.alive).lower()}"',
             _cells(
                 [
-                    ("Name", "", value(w.name)),
+                    ("Name", "wide", value(w.name)),
                     ("Role", "", value(w.role)),
                     ("Host", "", f"{value(w.host)} <span class=muted>pid {w.pid}</span>"),
-                    ("Busy with", "", value(", ".join(map(str, w.info.get("busy") or [])) or "–")),
+                    ("Busy with", "wide", _busy(w)),
                     ("Last seen", "num", ago(w.seen_at, now)),
                     (
                         "State",
