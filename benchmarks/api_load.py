@@ -138,6 +138,7 @@ class Sample:
     ms: float
     status: int  # 0: no answer (connection error, timeout)
     finished: bool  # the poll was of a result made before the run (that row never changes)
+    error: str = ""  # what went wrong when there was no answer
 
 
 @dataclasses.dataclass
@@ -184,8 +185,9 @@ async def poll_screen(
             response = await client.get(
                 screen.path, params={"fingerprint": screen.fingerprint}, headers=headers
             )
-        except httpx.HTTPError:
-            samples.append(Sample(now, (time.perf_counter() - sent) * 1000, 0, finished))
+        except httpx.HTTPError as exc:
+            elapsed = (time.perf_counter() - sent) * 1000
+            samples.append(Sample(now, elapsed, 0, finished, f"{type(exc).__name__}: {exc}"))
             continue
         elapsed = (time.perf_counter() - sent) * 1000
         samples.append(Sample(now, elapsed, response.status_code, finished))
@@ -297,6 +299,35 @@ class ConsumerThread:
         self.thread.join(30)
 
 
+def cpu_seconds(pids: Sequence[int]) -> float:
+    """User plus system CPU time of these processes so far (those still running)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        total += (int(fields[11]) + int(fields[12])) / ticks
+    return total
+
+
+def postgres_backends(url: str) -> list[int]:
+    """The server processes serving other connections to this database (the API's)."""
+    engine = create_engine(normalise_url(url))
+    try:
+        with engine.connect() as connection:
+            rows = connection.execute(
+                text(
+                    "SELECT pid FROM pg_stat_activity "
+                    "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+                )
+            ).all()
+    finally:
+        engine.dispose()
+    return [int(row[0]) for row in rows]
+
+
 def count(url: str, where: str) -> int:
     engine = create_engine(normalise_url(url))
     try:
@@ -316,6 +347,8 @@ class Result:
     backend: str
     quiet: list[Sample]
     quiet_seconds: float  # the quiet window: its polls, the probe, the counter settling
+    api_cpu_ms: float  # CPU of the API process per quiet poll
+    database_cpu_ms: float | None  # CPU of PostgreSQL's backends per quiet poll
     busy: list[Sample]
     quiet_writes: int
     probe_seen: bool
@@ -415,6 +448,8 @@ def measure(
     try:
         settle = 0.0 if counter.is_sqlite else PG_STATS_SETTLE_SECONDS
         baseline = counting.submit(counter.stable, settle or 0.3).result()
+        backends = [] if counter.is_sqlite else postgres_backends(url)
+        cpu_before = (cpu_seconds([api.process.pid]), cpu_seconds(backends))
         rows_before = row_versions(url, [*watched, probe])
         recorder.reset()
 
@@ -446,6 +481,7 @@ def measure(
                 await asyncio.sleep(settle)
                 final = await loop.run_in_executor(counting, counter.settled, baseline, 1)
                 quiet_end = loop.time()
+                extra["cpu"] = (cpu_seconds([api.process.pid]), cpu_seconds(backends))
                 rows_after = await asyncio.to_thread(row_versions, url, [*watched, probe])
 
                 runtime = await asyncio.to_thread(Runtime.from_env, settings)
@@ -495,6 +531,10 @@ def measure(
         backend=backend,
         quiet=quiet,
         quiet_seconds=quiet_end - extra["start"],
+        api_cpu_ms=(extra["cpu"][0] - cpu_before[0]) * 1000 / max(len(quiet), 1),
+        database_cpu_ms=None
+        if backend == "sqlite"
+        else (extra["cpu"][1] - cpu_before[1]) * 1000 / max(len(quiet), 1),
         busy=busy,
         quiet_writes=delta - 1,
         probe_seen=delta >= 1 and probe_moved,
@@ -545,6 +585,12 @@ def report(result: Result, args: argparse.Namespace) -> list[str]:
         f"{'seen' if result.probe_seen else 'NOT SEEN'}); "
         f"{result.quiet_rows} polled rows' revision/updated_at "
         f"{'unchanged' if result.quiet_rows_unchanged else 'CHANGED'}",
+        f"  CPU per quiet poll: API process {result.api_cpu_ms:.2f} ms"
+        + (
+            ""
+            if result.database_cpu_ms is None
+            else f", PostgreSQL backends {result.database_cpu_ms:.2f} ms"
+        ),
         f"busy {args.seconds:g} s (consumer draining): {describe(result.busy, args.seconds)}",
         f"  {result.result_rows} rows of finished results, polled {result.result_polls} times "
         f"in both phases: {'unchanged' if result.result_rows_unchanged else 'CHANGED'}",
@@ -557,6 +603,8 @@ def report(result: Result, args: argparse.Namespace) -> list[str]:
         f"  failed requests: {len(bad)}",
     ]
     lines += [f"  error: {e}" for e in result.errors]
+    for error, n in collections.Counter(s.error for s in bad).items():
+        lines.append(f"  no answer ({n}x): {error[:200]}")
     return lines
 
 
