@@ -57,7 +57,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -299,17 +299,26 @@ class ConsumerThread:
         self.thread.join(30)
 
 
-def cpu_seconds(pids: Sequence[int]) -> float:
-    """User plus system CPU time of these processes so far (those still running)."""
+def cpu_seconds(pids: Iterable[int]) -> dict[int, float]:
+    """User plus system CPU seconds so far of each of these processes still running."""
     ticks = os.sysconf("SC_CLK_TCK")
-    total = 0.0
+    found = {}
     for pid in pids:
         try:
             fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         except (OSError, IndexError):
             continue
-        total += (int(fields[11]) + int(fields[12])) / ticks
-    return total
+        found[pid] = (int(fields[11]) + int(fields[12])) / ticks
+    return found
+
+
+def cpu_spent(before: dict[int, float], after: dict[int, float]) -> float:
+    """CPU seconds spent between two readings by the processes alive at the second.
+
+    A process that ended in between is left out (its last seconds are lost);
+    one that started in between counts whole.
+    """
+    return sum(value - before.get(pid, 0.0) for pid, value in after.items())
 
 
 def postgres_backends(url: str) -> list[int]:
@@ -450,6 +459,11 @@ def measure(
         baseline = counting.submit(counter.stable, settle or 0.3).result()
         backends = [] if counter.is_sqlite else postgres_backends(url)
         cpu_before = (cpu_seconds([api.process.pid]), cpu_seconds(backends))
+
+        def cpu_now() -> tuple[dict[int, float], dict[int, float]]:
+            now_serving = [] if counter.is_sqlite else postgres_backends(url)
+            return cpu_seconds([api.process.pid]), cpu_seconds({*backends, *now_serving})
+
         rows_before = row_versions(url, [*watched, probe])
         recorder.reset()
 
@@ -481,7 +495,7 @@ def measure(
                 await asyncio.sleep(settle)
                 final = await loop.run_in_executor(counting, counter.settled, baseline, 1)
                 quiet_end = loop.time()
-                extra["cpu"] = (cpu_seconds([api.process.pid]), cpu_seconds(backends))
+                extra["cpu"] = await asyncio.to_thread(cpu_now)
                 rows_after = await asyncio.to_thread(row_versions, url, [*watched, probe])
 
                 runtime = await asyncio.to_thread(Runtime.from_env, settings)
@@ -531,10 +545,10 @@ def measure(
         backend=backend,
         quiet=quiet,
         quiet_seconds=quiet_end - extra["start"],
-        api_cpu_ms=(extra["cpu"][0] - cpu_before[0]) * 1000 / max(len(quiet), 1),
+        api_cpu_ms=cpu_spent(cpu_before[0], extra["cpu"][0]) * 1000 / max(len(quiet), 1),
         database_cpu_ms=None
         if backend == "sqlite"
-        else (extra["cpu"][1] - cpu_before[1]) * 1000 / max(len(quiet), 1),
+        else cpu_spent(cpu_before[1], extra["cpu"][1]) * 1000 / max(len(quiet), 1),
         busy=busy,
         quiet_writes=delta - 1,
         probe_seen=delta >= 1 and probe_moved,
