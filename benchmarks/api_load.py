@@ -139,6 +139,7 @@ class Sample:
     status: int  # 0: no answer (connection error, timeout)
     finished: bool  # the poll was of a result made before the run (that row never changes)
     error: str = ""  # what went wrong when there was no answer
+    store_ms: float | None = None  # the API's own time in the store (its Server-Timing)
 
 
 @dataclasses.dataclass
@@ -190,7 +191,8 @@ async def poll_screen(
             samples.append(Sample(now, elapsed, 0, finished, f"{type(exc).__name__}: {exc}"))
             continue
         elapsed = (time.perf_counter() - sent) * 1000
-        samples.append(Sample(now, elapsed, response.status_code, finished))
+        store_ms = server_timing(response.headers.get("server-timing", ""))
+        samples.append(Sample(now, elapsed, response.status_code, finished, "", store_ms))
         if response.status_code == 200:
             screen.etag = response.headers.get("etag")
             body = response.json()
@@ -201,6 +203,18 @@ async def poll_screen(
                 and body["fresh"]
             ):
                 screen.answered_at = loop.time()
+
+
+def server_timing(header: str) -> float | None:
+    """The `dur` of `store;dur=12.3`, or None."""
+    for part in header.split(";"):
+        name, _, value = part.strip().partition("=")
+        if name == "dur":
+            try:
+                return float(value)
+            except ValueError:
+                return None
+    return None
 
 
 def make_screens(args: argparse.Namespace, today: str) -> list[Screen]:
@@ -576,12 +590,15 @@ def measure(
 
 def describe(samples: Sequence[Sample], seconds: float) -> str:
     answered = [s.ms for s in samples if s.status in (200, 304)]
+    inside = [s.store_ms for s in samples if s.store_ms is not None]
     statuses = collections.Counter(s.status for s in samples)
     shown = ", ".join(f"{status or 'none'}: {n}" for status, n in sorted(statuses.items()))
     return (
         f"{len(samples)} polls, {len(samples) / seconds:.0f}/s ({shown}); "
         f"ms p50 {percentile(answered, 0.5):.1f}, "
-        f"p95 {percentile(answered, 0.95):.1f}, max {max(answered, default=float('nan')):.1f}"
+        f"p95 {percentile(answered, 0.95):.1f}, max {max(answered, default=float('nan')):.1f}; "
+        f"of which in the store p50 {percentile(inside, 0.5):.1f}, "
+        f"p95 {percentile(inside, 0.95):.1f}"
     )
 
 

@@ -510,8 +510,14 @@ async def poll_insight(
     """What every poll route does: `request_insight` in the threadpool, then the answer."""
     user = checked_user(user_id)
     fingerprint = query_value(request, "fingerprint")
+    started = time.perf_counter()
     state = await run_in_threadpool(triggers.request_insight, user, kind, subject, fingerprint)
-    return insight_response(state, request.headers.get("if-none-match"))
+    spent = (time.perf_counter() - started) * 1000
+    response = insight_response(state, request.headers.get("if-none-match"))
+    # How long the store took, waiting for a thread included: tells a slow
+    # answer's cause (the store, or the way to and from it) at a glance.
+    response.headers["Server-Timing"] = f"store;dur={spent:.1f}"
+    return response
 
 
 def insights_router(

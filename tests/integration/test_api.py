@@ -198,6 +198,7 @@ def test_healthz_and_a_first_poll_queue_the_insight_at_the_front(api: Served) ->
     assert body["run_note"].startswith("Prefect unreachable at http://127.0.0.1:")
     assert response.headers["etag"].startswith('W/"')
     assert int(response.headers["retry-after"]) == expected_retry_after(body["eta_seconds"])
+    assert response.headers["server-timing"].startswith("store;dur=")
     job = api.store.job(USER, "sleep", DAY)
     assert job is not None and job.priority == INTERACTIVE and job.fingerprint == "fp-1"
 
