@@ -2,9 +2,10 @@
 
 For each backend (SQLite file, PostgreSQL database created and dropped) the
 script starts `insight-queue api` as a subprocess on a free 127.0.0.1 port
-(Prefect unreachable: a closed loopback port), and runs, in this process:
+(Prefect unreachable: a closed loopback port), and runs:
 
-- `--screens` simulated screens (default 200), each polling one insight
+- in a process of its own (so that their timing is not the consumer's),
+  `--screens` simulated screens (default 200), each polling one insight
   through `GET /v1/users/{user}/insights/{kind}/{subject}` every
   `--interval` seconds (default 2, staggered, whatever Retry-After says),
   with `If-None-Match` from its last answer. A screen waits for its answer
@@ -14,15 +15,16 @@ script starts `insight-queue api` as a subprocess on a free 127.0.0.1 port
   busy phase `--switching` of them move to a new insight, one after another;
 - a backfill of `--backfill-users` users' scopes, triggered through
   `POST /v1/users/{user}/backfills` before the polls start;
-- the gateway simulator (`--call-seconds` per answer) behind the recorder,
-  and, in the busy phase only, an in-process standing-by consumer
+- in this process, the gateway simulator (`--call-seconds` per answer)
+  behind the recorder, and, in the busy phase only, a standing-by consumer
   (`Runtime.consumer(...)`, with the null ledger and guard) draining the queue.
 
 Two phases: **quiet** (`--quiet-seconds`, no consumer: every poll changes
 nothing; on PostgreSQL it goes on 11 s more while the statistics catch up)
 and **busy** (`--seconds`, the consumer draining). It prints:
 
-- response times (p50, p95, max) of each phase, and the answers by status;
+- response times (p50, p95, max) of each phase, the share of them spent in
+  the store (the API's `Server-Timing`), and the answers by status;
 - writes per unchanged poll in the quiet phase: the database's write counter
   (SQLite `PRAGMA data_version` from another connection; PostgreSQL
   inserted+updated+deleted tuples in `pg_stat_user_tables`) across every
@@ -32,7 +34,9 @@ and **busy** (`--seconds`, the consumer draining). It prints:
 - in the busy phase: the rows of the screens showing a finished result,
   unchanged however often they were polled; the backfill jobs done; how long
   the switching screens waited for their result;
-- the recorder's peak of calls open at the gateway, against `AI_JOB_CONCURRENCY`.
+- the recorder's peak of calls open at the gateway, against `AI_JOB_CONCURRENCY`;
+- the CPU each quiet poll cost the API process (and PostgreSQL's backends),
+  and how late the screens' own event loop ran (a loaded client shows there).
 
 Run from the repository root (loopback only):
 
@@ -48,9 +52,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import concurrent.futures
 import dataclasses
 import datetime as dt
+import multiprocessing
 import os
 import statistics
 import sys
@@ -89,6 +93,9 @@ API_START_SECONDS = 60.0
 REQUEST_TIMEOUT_SECONDS = 30.0
 CONSUMER_START_SECONDS = 30.0
 PROBE_USER = "probe"
+SPAWN = multiprocessing.get_context("spawn")
+CHILD_START_SECONDS = 120.0
+LAG_TICK_SECONDS = 0.05
 BACKFILL_USERS = "user_id LIKE 'backfill-%'"
 # PostgreSQL counts a backend's writes in pg_stat_user_tables when it reports
 # them: at most a second after a transaction, or 10 s after it went idle. A
@@ -144,7 +151,9 @@ class Sample:
 
 @dataclasses.dataclass
 class Phases:
-    busy_from: float | None = None
+    """What the screens' process knows of the phases, from the main process."""
+
+    busy_from: float | None = None  # time.monotonic() when the consumer started
     stop: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
 
 
@@ -157,10 +166,9 @@ async def poll_screen(
     samples: list[Sample],
     yesterday: str,
 ) -> None:
-    loop = asyncio.get_running_loop()
     due = start + screen.offset
     while not phases.stop.is_set():
-        wait = due - loop.time()
+        wait = due - time.monotonic()
         if wait > 0:
             try:
                 await asyncio.wait_for(phases.stop.wait(), wait)
@@ -168,7 +176,7 @@ async def poll_screen(
             except TimeoutError:
                 pass
         due += interval
-        now = loop.time()
+        now = time.monotonic()
         if (
             screen.switch_after is not None
             and not screen.switched
@@ -202,7 +210,63 @@ async def poll_screen(
                 and body["status"] == "done"
                 and body["fresh"]
             ):
-                screen.answered_at = loop.time()
+                screen.answered_at = time.monotonic()
+
+
+@dataclasses.dataclass(frozen=True)
+class ScreensReport:
+    samples: list[Sample]
+    screens: list[Screen]
+    lag_ms: list[float]  # how late the screens' event loop woke from 50 ms sleeps
+
+
+async def drive_screens(
+    api_url: str,
+    screens: list[Screen],
+    interval: float,
+    yesterday: str,
+    busy_from: Any,
+    stop: Any,
+    started: Any,
+) -> ScreensReport:
+    phases = Phases()
+    samples: list[Sample] = []
+    lags: list[float] = []
+    limits = httpx.Limits(max_connections=len(screens) + 10)
+    async with httpx.AsyncClient(
+        base_url=api_url, timeout=REQUEST_TIMEOUT_SECONDS, limits=limits
+    ) as client:
+        start = time.monotonic()
+        tasks = [
+            asyncio.create_task(poll_screen(client, s, interval, start, phases, samples, yesterday))
+            for s in screens
+        ]
+        started.set()
+        while not stop.is_set():
+            before = time.monotonic()
+            await asyncio.sleep(LAG_TICK_SECONDS)
+            lags.append((time.monotonic() - before - LAG_TICK_SECONDS) * 1000)
+            if busy_from.value > 0:
+                phases.busy_from = busy_from.value
+        phases.stop.set()
+        await asyncio.gather(*tasks)
+    return ScreensReport(samples, screens, lags)
+
+
+def screens_process(
+    api_url: str,
+    screens: list[Screen],
+    interval: float,
+    yesterday: str,
+    busy_from: Any,
+    stop: Any,
+    started: Any,
+    out: Any,
+) -> None:
+    """The screens, in a process of their own: their timing is not the consumer's."""
+    out.put(
+        asyncio.run(drive_screens(api_url, screens, interval, yesterday, busy_from, stop, started))
+    )
 
 
 def server_timing(header: str) -> float | None:
@@ -370,6 +434,7 @@ class Result:
     backend: str
     quiet: list[Sample]
     quiet_seconds: float  # the quiet window: its polls, the probe, the counter settling
+    lag_ms: list[float]  # the screens' event loop, late by this much
     api_cpu_ms: float  # CPU of the API process per quiet poll
     database_cpu_ms: float | None  # CPU of PostgreSQL's backends per quiet poll
     busy: list[Sample]
@@ -463,82 +528,67 @@ def measure(
 
     watched = [job_id(s.user, KIND, s.subject) for s in screens]
     probe = job_id(PROBE_USER, KIND, today)
-    # The counter's SQLite connection lives in one thread: every use goes through it.
-    counting = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="write-counter")
-    counter = counting.submit(WriteCounter, url).result()
+    counter = WriteCounter(url)
     runtime: Runtime | None = None
     consumer: ConsumerThread | None = None
+    busy_at, stop, started, out = SPAWN.Value("d", 0.0), SPAWN.Event(), SPAWN.Event(), SPAWN.Queue()
+    child = SPAWN.Process(
+        target=screens_process,
+        args=(api.url, screens, args.interval, yesterday, busy_at, stop, started, out),
+        name="screens",
+        daemon=True,
+    )
     try:
         settle = 0.0 if counter.is_sqlite else PG_STATS_SETTLE_SECONDS
-        baseline = counting.submit(counter.stable, settle or 0.3).result()
+        baseline = counter.stable(settle or 0.3)
         backends = [] if counter.is_sqlite else postgres_backends(url)
         cpu_before = (cpu_seconds([api.process.pid]), cpu_seconds(backends))
-
-        def cpu_now() -> tuple[dict[int, float], dict[int, float]]:
-            now_serving = [] if counter.is_sqlite else postgres_backends(url)
-            return cpu_seconds([api.process.pid]), cpu_seconds({*backends, *now_serving})
-
         rows_before = row_versions(url, [*watched, probe])
         recorder.reset()
 
-        extra: dict[str, Any] = {}
+        child.start()
+        if not started.wait(CHILD_START_SECONDS):
+            raise RuntimeError("the screens' process did not start")
+        start = time.monotonic()
+        time.sleep(args.quiet_seconds)
+        # One deliberate write through the API: the counter must see exactly it.
+        httpx.get(
+            f"{api.url}/v1/users/{PROBE_USER}/insights/{KIND}/{today}",
+            params={"fingerprint": "p2"},
+            timeout=REQUEST_TIMEOUT_SECONDS,
+        )
+        time.sleep(settle)  # the screens go on polling: any write of theirs gets counted
+        final = counter.settled(baseline, 1)
+        quiet_end = time.monotonic()
+        now_serving = [] if counter.is_sqlite else postgres_backends(url)
+        cpu_after = (cpu_seconds([api.process.pid]), cpu_seconds({*backends, *now_serving}))
+        rows_after_quiet = row_versions(url, [*watched, probe])
 
-        async def drive() -> tuple[list[Sample], float, float, int]:
-            nonlocal runtime, consumer
-            loop = asyncio.get_running_loop()
-            phases = Phases()
-            samples: list[Sample] = []
-            limits = httpx.Limits(max_connections=args.screens + 10)
-            async with httpx.AsyncClient(
-                base_url=api.url, timeout=REQUEST_TIMEOUT_SECONDS, limits=limits
-            ) as client:
-                start = loop.time()
-                extra["start"] = start
-                tasks = [
-                    asyncio.create_task(
-                        poll_screen(client, s, args.interval, start, phases, samples, yesterday)
-                    )
-                    for s in screens
-                ]
-                await asyncio.sleep(args.quiet_seconds)
-                # One deliberate write through the API: the counter must see exactly it.
-                await client.get(
-                    f"/v1/users/{PROBE_USER}/insights/{KIND}/{today}", params={"fingerprint": "p2"}
-                )
-                # The screens go on polling: any write of theirs has time to be counted.
-                await asyncio.sleep(settle)
-                final = await loop.run_in_executor(counting, counter.settled, baseline, 1)
-                quiet_end = loop.time()
-                extra["cpu"] = await asyncio.to_thread(cpu_now)
-                rows_after = await asyncio.to_thread(row_versions, url, [*watched, probe])
-
-                runtime = await asyncio.to_thread(Runtime.from_env, settings)
-                consumer = ConsumerThread(runtime)
-                await asyncio.to_thread(consumer.start)
-                phases.busy_from = loop.time()
-                backfill_before = await asyncio.to_thread(
-                    count, url, f"{BACKFILL_USERS} AND status = 'done'"
-                )
-                await asyncio.sleep(args.seconds)
-                phases.stop.set()
-                await asyncio.gather(*tasks)
-            extra["rows_after"] = rows_after
-            extra["backfill_before"] = backfill_before
-            return samples, quiet_end, phases.busy_from, final
-
-        samples, quiet_end, busy_from, final = asyncio.run(drive())
+        runtime = Runtime.from_env(settings)
+        consumer = ConsumerThread(runtime)
+        consumer.start()
+        busy_from = time.monotonic()
+        busy_at.value = busy_from
+        backfill_before = count(url, f"{BACKFILL_USERS} AND status = 'done'")
+        time.sleep(args.seconds)
+        stop.set()
+        report: ScreensReport = out.get(timeout=CHILD_START_SECONDS)
+        child.join(CHILD_START_SECONDS)
     finally:
+        stop.set()
+        if child.is_alive():
+            child.terminate()
+            child.join(10)
         if consumer is not None:
             consumer.stop()
             if consumer.error is not None:
                 errors.append(f"consumer: {consumer.error!r}")
         if runtime is not None:
             runtime.close()
-        counting.submit(counter.close).result()
-        counting.shutdown()
+        counter.close()
+    samples, screens = report.samples, report.screens
 
-    backfill_done = count(url, f"{BACKFILL_USERS} AND status = 'done'") - extra["backfill_before"]
-    rows_after_quiet: dict[str, tuple[Any, ...]] = extra["rows_after"]
+    backfill_done = count(url, f"{BACKFILL_USERS} AND status = 'done'") - backfill_before
     quiet_rows_unchanged = all(rows_after_quiet.get(i) == rows_before.get(i) for i in watched)
     probe_moved = rows_after_quiet.get(probe) != rows_before.get(probe)
     result_ids = [job_id(s.user, KIND, today) for s in screens if s.role != "waiting"]
@@ -558,11 +608,12 @@ def measure(
     return Result(
         backend=backend,
         quiet=quiet,
-        quiet_seconds=quiet_end - extra["start"],
-        api_cpu_ms=cpu_spent(cpu_before[0], extra["cpu"][0]) * 1000 / max(len(quiet), 1),
+        quiet_seconds=quiet_end - start,
+        api_cpu_ms=cpu_spent(cpu_before[0], cpu_after[0]) * 1000 / max(len(quiet), 1),
         database_cpu_ms=None
         if backend == "sqlite"
-        else cpu_spent(cpu_before[1], extra["cpu"][1]) * 1000 / max(len(quiet), 1),
+        else cpu_spent(cpu_before[1], cpu_after[1]) * 1000 / max(len(quiet), 1),
+        lag_ms=report.lag_ms,
         busy=busy,
         quiet_writes=delta - 1,
         probe_seen=delta >= 1 and probe_moved,
@@ -631,7 +682,8 @@ def report(result: Result, args: argparse.Namespace) -> list[str]:
         f"  switching screens: {len(waits)} got their new result, wait p50 "
         f"{percentile(waits, 0.5):.1f} s, max {max(waits, default=float('nan')):.1f} s; "
         f"{result.unanswered} still waiting at the end",
-        f"  failed requests: {len(bad)}",
+        f"  failed requests: {len(bad)}; the screens' event loop was late by at most "
+        f"{max(result.lag_ms, default=0):.0f} ms (p99 {percentile(result.lag_ms, 0.99):.0f} ms)",
     ]
     lines += [f"  error: {e}" for e in result.errors]
     for error, n in collections.Counter(s.error for s in bad).items():
