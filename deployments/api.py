@@ -89,6 +89,9 @@ REFRESH_MAX_SECONDS = 600
 QUEUE_LIMIT = 50
 
 GRACEFUL_STOP_SECONDS = 5
+# An idle connection is kept this long: past the longest Retry-After, so a
+# screen's next poll does not race the server closing its connection.
+KEEP_ALIVE_SECONDS = 75
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 REALM = "insight-queue"
@@ -805,6 +808,7 @@ class ApiServer:
             access_log=access_log,
             lifespan="off",
             server_header=False,
+            timeout_keep_alive=KEEP_ALIVE_SECONDS,
             timeout_graceful_shutdown=GRACEFUL_STOP_SECONDS,
         )
         self._server = _Server(config)
