@@ -134,7 +134,7 @@ def test_the_queue_page_shows_every_state_and_escapes_every_value(
     assert running["User"] == HOSTILE_USER
     assert (running["Kind"], running["Subject"], running["Class"]) == ("steps", DAY, "prefetch")
     assert running["Attempt"] == "1 of 1" and running["Worker"] == "consumer-a"
-    assert running["Running for"].endswith(" s")
+    assert running["Running for"][0].isdigit() and running["Time left"][0].isdigit()
     link = in_flight[0].find("a")
     assert link.attributes["href"] == f"{UI}/runs/flow-run/{RUN_ID}"
     assert link.attributes["rel"] == "noopener noreferrer"
@@ -147,7 +147,7 @@ def test_the_queue_page_shows_every_state_and_escapes_every_value(
     assert first["Subject"] == "\\u202eevil\\x1b[31m", "controls are shown, not obeyed"
     assert (second["User"], second["Kind"], second["Class"]) == ("gina", "trends", "prefetch")
     assert second["Attempts"] == "0 of 1"
-    assert all(c["ETA"] and c["ETA"] != "–" for c in (first, second))
+    assert all(c["ETA"][0].isdigit() for c in (first, second))
     assert waiting[0].attributes["data-job-id"] == job_id("frank", "sleep", HOSTILE_SUBJECT)
 
     failures = dom.find("section", data_section="failures").find_all("tr", data_job_id=None)
