@@ -35,6 +35,7 @@ import binascii
 import contextlib
 import dataclasses
 import datetime as dt
+import functools
 import hashlib
 import hmac
 import ipaddress
@@ -49,14 +50,16 @@ import time
 import urllib.parse
 from collections.abc import Awaitable, Callable, Generator, Mapping, Sequence
 from types import FrameType
-from typing import Any, Self
+from typing import Any, Self, TypeVar
 
+import anyio
+import anyio.to_thread
 import click
 import uvicorn
+from anyio.lowlevel import RunVar
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import SecretStr
-from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -117,6 +120,24 @@ PAGE_HEADERS = {
 # so `path_value` turns it back into "/".
 _SLASH = "\x00"
 _ENCODED_SLASHES = "insight_queue.encoded_slashes"
+
+
+# Store calls at once, each in a worker thread: as many as the store's
+# connection pool holds (5 + 5 on PostgreSQL). More threads would only wait
+# for a connection, and take turns at the interpreter with the event loop.
+STORE_THREADS = 10
+_store_threads: RunVar[anyio.CapacityLimiter] = RunVar("insight_queue_store_threads")
+T = TypeVar("T")
+
+
+async def in_thread(call: Callable[..., T], *args: Any) -> T:
+    """A blocking store call, in a worker thread: never on the event loop."""
+    try:
+        limiter = _store_threads.get()
+    except LookupError:
+        limiter = anyio.CapacityLimiter(STORE_THREADS)
+        _store_threads.set(limiter)
+    return await anyio.to_thread.run_sync(functools.partial(call, *args), limiter=limiter)
 
 
 class ApiConfigError(SettingsError):
@@ -514,7 +535,7 @@ async def poll_insight(
     user = checked_user(user_id)
     fingerprint = query_value(request, "fingerprint")
     started = time.perf_counter()
-    state = await run_in_threadpool(triggers.request_insight, user, kind, subject, fingerprint)
+    state = await in_thread(triggers.request_insight, user, kind, subject, fingerprint)
     spent = (time.perf_counter() - started) * 1000
     response = insight_response(state, request.headers.get("if-none-match"))
     # How long the store took, waiting for a thread included: tells a slow
@@ -577,7 +598,7 @@ class _Operator:
     async def queue(self, request: Request) -> Response:
         self.access.require_operator(request)
         limit = whole_number(request, "limit", QUEUE_LIMIT)
-        view = await run_in_threadpool(self.store.queue_view, limit)
+        view = await in_thread(self.store.queue_view, limit)
         return JSONResponse(view.as_dict(), headers={**NO_STORE, **JSON_HEADERS})
 
     async def pause(self, request: Request) -> Response:
@@ -591,7 +612,7 @@ class _Operator:
             until = self.store.pause(payload["seconds"], reason)
             return {"paused_until": iso(until), "gate": self.store.gate_state().as_dict()}
 
-        return JSONResponse(await run_in_threadpool(pause), headers={**NO_STORE, **JSON_HEADERS})
+        return JSONResponse(await in_thread(pause), headers={**NO_STORE, **JSON_HEADERS})
 
     async def resume(self, request: Request) -> Response:
         self.access.require_operator(request)
@@ -601,7 +622,7 @@ class _Operator:
             self.store.resume()
             return {"gate": self.store.gate_state().as_dict()}
 
-        return JSONResponse(await run_in_threadpool(resume), headers={**NO_STORE, **JSON_HEADERS})
+        return JSONResponse(await in_thread(resume), headers={**NO_STORE, **JSON_HEADERS})
 
     async def retry_failed(self, request: Request) -> Response:
         self.access.require_operator(request)
@@ -612,7 +633,7 @@ class _Operator:
             retried = self.store.retry_failed(user)
             return {"user_id": user, "retried": retried, "pending": self.store.pending_count(user)}
 
-        return JSONResponse(await run_in_threadpool(retry), headers={**NO_STORE, **JSON_HEADERS})
+        return JSONResponse(await in_thread(retry), headers={**NO_STORE, **JSON_HEADERS})
 
     async def page(self, request: Request) -> Response:
         self.access.require_operator(request)
@@ -631,7 +652,7 @@ class _Operator:
                 return 503, shown
             return 200, queue_page.render(view, ui_url=self.ui_url(), refresh=refresh)
 
-        status, page = await run_in_threadpool(render)
+        status, page = await in_thread(render)
         headers = dict(PAGE_HEADERS)
         if status == 503:
             headers["Retry-After"] = str(STORE_DOWN_RETRY_SECONDS)
@@ -668,7 +689,7 @@ def create_app(
     @app.get("/healthz")
     async def healthz() -> Response:
         async def check() -> Response:
-            gate = await run_in_threadpool(triggers.store.gate_state)
+            gate = await in_thread(triggers.store.gate_state)
             return JSONResponse(
                 {"status": "ok", "now": iso(gate.now)}, headers={**NO_STORE, **JSON_HEADERS}
             )
@@ -682,7 +703,7 @@ def create_app(
         async def start() -> Response:
             user = path_value(request, "user_id")
             payload = await json_object(request, ("sync_id",))
-            state = await run_in_threadpool(triggers.trigger_backfill, user, payload.get("sync_id"))
+            state = await in_thread(triggers.trigger_backfill, user, payload.get("sync_id"))
             if state.error is not None and state.flow_run_id is None:
                 return unavailable(state.error)
             body = {"status": "started" if state.flow_run_id else "queued", **state.as_dict()}
