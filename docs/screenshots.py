@@ -43,7 +43,7 @@ from queue_store import (
 from queue_store.engine import create_store_engine
 
 DOCS = Path(__file__).resolve().parent
-CHROMIUM = os.environ.get("CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
+CHROMIUM = os.environ.get("CHROMIUM") or shutil.which("chromium") or "chromium"
 TOKEN = "screenshot-token"
 PRETEND_UI = "http://127.0.0.1:4200"
 WORKER = "serve@app-1:3f9c2a07de"

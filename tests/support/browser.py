@@ -16,7 +16,7 @@ from pathlib import Path
 
 from deployments import processes
 
-CHROMIUM = os.environ.get("CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
+CHROMIUM = os.environ.get("CHROMIUM") or shutil.which("chromium") or "chromium"
 FLAGS = (
     "--headless",
     "--no-sandbox",
@@ -32,7 +32,7 @@ RUN_TIMEOUT_SECONDS = 60.0
 
 
 def available() -> bool:
-    return Path(CHROMIUM).exists()
+    return Path(CHROMIUM).exists() or shutil.which(CHROMIUM) is not None
 
 
 def run(*args: str, window: tuple[int, int] = (1280, 900)) -> str:
