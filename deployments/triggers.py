@@ -185,7 +185,10 @@ class Triggers:
             )
         try:
             job = store.job(user_id, kind, subject)
-            position = store.position(user_id, kind, subject)
+            # Only a queued or running job has a place in line: a finished one
+            # (most polls, once a screen shows its result) skips that read.
+            waiting = job is not None and job.status in (Status.PENDING, Status.RUNNING)
+            position = store.position(user_id, kind, subject) if waiting else None
             latest = store.result_of(user_id, kind, subject)
             gate = store.gate_state()
         except StoreError as exc:

@@ -1,0 +1,709 @@
+"""The HTTP API over real HTTP: uvicorn on a free loopback port, on SQLite and PostgreSQL.
+
+Every route is called the way a screen, the post-sync hook or an operator
+calls it. Prefect is never reachable here (the triggers point at a closed
+loopback port), so every poll answers on the store alone and says why no run
+was started. Faults are made by events: the store is taken away (a directory
+where the SQLite file was, a PostgreSQL database that refuses connections)
+and given back, never by waiting for a moment.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import dataclasses
+import math
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from fastapi import FastAPI, Header, HTTPException
+from pydantic import SecretStr
+from sqlalchemy import create_engine, select, text
+from sqlalchemy.engine import make_url
+
+from deployments import api as api_module
+from deployments.api import ApiConfigError, ApiServer, StrictPaths, create_app, insights_router
+from deployments.processes import free_port
+from deployments.triggers import NO_SERVER, InsightState, Triggers
+from flows.registry import Messages, Registry, Scope
+from flows.runtime import Runtime
+from queue_store import (
+    INTERACTIVE,
+    PREFETCH,
+    Failure,
+    JobStore,
+    Redactor,
+    Settings,
+    Status,
+    job_id,
+    schema,
+)
+from queue_store.engine import normalise_url
+from tests.support.databases import POSTGRES_URL
+from tests.support.services import BIN, ROOT
+
+TOKEN = "operator-token-for-tests"
+USER = "user-1"
+DAY = "2026-11-29"
+OPERATOR = {"Authorization": f"Bearer {TOKEN}"}
+
+
+def _ask(user_id: str, subject: str) -> Messages:
+    return [{"role": "user", "content": f"insight for {user_id}/{subject}"}]
+
+
+def _scopes(user_id: str) -> list[Scope]:
+    return [Scope("sleep", DAY, "fp-sleep"), Scope("hrv", DAY, "fp-hrv")]
+
+
+@dataclasses.dataclass
+class Served:
+    """The API under test: its server, an HTTP client, the store behind it."""
+
+    server: ApiServer
+    http: httpx.Client
+    runtime: Runtime
+    triggers: Triggers
+    database_url: str
+
+    @property
+    def store(self) -> JobStore:
+        return self.runtime.store
+
+    def poll(self, user: str, kind: str, subject: str, **params: Any) -> httpx.Response:
+        return self.http.get(f"/v1/users/{user}/insights/{kind}/{subject}", params=params)
+
+
+@pytest.fixture
+def closed_prefect() -> str:
+    """A Prefect API address where nothing listens."""
+    return f"http://127.0.0.1:{free_port()}/api"
+
+
+@pytest.fixture
+def settings(database_url: str, tmp_path: Path) -> Settings:
+    return Settings.from_env(
+        {},
+        database_url=database_url,
+        data_dir=tmp_path / "data",
+        gap_seconds=0.0,
+        max_attempts=1,
+        api_token=SecretStr(TOKEN),
+    )
+
+
+@pytest.fixture
+def runtime(settings: Settings) -> Iterator[Runtime]:
+    registry = Registry()
+    for kind in ("sleep", "hrv", "trends"):
+        registry.register_generator(kind, _ask)
+    registry.register_scopes(_scopes)
+    store = JobStore(settings.database_url, settings=settings)
+    made = Runtime(settings, store, registry, Redactor.for_settings(settings))
+    yield made
+    made.close()
+
+
+@contextlib.contextmanager
+def serve(runtime: Runtime, prefect_url: str | None, **options: Any) -> Iterator[Served]:
+    """The API on a free loopback port, in a thread of this process, stopped at the end."""
+    triggers = Triggers(runtime, prefect_url=prefect_url)
+    app = create_app(triggers, ui_url=lambda: "http://127.0.0.1:4200", **options)
+    with ApiServer(app) as server, httpx.Client(base_url=server.url, timeout=30) as http:
+        yield Served(server, http, runtime, triggers, runtime.settings.database_url)
+
+
+@pytest.fixture
+def api(runtime: Runtime, closed_prefect: str) -> Iterator[Served]:
+    with serve(runtime, closed_prefect) as served:
+        yield served
+
+
+# -- helpers -------------------------------------------------------------------------------
+
+
+def assert_refused(response: httpx.Response, status: int, field: str | None) -> str:
+    """A refusal: the status, one line of JSON naming the field, nothing else."""
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"].startswith("application/json")
+    assert "\n" not in response.text
+    body = response.json()
+    assert set(body) <= {"error", "field"}
+    assert isinstance(body["error"], str) and body["error"]
+    assert "Traceback" not in body["error"]
+    assert body.get("field") == field, body
+    return str(body["error"])
+
+
+def row_version(url: str, user: str, kind: str, subject: str) -> tuple[Any, ...] | None:
+    """The job row's revision and updated time, read on a connection of its own."""
+    engine = create_engine(normalise_url(url))
+    try:
+        with engine.connect() as connection:
+            row = connection.execute(
+                select(schema.jobs.c.revision, schema.jobs.c.updated_at).where(
+                    schema.jobs.c.id == job_id(user, kind, subject)
+                )
+            ).one_or_none()
+    finally:
+        engine.dispose()
+    return None if row is None else tuple(row)
+
+
+def job_count(url: str) -> int:
+    engine = create_engine(normalise_url(url))
+    try:
+        with engine.connect() as connection:
+            return int(connection.execute(text("SELECT count(*) FROM ai_jobs")).scalar_one())
+    finally:
+        engine.dispose()
+
+
+def expected_retry_after(eta: float) -> int:
+    return math.ceil(min(max(eta * 0.25, 2), 30))
+
+
+def finish(store: JobStore, output: Any) -> None:
+    """Claim the next job and finish it with `output`, as a worker would."""
+    claim = store.claim_next("test-worker")
+    assert claim.job is not None and claim.job.holder is not None
+    store.finish(claim.job.id, claim.job.holder, result=output)
+
+
+# -- a screen's poll -----------------------------------------------------------------------
+
+
+def test_healthz_and_a_first_poll_queue_the_insight_at_the_front(api: Served) -> None:
+    health = api.http.get("/healthz")
+    assert health.status_code == 200
+    assert health.json()["status"] == "ok"
+
+    api.store.enqueue("someone-else", "hrv", DAY, None, PREFETCH)
+    response = api.poll(USER, "sleep", DAY, fingerprint="fp-1")
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert set(body) == {f.name for f in dataclasses.fields(InsightState)}
+    assert body["status"] == "pending"
+    assert body["ahead"] == 0, "a screen's insight goes before a backfill's"
+    assert body["eta_seconds"] > 0
+    assert body["result"] is None and body["fresh"] is False
+    assert body["flow_run_id"] is None
+    assert body["run_note"].startswith("Prefect unreachable at http://127.0.0.1:")
+    assert response.headers["etag"].startswith('W/"')
+    assert int(response.headers["retry-after"]) == expected_retry_after(body["eta_seconds"])
+    assert response.headers["server-timing"].startswith("store;dur=")
+    job = api.store.job(USER, "sleep", DAY)
+    assert job is not None and job.priority == INTERACTIVE and job.fingerprint == "fp-1"
+
+
+def test_a_poll_that_changes_nothing_writes_nothing(api: Served) -> None:
+    assert api.poll(USER, "sleep", DAY, fingerprint="fp-1").status_code == 200
+    before = row_version(api.database_url, USER, "sleep", DAY)
+    for _ in range(5):
+        assert api.poll(USER, "sleep", DAY, fingerprint="fp-1").json()["status"] == "pending"
+    assert row_version(api.database_url, USER, "sleep", DAY) == before
+
+    finish(api.store, {"text": "slept well"})
+    done = row_version(api.database_url, USER, "sleep", DAY)
+    for _ in range(5):
+        assert api.poll(USER, "sleep", DAY, fingerprint="fp-1").json()["status"] == "done"
+    assert row_version(api.database_url, USER, "sleep", DAY) == done
+
+    # New data is a change, and is written: the job goes back into the queue.
+    assert api.poll(USER, "sleep", DAY, fingerprint="fp-2").json()["status"] == "pending"
+    changed = row_version(api.database_url, USER, "sleep", DAY)
+    assert changed is not None and done is not None and changed[0] == done[0] + 1
+
+
+def test_the_result_carries_an_etag_and_an_unchanged_one_is_a_304(api: Served) -> None:
+    api.poll(USER, "sleep", DAY, fingerprint="fp-1")
+    finish(api.store, {"text": "slept well"})
+
+    first = api.poll(USER, "sleep", DAY, fingerprint="fp-1")
+    body = first.json()
+    assert body["status"] == "done" and body["fresh"] is True
+    assert body["result"]["output"] == {"text": "slept well"}
+    assert body["result"]["fingerprint"] == "fp-1"
+    assert "retry-after" not in first.headers, "nothing more to wait for"
+    tag = first.headers["etag"]
+
+    for sent in (tag, tag.removeprefix("W/"), f'"other", {tag}', "*"):
+        again = api.http.get(
+            f"/v1/users/{USER}/insights/sleep/{DAY}",
+            params={"fingerprint": "fp-1"},
+            headers={"If-None-Match": sent},
+        )
+        assert again.status_code == 304, sent
+        assert again.content == b""
+        assert again.headers["etag"] == tag
+
+    # New data: the old result is still shown, not fresh, under another tag.
+    stale = api.http.get(
+        f"/v1/users/{USER}/insights/sleep/{DAY}",
+        params={"fingerprint": "fp-2"},
+        headers={"If-None-Match": tag},
+    )
+    assert stale.status_code == 200
+    assert stale.json()["status"] == "pending" and stale.json()["fresh"] is False
+    assert stale.json()["result"]["output"] == {"text": "slept well"}
+    assert stale.headers["etag"] != tag
+    assert "retry-after" in stale.headers
+
+
+def test_retry_after_follows_the_eta_and_a_pause(api: Served) -> None:
+    for n in range(3):
+        api.store.enqueue(f"ahead-{n}", "sleep", DAY, None, INTERACTIVE)
+    response = api.poll(USER, "sleep", DAY)
+    body = response.json()
+    assert body["ahead"] == 3
+    assert int(response.headers["retry-after"]) == expected_retry_after(body["eta_seconds"])
+
+    api.store.pause(3600, "gateway maintenance")
+    paused = api.poll(USER, "sleep", DAY)
+    assert paused.json()["paused"].startswith("operator for ")
+    assert paused.json()["paused"].endswith(": gateway maintenance")
+    assert paused.headers["retry-after"] == "30", "long waits are polled every 30 s"
+
+
+def test_the_etag_ignores_the_countdown_of_the_eta_and_of_a_pause() -> None:
+    one = InsightState("pending", 2, 1, 300.0, paused="operator for 120 s: maintenance")
+    later = dataclasses.replace(one, eta_seconds=290.0, paused="operator for 110 s: maintenance")
+    moved = dataclasses.replace(later, ahead=1)
+    assert api_module.etag(one) == api_module.etag(later)
+    assert api_module.etag(moved) != api_module.etag(later)
+
+
+def test_a_consumer_standing_by_means_no_run_is_asked_for(api: Served) -> None:
+    api.store.worker_seen("consumer-1", "consumer")
+    body = api.poll(USER, "sleep", DAY).json()
+    assert body["status"] == "pending"
+    assert body["run_note"] is None and body["flow_run_id"] is None
+
+
+def test_with_no_prefect_server_at_all_a_poll_says_so(
+    runtime: Runtime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    with serve(runtime, None) as served:
+        body = served.poll(USER, "sleep", DAY).json()
+        assert body["status"] == "pending"
+        assert body["run_note"] == NO_SERVER
+
+
+# -- the post-sync hook ----------------------------------------------------------------------
+
+
+def test_a_backfill_is_accepted_queued_and_idempotent_by_sync_id(api: Served) -> None:
+    first = api.http.post(f"/v1/users/{USER}/backfills", json={"sync_id": "sync-1"})
+    assert first.status_code == 202, first.text
+    body = first.json()
+    assert body["status"] == "queued"
+    assert body["user_id"] == USER and body["queued"] == 2
+    assert body["flow_run_id"] is None and body["error"] is None
+    assert body["run_note"].startswith("Prefect unreachable")
+    rows = {k: row_version(api.database_url, USER, k, DAY) for k in ("sleep", "hrv")}
+    assert all(rows.values())
+    for kind in ("sleep", "hrv"):
+        job = api.store.job(USER, kind, DAY)
+        assert job is not None and job.priority == PREFETCH and job.status == Status.PENDING
+
+    again = api.http.post(f"/v1/users/{USER}/backfills", json={"sync_id": "sync-1"})
+    assert again.status_code == 202 and again.json() == body
+    assert {k: row_version(api.database_url, USER, k, DAY) for k in rows} == rows
+    assert job_count(api.database_url) == 2
+
+    no_sync = api.http.post(f"/v1/users/{USER}/backfills")
+    assert no_sync.status_code == 202 and no_sync.json()["queued"] == 2
+
+
+def test_a_bad_backfill_is_refused_naming_the_field_and_queues_nothing(api: Served) -> None:
+    url = f"/v1/users/{USER}/backfills"
+    assert_refused(api.http.post(url, json={"sync_id": 42}), 422, "sync_id")
+    assert_refused(api.http.post(url, json={"sync_id": ""}), 422, "sync_id")
+    assert_refused(api.http.post(url, json={"sync_id": "s" * 201}), 422, "sync_id")
+    assert_refused(api.http.post(url, json={"sync": "s"}), 422, "sync")
+    assert_refused(api.http.post(url, json=["sync-1"]), 422, "body")
+    assert_refused(api.http.post(url, content=b"{not json"), 400, "body")
+    assert_refused(api.http.post(url, content=b"\xff\xfe"), 400, "body")
+    assert_refused(api.http.post(url, content=b"[" * 100_000), 413, "body")
+    assert_refused(api.http.post(url, content=b"[" * 5_000 + b"]" * 5_000), 400, "body")
+    assert_refused(api.http.post("/v1/users/%20/backfills", json={}), 422, "user_id")
+    assert_refused(api.http.post("/v1/users/a%7Cb/backfills", json={}), 422, "user_id")
+    assert_refused(api.http.get(url), 405, None)
+    assert job_count(api.database_url) == 0
+
+
+# -- the operator --------------------------------------------------------------------------
+
+OPERATOR_ROUTES = [
+    ("GET", "/v1/queue", None),
+    ("POST", "/v1/pause", {"seconds": 60, "reason": "refused"}),
+    ("POST", "/v1/resume", None),
+    ("POST", f"/v1/users/{USER}/retry-failed", None),
+    ("GET", "/queue", None),
+]
+
+
+def test_operator_routes_need_the_token(api: Served) -> None:
+    wrong = [
+        {},
+        {"Authorization": "Bearer not-the-token"},
+        {"Authorization": f"Bearer {TOKEN}x"},
+        {"Authorization": TOKEN},
+        {"Authorization": f"Token {TOKEN}"},
+        {"Authorization": "Basic !!!"},
+        {"Authorization": f"Basic {base64.b64encode(b'op:nope').decode()}"},
+        {"Authorization": f"Basic {base64.b64encode(TOKEN.encode()).decode()}"},
+    ]
+    for method, path, payload in OPERATOR_ROUTES:
+        for headers in wrong:
+            refused = api.http.request(method, path, json=payload, headers=headers)
+            assert_refused(refused, 401, "authorization")
+            challenges = refused.headers.get_list("www-authenticate")
+            assert any(c.startswith("Bearer") for c in challenges)
+            assert any(c.startswith("Basic") for c in challenges)
+        allowed = api.http.request(method, path, json=payload, headers=OPERATOR)
+        assert allowed.status_code == 200, (path, allowed.text)
+        resumed = api.http.post("/v1/resume", headers=OPERATOR)
+        assert resumed.status_code == 200
+    assert api.http.get("/queue", auth=("anyone", TOKEN)).status_code == 200
+    assert not api.store.gate_state().paused
+
+
+def test_without_a_token_set_operator_routes_are_off(runtime: Runtime, closed_prefect: str) -> None:
+    with serve(runtime, closed_prefect, token=SecretStr("")) as served:
+        for method, path, payload in OPERATOR_ROUTES:
+            assert_refused(served.http.request(method, path, json=payload), 403, None)
+            assert_refused(
+                served.http.request(method, path, json=payload, headers=OPERATOR), 403, None
+            )
+        assert served.poll(USER, "sleep", DAY).status_code == 200, "screens stay open"
+        assert not served.store.gate_state().paused
+
+
+def test_the_operator_sees_the_queue_pauses_resumes_and_retries(api: Served) -> None:
+    store = api.store
+    store.enqueue(USER, "hrv", DAY)
+    claim = store.claim_next("test-worker")
+    assert claim.job is not None and claim.job.holder is not None
+    store.fail(claim.job.id, claim.job.holder, Failure.REJECTED, "HTTP 400: prompt too long")
+    store.enqueue("user-2", "sleep", DAY, None, PREFETCH)
+    store.enqueue(USER, "sleep", DAY, None, INTERACTIVE)
+
+    shown = api.http.get("/v1/queue", params={"limit": 10}, headers=OPERATOR)
+    assert shown.status_code == 200
+    view = shown.json()
+    expected = store.queue_view(10).as_dict()
+    assert set(view) == set(expected)
+    assert [j["id"] for j in view["waiting"]] == [j["id"] for j in expected["waiting"]]
+    assert [j["place"] for j in view["waiting"]] == [1, 2]
+    assert view["waiting"][0]["user_id"] == USER and view["waiting"][0]["kind"] == "sleep"
+    assert view["waiting_total"] == 2 and view["failed_total"] == 1
+    assert view["recent_failures"][0]["error"] == "HTTP 400: prompt too long"
+    assert view["now"].endswith("+00:00")
+    limited = api.http.get("/v1/queue", params={"limit": 1}, headers=OPERATOR).json()
+    assert len(limited["waiting"]) == 1 and limited["waiting_total"] == 2
+
+    paused = api.http.post(
+        "/v1/pause", json={"seconds": 120, "reason": "gateway upgrade"}, headers=OPERATOR
+    )
+    assert paused.status_code == 200
+    assert paused.json()["gate"]["paused"] is True
+    assert paused.json()["gate"]["pause_reason"] == "gateway upgrade"
+    assert paused.json()["paused_until"].endswith("+00:00")
+    assert store.gate_state().paused
+    assert store.claim_next("test-worker").job is None
+
+    resumed = api.http.post("/v1/resume", headers=OPERATOR)
+    assert resumed.status_code == 200 and resumed.json()["gate"]["paused"] is False
+    assert not store.gate_state().paused
+
+    retried = api.http.post(f"/v1/users/{USER}/retry-failed", headers=OPERATOR)
+    assert retried.status_code == 200
+    assert retried.json() == {"user_id": USER, "retried": 1, "pending": 2}
+    job = store.job(USER, "hrv", DAY)
+    assert job is not None and job.status == Status.PENDING and job.attempts == 0
+
+
+def test_bad_operator_input_is_refused_naming_the_field(api: Served) -> None:
+    for payload, field in [
+        ({}, "seconds"),
+        ({"seconds": "60"}, "seconds"),
+        ({"seconds": -1}, "seconds"),
+        ({"seconds": True}, "seconds"),
+        ({"seconds": 1e300}, "seconds"),
+        ({"seconds": 60, "reason": 5}, "reason"),
+        ({"seconds": 60, "reason": "  "}, "reason"),
+        ({"seconds": 60, "until": "later"}, "until"),
+    ]:
+        assert_refused(api.http.post("/v1/pause", json=payload, headers=OPERATOR), 422, field)
+    assert_refused(
+        api.http.post("/v1/pause", content=b'{"seconds": NaN}', headers=OPERATOR), 422, "seconds"
+    )
+    assert_refused(api.http.post("/v1/resume", json={"x": 1}, headers=OPERATOR), 422, "x")
+    for limit in ("0", "1001", "abc", "1.5", ""):
+        refused = api.http.get("/v1/queue", params={"limit": limit}, headers=OPERATOR)
+        assert_refused(refused, 422, "limit")
+    for refresh in ("soon", "-1", "nan", "inf"):
+        refused = api.http.get("/queue", params={"refresh": refresh}, headers=OPERATOR)
+        assert_refused(refused, 422, "refresh")
+    assert_refused(api.http.post("/v1/users/%00/retry-failed", headers=OPERATOR), 422, "user_id")
+    assert not api.store.gate_state().paused
+
+
+def test_the_page_honours_refresh_within_bounds(api: Served) -> None:
+    def meta_refresh(value: str | None) -> str | None:
+        params = {} if value is None else {"refresh": value}
+        page = api.http.get("/queue", params=params, headers=OPERATOR)
+        assert page.status_code == 200
+        assert page.headers["content-type"].startswith("text/html")
+        assert "default-src 'none'" in page.headers["content-security-policy"]
+        marker = '<meta http-equiv="refresh" content="'
+        if marker not in page.text:
+            return None
+        return page.text.split(marker, 1)[1].split('"', 1)[0]
+
+    assert meta_refresh(None) == "5"
+    assert meta_refresh("10") == "10"
+    assert meta_refresh("0.5") == "2"
+    assert meta_refresh("100000") == "600"
+    assert meta_refresh("0") is None
+
+
+# -- hostile paths -------------------------------------------------------------------------
+
+
+def test_encoded_slashes_reach_exactly_their_own_job(api: Served) -> None:
+    assert api.http.get("/v1/users/u/insights/sleep/a%2Fb").json()["status"] == "pending"
+    assert api.http.get("/v1/users/u%2Fx/insights/sleep/c%2fd").json()["status"] == "pending"
+    assert api.http.get("/v1/users/u%252F/insights/sleep/e").json()["status"] == "pending"
+    assert api.store.job("u", "sleep", "a/b") is not None
+    assert api.store.job("u/x", "sleep", "c/d") is not None
+    assert api.store.job("u%2F", "sleep", "e") is not None, "a literal %2F stays literal"
+    assert job_count(api.database_url) == 3
+    retried = api.http.post("/v1/users/u%2Fx/retry-failed", headers=OPERATOR)
+    assert retried.json()["user_id"] == "u/x" and retried.json()["pending"] == 1
+    assert api.http.post("/v1/users/u%2Fx/backfills").json()["user_id"] == "u/x"
+
+
+def test_hostile_path_parameters_get_a_clean_4xx_and_lose_nothing(api: Served) -> None:
+    assert api.poll(USER, "sleep", DAY, fingerprint="fp").status_code == 200
+    before = job_count(api.database_url)
+    version = row_version(api.database_url, USER, "sleep", DAY)
+    ten_kb = "x" * 10_000
+    cases: list[tuple[str, int, str | None]] = [
+        (f"/v1/users/a%00b/insights/sleep/{DAY}", 422, "user_id"),
+        (f"/v1/users/{USER}/insights/sl%00eep/{DAY}", 422, "kind"),
+        (f"/v1/users/{USER}/insights/sleep/a%00b", 422, "subject"),
+        (f"/v1/users/{ten_kb}/insights/sleep/{DAY}", 422, "user_id"),
+        (f"/v1/users/{USER}/insights/{ten_kb}/{DAY}", 422, "kind"),
+        (f"/v1/users/{USER}/insights/sleep/{ten_kb}", 422, "subject"),
+        (f"/v1/users/{USER}/insights/sleep/{DAY}?fingerprint={ten_kb}", 422, "fingerprint"),
+        (f"/v1/users/{USER}/insights/sleep/{DAY}?fingerprint=a%00b", 422, "fingerprint"),
+        (f"/v1/users/{USER}/insights/sleep/{DAY}?fingerprint=a&fingerprint=b", 422, "fingerprint"),
+        (f"/v1/users/a%7Cb/insights/sleep/{DAY}", 422, "user_id"),
+        (f"/v1/users/%20%09/insights/sleep/{DAY}", 422, "user_id"),
+        (f"/v1/users/{USER}/insights/unknown-kind/{DAY}", 422, "kind"),
+        (f"/v1/users/{USER}/insights/sl%2Feep/{DAY}", 422, "kind"),
+        (f"/v1/users/%FF/insights/sleep/{DAY}", 400, "path"),
+        (f"/v1/users/{USER}/insights/sleep/%C3%28", 400, "path"),
+        (f"/v1/users/{USER}/insights/sleep/{DAY}?fingerprint=%FF", 400, "query"),
+        (f"/v1/users/{USER}/insights/sleep/a/b", 404, None),
+        (f"/v1/users/{USER}/insights/sleep/a%2Fb%00", 404, None),
+        (f"/v1/users/{USER}/insights/sleep", 404, None),
+    ]
+    for path, status, field in cases:
+        assert_refused(api.http.get(path), status, field)
+    assert job_count(api.database_url) == before
+    assert row_version(api.database_url, USER, "sleep", DAY) == version
+    assert api.poll(USER, "sleep", DAY, fingerprint="fp").json()["status"] == "pending"
+
+
+# -- who may call what ---------------------------------------------------------------------
+
+
+def test_loopback_is_told_apart() -> None:
+    for host in ("127.0.0.1", "127.8.9.10", "::1", "[::1]", "localhost", "LOCALHOST"):
+        assert api_module.is_loopback(host), host
+    for host in ("0.0.0.0", "::", "192.168.1.20", "10.0.0.1", "example.com", ""):
+        assert not api_module.is_loopback(host), host
+
+
+def test_off_loopback_the_app_refuses_to_start_without_a_token(runtime: Runtime) -> None:
+    triggers = Triggers(runtime, prefect_url=None)
+    with pytest.raises(ApiConfigError, match="AI_API_TOKEN"):
+        create_app(triggers, host="0.0.0.0", token=SecretStr(""))
+    with pytest.raises(ApiConfigError, match="AI_API_TOKEN"):
+        create_app(triggers, host="127.0.0.1", require_token=True, token=SecretStr(""))
+
+    env = {
+        **os.environ,
+        "AI_JOB_DATABASE_URL": runtime.settings.database_url,
+        "AI_JOB_DATA_DIR": str(runtime.settings.data_dir),
+        "AI_API_TOKEN": "",
+    }
+    port = str(free_port())
+    refused = subprocess.run(
+        [str(BIN / "insight-queue"), "api", "--host", "0.0.0.0", "--port", port],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert refused.returncode == 2
+    assert refused.stderr.startswith("error: AI_API_TOKEN: must be set")
+    assert refused.stderr.count("\n") == 1 and "Traceback" not in refused.stderr
+
+
+def test_off_loopback_every_route_needs_the_token(runtime: Runtime, closed_prefect: str) -> None:
+    # Served on 127.0.0.1 like every server here, as the app would be on 0.0.0.0.
+    with serve(runtime, closed_prefect, host="0.0.0.0") as served:
+        routes = [
+            ("GET", "/healthz", None),
+            ("GET", f"/v1/users/{USER}/insights/sleep/{DAY}", None),
+            ("POST", f"/v1/users/{USER}/backfills", {"sync_id": "s"}),
+            ("GET", "/no-such-route", None),
+            *OPERATOR_ROUTES,
+        ]
+        for method, path, payload in routes:
+            refused = served.http.request(method, path, json=payload)
+            assert_refused(refused, 401, "authorization")
+            wrong = served.http.request(
+                method, path, json=payload, headers={"Authorization": "Bearer wrong"}
+            )
+            assert_refused(wrong, 401, "authorization")
+        assert job_count(served.database_url) == 0
+        assert not served.store.gate_state().paused
+        for method, path, payload in routes[:3]:
+            allowed = served.http.request(method, path, json=payload, headers=OPERATOR)
+            assert allowed.status_code in (200, 202), (path, allowed.text)
+
+
+def test_a_host_app_mounts_the_poll_behind_its_own_auth(
+    runtime: Runtime, closed_prefect: str
+) -> None:
+    users = {"alice-token": "alice", "bob-token": "bob"}
+
+    def current_user(authorization: str | None = Header(None)) -> str:
+        user = users.get((authorization or "").removeprefix("Bearer "))
+        if user is None:
+            raise HTTPException(401, "who are you?")
+        return user
+
+    triggers = Triggers(runtime, prefect_url=closed_prefect)
+    host = FastAPI()
+    host.include_router(insights_router(triggers, current_user), prefix="/ai")
+    host.add_middleware(StrictPaths)
+    with ApiServer(host) as server, httpx.Client(base_url=server.url) as http:
+        alice = http.get(
+            f"/ai/v1/insights/sleep/{DAY}%2Fam",
+            params={"fingerprint": "fp-a"},
+            headers={"Authorization": "Bearer alice-token"},
+        )
+        assert alice.status_code == 200 and alice.json()["status"] == "pending"
+        assert runtime.store.job("alice", "sleep", f"{DAY}/am") is not None
+        bob = http.get(
+            f"/ai/v1/insights/sleep/{DAY}", headers={"Authorization": "Bearer bob-token"}
+        )
+        assert bob.status_code == 200 and bob.json()["ahead"] == 1
+        assert http.get(f"/ai/v1/insights/sleep/{DAY}").status_code == 401
+        assert_refused(
+            http.get("/ai/v1/insights/nope/x", headers={"Authorization": "Bearer bob-token"}),
+            422,
+            "kind",
+        )
+    assert job_count(runtime.settings.database_url) == 2
+
+
+# -- the store goes away, and comes back ---------------------------------------------------
+
+
+class StoreOutage:
+    """Takes the store's database away and gives it back, by event."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+        self.url = make_url(runtime.settings.database_url)
+
+    def begin(self) -> None:
+        self.runtime.store.close()  # the next call opens new connections
+        if self.url.get_backend_name() == "sqlite":
+            assert self.url.database is not None
+            path = Path(self.url.database)
+            for suffix in ("", "-wal", "-shm"):
+                found = Path(f"{path}{suffix}")
+                if found.exists():
+                    found.rename(f"{path}{suffix}.away")
+            path.mkdir()  # where the file was: SQLite cannot open it
+        else:
+            self._postgres(
+                f'ALTER DATABASE "{self.url.database}" WITH ALLOW_CONNECTIONS false',
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                f"WHERE datname = '{self.url.database}' AND pid <> pg_backend_pid()",
+            )
+
+    def end(self) -> None:
+        if self.url.get_backend_name() == "sqlite":
+            assert self.url.database is not None
+            path = Path(self.url.database)
+            shutil.rmtree(path)
+            for suffix in ("", "-wal", "-shm"):
+                away = Path(f"{path}{suffix}.away")
+                if away.exists():
+                    away.rename(f"{path}{suffix}")
+        else:
+            self._postgres(f'ALTER DATABASE "{self.url.database}" WITH ALLOW_CONNECTIONS true')
+
+    def _postgres(self, *statements: str) -> None:
+        admin = create_engine(normalise_url(POSTGRES_URL), isolation_level="AUTOCOMMIT")
+        try:
+            with admin.connect() as connection:
+                for statement in statements:
+                    connection.execute(text(statement))
+        finally:
+            admin.dispose()
+
+
+def test_store_down_is_a_503_with_status_unknown_and_loses_nothing(api: Served) -> None:
+    assert api.poll(USER, "sleep", DAY, fingerprint="fp").status_code == 200
+    version = row_version(api.database_url, USER, "sleep", DAY)
+    outage = StoreOutage(api.runtime)
+    outage.begin()
+    try:
+        down = api.poll(USER, "sleep", DAY, fingerprint="fp")
+        assert down.status_code == 503
+        assert down.json()["status"] == "unknown" and down.json()["error"]
+        assert "\n" not in down.text and down.headers["retry-after"] == "10"
+        for method, path, payload, headers in [
+            ("GET", "/healthz", None, {}),
+            ("POST", f"/v1/users/{USER}/backfills", {"sync_id": "s"}, {}),
+            ("GET", "/v1/queue", None, OPERATOR),
+            ("POST", "/v1/pause", {"seconds": 60}, OPERATOR),
+            ("POST", "/v1/resume", None, OPERATOR),
+            ("POST", f"/v1/users/{USER}/retry-failed", None, OPERATOR),
+        ]:
+            answer = api.http.request(method, path, json=payload, headers=headers)
+            assert answer.status_code == 503, (path, answer.text)
+            assert answer.json()["status"] == "unknown", path
+            assert set(answer.json()) == {"status", "error"}, path
+            assert "\n" not in answer.text and answer.headers["retry-after"] == "10"
+        page = api.http.get("/queue", headers=OPERATOR)
+        assert page.status_code == 503
+        assert "The store cannot be read" in page.text
+        # Bad input is still bad input, whatever the store's state.
+        assert_refused(api.http.get(f"/v1/users/{USER}/insights/sleep/a%00"), 422, "subject")
+    finally:
+        outage.end()
+    back = api.poll(USER, "sleep", DAY, fingerprint="fp")
+    assert back.status_code == 200 and back.json()["status"] == "pending"
+    assert row_version(api.database_url, USER, "sleep", DAY) == version
+    assert job_count(api.database_url) == 1
+    assert api.http.get("/healthz").status_code == 200
