@@ -10,9 +10,8 @@ jobs, with nothing the app's values could have injected.
 
 from __future__ import annotations
 
-import os
-
 import contextlib
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
