@@ -117,7 +117,14 @@ class PrefectServer:
                 f"port {self.port} on 127.0.0.1 is taken by something that is not a Prefect server"
             )
         self.home.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, **server_env(self.home, ui=self.ui)}
+        env = {
+            **os.environ,
+            **server_env(self.home, ui=self.ui),
+            # The UI asks the API where it was told to, not where the server
+            # listens: on any port but the default it must be told.
+            "PREFECT_UI_API_URL": self.api_url,
+            "PREFECT_UI_URL": self.ui_url,
+        }
         if self.database_url:
             env["PREFECT_API_DATABASE_CONNECTION_URL"] = self.database_url
         env.pop("PREFECT_API_URL", None)

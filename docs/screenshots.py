@@ -1,13 +1,18 @@
 """Screenshots for the docs, taken in headless Chromium.
 
     .venv/bin/python docs/screenshots.py queue-page
+    .venv/bin/python docs/screenshots.py prefect-ui
 
 `queue-page` builds a small, plausible queue in a temporary SQLite store (a
 backfill draining with one call in flight, a screen's insight at the front,
 two failures, a consumer standing by), serves the API on a free loopback
 port in this process, and writes `docs/queue-page.png` (desktop) and
-`docs/queue-page-phone.png` (a phone's width). It stops everything it
-started and leaves nothing behind but the two images.
+`docs/queue-page-phone.png` (a phone's width). `prefect-ui` runs a served
+stack (a Prefect server with its UI, `serve`, the gateway simulator) through
+a backfill with a refused scope and a screen's run, and writes the Prefect
+UI's runs list, a screen's run, the backfill's run and its table of scopes,
+and a failed generation. Each stops everything it started and leaves nothing
+behind but the images.
 """
 
 from __future__ import annotations
@@ -48,6 +53,8 @@ TOKEN = "screenshot-token"
 PRETEND_UI = "http://127.0.0.1:4200"
 WORKER = "serve@app-1:3f9c2a07de"
 DESKTOP = (1280, 1180)
+UI_WINDOW = (1440, 1000)
+UI_SETTLE_SECONDS = 8.0  # the Prefect UI fetches its data after it loads
 PHONE = (390, 1400)
 PHONE_SCALE = 2
 
@@ -143,21 +150,26 @@ def build_queue(url: str, clock: Clock) -> None:
         engine.dispose()
 
 
+CHROMIUM_FLAGS = (
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--hide-scrollbars",
+)
+
+
 def chromium(url: str, out: Path, window: tuple[int, int], scale: int = 1) -> None:
     """One screenshot of `url`, by a Chromium process of its own (stopped by its PID)."""
     with tempfile.TemporaryDirectory(prefix="chromium-profile-") as profile:
         process = subprocess.Popen(
             [
                 CHROMIUM,
-                "--headless",
-                "--no-sandbox",
-                "--disable-gpu",
-                "--disable-quic",
-                "--no-first-run",
-                "--disable-background-networking",
-                "--disable-component-update",
-                "--disable-sync",
-                "--hide-scrollbars",
+                *CHROMIUM_FLAGS,
                 f"--user-data-dir={profile}",
                 f"--window-size={window[0]},{window[1]}",
                 f"--force-device-scale-factor={scale}",
@@ -176,6 +188,90 @@ def chromium(url: str, out: Path, window: tuple[int, int], scale: int = 1) -> No
                 processes.stop_group(process, grace_seconds=5)
     if process.returncode != 0 or not out.exists():
         raise RuntimeError(f"chromium could not take {out.name}")
+
+
+def chromium_after_load(
+    pages: Sequence[tuple[str, Path]], window: tuple[int, int], settle_seconds: float
+) -> None:
+    """Screenshots of pages that build themselves with scripts (the Prefect UI).
+
+    One Chromium, driven over its DevTools protocol: each page is opened, given
+    `settle_seconds` of real time to fetch its data, then captured.
+    """
+    import asyncio
+    import base64
+    import json
+    import time
+
+    import httpx
+    import websockets
+
+    port = processes.free_port()
+    with tempfile.TemporaryDirectory(prefix="chromium-profile-") as profile:
+        process = processes.start(
+            [
+                CHROMIUM,
+                *CHROMIUM_FLAGS,
+                f"--user-data-dir={profile}",
+                f"--window-size={window[0]},{window[1]}",
+                "--remote-debugging-address=127.0.0.1",
+                f"--remote-debugging-port={port}",
+                "about:blank",
+            ],
+            stdout=subprocess.DEVNULL,
+        )
+        try:
+            endpoint = f"http://127.0.0.1:{port}/json"
+            processes.wait_for(
+                lambda: _answers(endpoint), timeout=30, what="chromium's debugging port"
+            )
+            target = next(t for t in httpx.get(endpoint, timeout=5).json() if t["type"] == "page")
+
+            async def capture() -> None:
+                async with websockets.connect(
+                    target["webSocketDebuggerUrl"], max_size=None
+                ) as socket:
+                    ids = iter(range(1, 1_000_000))
+
+                    async def call(method: str, **params: object) -> dict[str, object]:
+                        number = next(ids)
+                        await socket.send(
+                            json.dumps({"id": number, "method": method, "params": params})
+                        )
+                        while True:
+                            message = json.loads(await socket.recv())
+                            if message.get("id") == number:
+                                result: dict[str, object] = message.get("result", {})
+                                return result
+
+                    await call(
+                        "Emulation.setDeviceMetricsOverride",
+                        width=window[0],
+                        height=window[1],
+                        deviceScaleFactor=1,
+                        mobile=False,
+                    )
+                    for url, out in pages:
+                        await call("Page.navigate", url=url)
+                        await asyncio.sleep(settle_seconds)
+                        shot = await call("Page.captureScreenshot", format="png")
+                        out.write_bytes(base64.b64decode(str(shot["data"])))
+
+            started = time.monotonic()
+            asyncio.run(capture())
+            if time.monotonic() - started > 600:
+                raise RuntimeError("the screenshots took too long")
+        finally:
+            processes.stop_group(process, grace_seconds=5)
+
+
+def _answers(url: str) -> bool:
+    import httpx
+
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def queue_page(out_dir: Path) -> list[Path]:
@@ -203,7 +299,120 @@ def queue_page(out_dir: Path) -> list[Path]:
     return written
 
 
-SHOTS = {"queue-page": queue_page}
+def prefect_ui(out_dir: Path) -> list[Path]:
+    """The run history as an operator sees it, on a served stack with the demo's generators.
+
+    A backfill of the demo user in which one scope's calls are refused by the
+    gateway (a failed generation), and a screen's run whose job the warm
+    consumer takes. Writes the runs list, the screen's run, the backfill's
+    run with its artifacts, and the failed generation's run.
+    """
+    import time
+
+    import httpx
+
+    from deployments import table
+    from deployments.prefect_api import PrefectApi
+    from deployments.stack import PrefectServer, ServeProcess
+    from flows.demo import demo_scopes
+    from flows.recorder import GatewayRecorder
+    from flows.simulator import GatewaySimulator
+
+    user = "ada"
+    refused = next(s for s in demo_scopes(user) if s.kind == "steps")
+    written: list[Path] = []
+    with tempfile.TemporaryDirectory(prefix="insight-queue-ui-") as directory:
+        home = Path(directory)
+        sim = GatewaySimulator(latency=(0.6, 1.4), seed=3).start()
+        sim.set_fault("status", status=400, job=f"steps:{refused.subject}")
+        recorder = GatewayRecorder("127.0.0.1", sim.port).start()
+        server = PrefectServer(home / "prefect", processes.free_port(), ui=True, reuse=False)
+        try:
+            server.start()
+            settings = Settings.from_env(
+                {},
+                data_dir=home / "data",
+                gateway_url=recorder.url,
+                gap_seconds=0.5,
+                max_attempts=2,
+                plugins="flows.demo",
+            )
+            api = PrefectApi(server.api_url, timeout=10)
+            with ServeProcess(settings, server.api_url, log=home / "serve.log"):
+
+                def final(run_id: str) -> dict[str, object]:
+                    for _ in range(600):
+                        run: dict[str, object] = httpx.get(
+                            f"{server.api_url}/flow_runs/{run_id}", timeout=10
+                        ).json()
+                        state = run["state"]
+                        if isinstance(state, dict) and state["type"] in ("COMPLETED", "FAILED"):
+                            return run
+                        time.sleep(0.5)
+                    raise RuntimeError(f"run {run_id} did not end")
+
+                backfill = api.create_run(
+                    table.BACKFILL.name,
+                    {"user_id": user},
+                    name=f"backfill:{user}",
+                    tags=[f"user:{user}", "priority:prefetch"],
+                    idempotency_key=f"shots-backfill-{time.time()}",
+                )
+                final(backfill)
+                screen = api.create_run(
+                    table.INTERACTIVE.name,
+                    {
+                        "user_id": user,
+                        "kind": "sleep",
+                        "subject": "2026-11-29",
+                        "fingerprint": None,
+                    },
+                    name="sleep:2026-11-29",
+                    tags=[f"user:{user}", "kind:sleep", "priority:interactive"],
+                    idempotency_key=f"shots-screen-{time.time()}",
+                )
+                final(screen)
+                failed = httpx.post(
+                    f"{server.api_url}/flow_runs/filter",
+                    json={
+                        "flow_runs": {
+                            "name": {"any_": [f"steps:{refused.subject}"]},
+                            "state": {"type": {"any_": ["FAILED"]}},
+                        },
+                        "sort": "START_TIME_DESC",
+                        "limit": 1,
+                    },
+                    timeout=10,
+                ).json()[0]["id"]
+                table_id = httpx.post(
+                    f"{server.api_url}/artifacts/filter",
+                    json={
+                        "artifacts": {"key": {"any_": [f"backfill-{user}-scopes"]}},
+                        "sort": "CREATED_DESC",
+                        "limit": 1,
+                    },
+                    timeout=10,
+                ).json()[0]["id"]
+                ui = server.ui_url
+                pages = [
+                    ("runs-list.png", f"{ui}/runs"),
+                    ("screen-run.png", f"{ui}/runs/flow-run/{screen}"),
+                    ("backfill-run.png", f"{ui}/runs/flow-run/{backfill}"),
+                    ("backfill-scopes.png", f"{ui}/artifacts/artifact/{table_id}"),
+                    ("failed-generation.png", f"{ui}/runs/flow-run/{failed}"),
+                ]
+                shots = [(url, out_dir / name) for name, url in pages]
+                chromium_after_load(shots, UI_WINDOW, UI_SETTLE_SECONDS)
+                written += [out for _, out in shots]
+            api.close()
+        finally:
+            server.stop()
+            recorder.stop()
+            sim.stop()
+    return written
+
+
+SHOTS = {"queue-page": queue_page, "prefect-ui": prefect_ui}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
