@@ -30,7 +30,7 @@ test: $(STAMP) lint typecheck
 
 # The quick lane: unit and integration tiers, no real-process scenarios.
 test-fast: $(STAMP)
-	$(PYTEST) -m "not acceptance and not slow"
+	$(PYTEST) tests/unit tests/integration -m "not slow"
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -213,6 +213,7 @@ def _round(actors: list[Actor], rng: random.Random, now: float, keys: int) -> No
             a.belief = None
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("concurrency", [1, 2])
 def test_random_interleavings_never_give_more_live_claims_than_the_limit(

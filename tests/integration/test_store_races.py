@@ -51,6 +51,7 @@ def _max_overlap(intervals: list[tuple[float, float]]) -> int:
     return peak
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("concurrency", [1, 2])
 def test_claims_from_many_processes_respect_concurrency_and_take_each_job_once(
@@ -181,6 +182,7 @@ class Remote:
         _stop([self.process])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_worker_whose_claim_was_taken_over_cannot_touch_the_job(database_url: str) -> None:
     lease: dict[str, Any] = {"lease_seconds": 1.0, "heartbeat_seconds": 0.2, "gap_seconds": 0.0}
