@@ -360,7 +360,11 @@ def _refund(connection: Connection, row: Row[Any], now: dt.datetime, error: str)
     )
 
 
-def settle_done(connection: Connection, now: dt.datetime, row: Row[Any]) -> None:
+def settle_done(
+    connection: Connection, now: dt.datetime, row: Row[Any], flow_run_id: str | None = None
+) -> None:
+    """The attempt produced a result; the run that made it, if named, goes on the row (N4)."""
+    more: dict[str, Any] = {} if flow_run_id is None else {"flow_run_id": flow_run_id}
     _settle_row(
         connection,
         row,
@@ -369,5 +373,6 @@ def settle_done(connection: Connection, now: dt.datetime, row: Row[Any]) -> None
         error=None,
         unavailable_since=None,
         requested_at=None,
+        **more,
     )
     _ended_call(connection, now, last_answer_at=now, outages_in_a_row=0)
