@@ -166,18 +166,21 @@ def claim(
 
 
 def _first_pending(connection: Connection, *, avoid_suspects: bool) -> Row[Any] | None:
+    # The id breaks ties of age: the claim takes jobs in the very order that
+    # places in line are counted in (`positions`), the queue index's order.
     query = select(jobs).where(jobs.c.status == Status.PENDING)
+    order = (jobs.c.priority, jobs.c.queued_at, jobs.c.id)
     if avoid_suspects:
         probe = connection.execute(
             query.where(jobs.c.unavailable_since.is_(None))
-            .order_by(jobs.c.priority, jobs.c.queued_at)
+            .order_by(*order)
             .limit(1)
             .with_for_update(skip_locked=True)
         ).one_or_none()
         if probe is not None:
             return probe
     return connection.execute(
-        query.order_by(jobs.c.priority, jobs.c.queued_at).limit(1).with_for_update(skip_locked=True)
+        query.order_by(*order).limit(1).with_for_update(skip_locked=True)
     ).one_or_none()
 
 
