@@ -23,12 +23,28 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import functools
 import types
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from sqlalchemy import Connection, bindparam, delete, select, update
-from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy import (
+    Connection,
+    Select,
+    String,
+    any_,
+    bindparam,
+    column,
+    delete,
+    func,
+    select,
+    text,
+    true,
+    union_all,
+    update,
+)
+from sqlalchemy.dialects import postgresql
+from sqlalchemy.engine import Dialect
 
 from queue_store import schema
 from queue_store.models import INTERACTIVE, EnqueueRequest, Status, job_id
@@ -107,20 +123,58 @@ def chunks(
 def read(connection: Connection, chunk: Sequence[EnqueueRequest]) -> dict[str, dict[str, Any]]:
     """The rows the chunk can touch: its keys, and every job of a (user, kind) it supersedes."""
     ids = sorted({job_id(r.user_id, r.kind, r.subject) for r in chunk})
-    found = {
-        row.id: dict(row._mapping)
-        for row in connection.execute(select(jobs).where(jobs.c.id.in_(ids)))
-    }
     superseding = {(r.user_id, r.kind) for r in chunk if r.supersede}
-    if superseding:
-        users = sorted({user for user, _ in superseding})
-        kinds = sorted({kind for _, kind in superseding})
-        for row in connection.execute(
-            select(jobs).where(jobs.c.user_id.in_(users), jobs.c.kind.in_(kinds))
-        ):
-            if (row.user_id, row.kind) in superseding:
-                found[row.id] = dict(row._mapping)
+    users = sorted({user for user, _ in superseding})
+    kinds = sorted({kind for _, kind in superseding})
+    statement = _read(connection.dialect.name == "postgresql", bool(superseding))
+    wanted = set(ids)
+    found = {}
+    for row in connection.execute(statement, {"ids": ids, "users": users, "kinds": kinds}):
+        # Users times kinds may hold more than the pairs superseded.
+        if row.id in wanted or (row.user_id, row.kind) in superseding:
+            found[row.id] = dict(row._mapping)
     return found
+
+
+@functools.cache
+def _read(postgres: bool, superseding: bool) -> Any:
+    if postgres:
+        by_id = _by_id_one_by_one(*jobs.columns)
+    else:
+        by_id = select(jobs).where(jobs.c.id.in_(bindparam("ids", expanding=True)))
+    return union_all(by_id, _by_user_and_kind(postgres=postgres)) if superseding else by_id
+
+
+def _by_user_and_kind(*, postgres: bool) -> Select[Any]:
+    if postgres:
+        return select(jobs).where(
+            jobs.c.user_id == any_(bindparam("users", type_=postgresql.ARRAY(String))),
+            jobs.c.kind == any_(bindparam("kinds", type_=postgresql.ARRAY(String))),
+        )
+    return select(jobs).where(
+        jobs.c.user_id.in_(bindparam("users", expanding=True)),
+        jobs.c.kind.in_(bindparam("kinds", expanding=True)),
+    )
+
+
+def _by_id_one_by_one(*columns: Any, lock: bool = False) -> Select[Any]:
+    """PostgreSQL: the rows of the ids in the array `ids`, each looked up in the primary key.
+
+    `id = ANY(:ids)` reads the same rows, but on a table that has grown since
+    it was last analysed (a first backfill) the planner takes it for a few
+    pages and scans all of it, for every chunk. One lookup per id, in the
+    order given (sorted: the lock order), cannot be planned as a scan.
+    """
+    keys = (
+        func.unnest(bindparam("ids", type_=postgresql.ARRAY(String)))
+        .table_valued(column("id", String))
+        .render_derived()
+    )
+    one = select(*columns).where(jobs.c.id == keys.c.id).limit(1)
+    if lock:
+        one = one.with_for_update()
+    found = one.lateral()
+    return select(*found.c).select_from(keys).join(found, true())
 
 
 def plan(
@@ -204,32 +258,76 @@ def plan(
 
 def write(connection: Connection, plan: Plan) -> None:
     """Apply the plan, or raise `Raced` (the caller's transaction rolls back)."""
+    postgres = connection.dialect.name == "postgresql"
     if plan.revisions:
-        locked = connection.execute(
-            select(jobs.c.id, jobs.c.revision)
-            .where(jobs.c.id.in_(sorted(plan.revisions)))
-            .order_by(jobs.c.id)
-            .with_for_update()
-        ).all()
+        ids = sorted(plan.revisions)
+        if postgres:
+            locking: Any = _pg_lock()
+        else:  # the write transaction holds the database's one write lock already
+            locking = select(jobs.c.id, jobs.c.revision).where(
+                jobs.c.id.in_(bindparam("ids", expanding=True))
+            )
+        locked = connection.execute(locking, {"ids": ids})
         if {row.id: row.revision for row in locked} != plan.revisions:
             raise Raced
     if plan.deletes:
         connection.execute(delete(jobs).where(jobs.c.id.in_(sorted(plan.deletes))))
     if plan.inserts:
-        dialect = postgresql if connection.dialect.name == "postgresql" else sqlite
-        inserted = connection.execute(
-            dialect.insert(jobs)
-            .on_conflict_do_nothing(index_elements=[jobs.c.id])
-            .returning(jobs.c.id),
-            list(plan.inserts.values()),
-        ).all()
-        if len(inserted) != len(plan.inserts):  # another caller inserted one first
+        rows = list(plan.inserts.values())
+        if postgres:
+            # One statement with a column of values each, whatever the number of rows.
+            inserted = connection.execute(
+                _pg_insert(connection.dialect),
+                {name: [row[name] for row in rows] for name in INSERTED},
+            ).all()
+            written = len(inserted)
+        else:
+            written = connection.execute(_sqlite_insert(), rows).rowcount
+        if written != len(rows):  # another caller inserted one first
             raise Raced
     if plan.updates:
         connection.execute(
             update(jobs).where(jobs.c.id == bindparam("job_id")),
             [{"job_id": jid, **values} for jid, values in plan.updates.items()],
         )
+
+
+# Every column of a new row.
+INSERTED = tuple(column.name for column in jobs.columns)
+
+
+@functools.cache
+def _pg_lock() -> Any:
+    return _by_id_one_by_one(jobs.c.id, jobs.c.revision, lock=True)
+
+
+@functools.cache
+def _sqlite_insert() -> Any:
+    """One row per execution, many executions; the count of rows inserted adds up.
+
+    Written as text, like `_pg_insert`: SQLAlchemy does not cache its SQLite
+    INSERT ... ON CONFLICT either.
+    """
+    return text(
+        f"INSERT INTO ai_jobs ({', '.join(INSERTED)}) "
+        f"VALUES ({', '.join(f':{name}' for name in INSERTED)}) ON CONFLICT (id) DO NOTHING"
+    ).bindparams(*[bindparam(name, type_=jobs.c[name].type) for name in INSERTED])
+
+
+@functools.cache
+def _pg_insert(dialect: Dialect) -> Any:
+    """INSERT ... SELECT FROM unnest(one array per column): one statement, one plan.
+
+    Written as text: SQLAlchemy does not cache its PostgreSQL INSERT ... ON
+    CONFLICT, and would compile it again for every chunk.
+    """
+    arrays = ", ".join(
+        f"CAST(:{name} AS {jobs.c[name].type.compile(dialect=dialect)}[])" for name in INSERTED
+    )
+    return text(
+        f"INSERT INTO ai_jobs ({', '.join(INSERTED)}) SELECT * FROM unnest({arrays}) "
+        "ON CONFLICT (id) DO NOTHING RETURNING id"
+    ).bindparams(*[bindparam(name, type_=postgresql.ARRAY(jobs.c[name].type)) for name in INSERTED])
 
 
 def new_job(

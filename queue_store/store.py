@@ -317,19 +317,29 @@ class JobStore:
         self, chunk: Sequence[EnqueueRequest], after: dt.datetime | None
     ) -> bulk.Plan:
         for _ in range(MAX_ENQUEUE_ROUNDS):
-            with self._read("enqueue_many") as connection:
-                now = self._now(connection)
-                rows = bulk.read(connection, chunk)
+            try:
+                return self._try_chunk(chunk, after)
+            except bulk.Raced:
+                continue  # another writer got to one of its rows first: decide again
+        raise DatabaseError("enqueue_many: its jobs kept changing under this call; retry")
+
+    def _try_chunk(self, chunk: Sequence[EnqueueRequest], after: dt.datetime | None) -> bulk.Plan:
+        # The read locks nothing. PostgreSQL writes in the same transaction (a
+        # chunk that writes nothing commits nothing); SQLite takes the write
+        # lock in a transaction of its own, only for a chunk that changes
+        # something: a read transaction cannot take it safely.
+        with self._read("enqueue_many") as connection:
+            now = self._now(connection)
+            rows = bulk.read(connection, chunk)
             decided = bulk.plan(chunk, rows, bulk.starting_after(now, after), self._settings)
             if decided.writes_nothing:
                 return decided
-            try:
-                with self._write("enqueue_many") as connection:
-                    bulk.write(connection, decided)
-            except bulk.Raced:
-                continue  # another writer got to one of its rows first: decide again
-            return decided
-        raise DatabaseError("enqueue_many: its jobs kept changing under this call; retry")
+            if not self._is_sqlite:
+                bulk.write(connection, decided)
+                return decided
+        with self._write("enqueue_many") as connection:
+            bulk.write(connection, decided)
+        return decided
 
     def requeue(self, kinds: Sequence[str] | None = None) -> int:
         """Queue every finished job again (of these kinds, or all): after a prompt change.
