@@ -32,7 +32,6 @@ from sqlalchemy import (
     Connection,
     Select,
     String,
-    any_,
     bindparam,
     column,
     delete,
@@ -123,15 +122,18 @@ def chunks(
 def read(connection: Connection, chunk: Sequence[EnqueueRequest]) -> dict[str, dict[str, Any]]:
     """The rows the chunk can touch: its keys, and every job of a (user, kind) it supersedes."""
     ids = sorted({job_id(r.user_id, r.kind, r.subject) for r in chunk})
-    superseding = {(r.user_id, r.kind) for r in chunk if r.supersede}
-    users = sorted({user for user, _ in superseding})
-    kinds = sorted({kind for _, kind in superseding})
+    superseding = sorted({(r.user_id, r.kind) for r in chunk if r.supersede})
+    values = {
+        "ids": ids,
+        "users": [user for user, _ in superseding],
+        "kinds": [kind for _, kind in superseding],
+    }
     statement = _read(connection.dialect.name == "postgresql", bool(superseding))
-    wanted = set(ids)
+    wanted, pairs = set(ids), set(superseding)
     found = {}
-    for row in connection.execute(statement, {"ids": ids, "users": users, "kinds": kinds}):
-        # Users times kinds may hold more than the pairs superseded.
-        if row.id in wanted or (row.user_id, row.kind) in superseding:
+    for row in connection.execute(statement, values):
+        # SQLite reads users times kinds: more than the pairs superseded.
+        if row.id in wanted or (row.user_id, row.kind) in pairs:
             found[row.id] = dict(row._mapping)
     return found
 
@@ -140,21 +142,44 @@ def read(connection: Connection, chunk: Sequence[EnqueueRequest]) -> dict[str, d
 def _read(postgres: bool, superseding: bool) -> Any:
     if postgres:
         by_id = _by_id_one_by_one(*jobs.columns)
-    else:
-        by_id = select(jobs).where(jobs.c.id.in_(bindparam("ids", expanding=True)))
-    return union_all(by_id, _by_user_and_kind(postgres=postgres)) if superseding else by_id
-
-
-def _by_user_and_kind(*, postgres: bool) -> Select[Any]:
-    if postgres:
-        return select(jobs).where(
-            jobs.c.user_id == any_(bindparam("users", type_=postgresql.ARRAY(String))),
-            jobs.c.kind == any_(bindparam("kinds", type_=postgresql.ARRAY(String))),
+        if superseding:
+            return union_all(by_id, _by_user_and_kind_one_by_one())
+        return by_id
+    by_id = select(jobs).where(jobs.c.id.in_(bindparam("ids", expanding=True)))
+    if superseding:
+        by_kind = select(jobs).where(
+            jobs.c.user_id.in_(bindparam("users", expanding=True)),
+            jobs.c.kind.in_(bindparam("kinds", expanding=True)),
         )
-    return select(jobs).where(
-        jobs.c.user_id.in_(bindparam("users", expanding=True)),
-        jobs.c.kind.in_(bindparam("kinds", expanding=True)),
+        return union_all(by_id, by_kind)
+    return by_id
+
+
+def _by_user_and_kind_one_by_one() -> Select[Any]:
+    """PostgreSQL: every job of each (user, kind) in the arrays `users` and `kinds`.
+
+    Looked up pair by pair in `ix_ai_jobs_user`, as `_by_id_one_by_one` looks
+    up ids. With `user_id = ANY(...) AND kind = ANY(...)`, a session that had
+    prepared the statement (psycopg does after five runs) read it slower and
+    slower as a backfill of one call per user grew the table, while the same
+    statement unprepared did not; pair by pair it stays flat. (OFFSET 0 keeps
+    the lookup a lookup: without it the planner may merge it into a join.)
+    """
+    pairs = (
+        func.unnest(
+            bindparam("users", type_=postgresql.ARRAY(String)),
+            bindparam("kinds", type_=postgresql.ARRAY(String)),
+        )
+        .table_valued(column("user_id", String), column("kind", String))
+        .render_derived()
     )
+    found = (
+        select(*jobs.columns)
+        .where(jobs.c.user_id == pairs.c.user_id, jobs.c.kind == pairs.c.kind)
+        .offset(0)
+        .lateral()
+    )
+    return select(*found.c).select_from(pairs).join(found, true())
 
 
 def _by_id_one_by_one(*columns: Any, lock: bool = False) -> Select[Any]:
@@ -162,8 +187,9 @@ def _by_id_one_by_one(*columns: Any, lock: bool = False) -> Select[Any]:
 
     `id = ANY(:ids)` reads the same rows, but on a table that has grown since
     it was last analysed (a first backfill) the planner takes it for a few
-    pages and scans all of it, for every chunk. One lookup per id, in the
-    order given (sorted: the lock order), cannot be planned as a scan.
+    pages and scans all of it, for every chunk. A lookup per id (LATERAL ...
+    LIMIT 1), in the order given (sorted: the lock order), stays a lookup
+    whatever the statistics say.
     """
     keys = (
         func.unnest(bindparam("ids", type_=postgresql.ARRAY(String)))
