@@ -7,7 +7,8 @@ script creates next to the one in `--postgres-url` and drops at the end).
 Backlog measures, for each size in `--sizes` (default 1k, 10k and 100k pending
 jobs): the backlog is bulk-inserted (1000 users, about 1% INTERACTIVE, the rest
 PREFETCH, queue times spread over 30 days, plus 1% as many failed jobs, and a
-mean duration known for every kind), then `ANALYZE`. Median and p95 of:
+mean duration known for every kind), then `ANALYZE` (with `--vacuum`, on
+PostgreSQL `VACUUM ANALYZE`). Median and p95 of:
 
 - no-op poll: `enqueue` of an existing pending job with the same priority and
   fingerprint (what a waiting screen does every few seconds). "Wrote nothing"
@@ -234,9 +235,16 @@ def open_store(url: str) -> JobStore:
     return JobStore(url, settings=settings_for(url))
 
 
-def analyse(url: str) -> None:
+def analyse(url: str, vacuum: bool = False) -> None:
+    """ANALYZE; with `vacuum`, on PostgreSQL VACUUM ANALYZE (what autovacuum would leave)."""
     engine = create_store_engine(url)
     try:
+        if vacuum and engine.dialect.name == "postgresql":
+            with engine.connect() as connection:
+                connection.execution_options(isolation_level="AUTOCOMMIT").exec_driver_sql(
+                    "VACUUM ANALYZE"
+                )
+            return
         with engine.begin() as connection:
             connection.exec_driver_sql("ANALYZE")
     finally:
@@ -259,7 +267,7 @@ def backlog_key(i: int, list_slots: set[int]) -> Key:
     return Key(user, KINDS[i % len(KINDS)], f"day-{i:07d}", f"fp-{i:07d}", priority)
 
 
-def fill(url: str, size: int) -> list[Key]:
+def fill(url: str, size: int, vacuum: bool = False) -> list[Key]:
     """`size` pending jobs as `enqueue` would have made them, oldest first, plus 1% failed.
 
     Returns the pending jobs' keys, in the order they were queued.
@@ -298,7 +306,7 @@ def fill(url: str, size: int) -> list[Key]:
             )
     finally:
         engine.dispose()
-    analyse(url)
+    analyse(url, vacuum)
     return keys
 
 
@@ -597,7 +605,7 @@ def measure_parallel_polls(url: str, keys: list[Key], seconds: float, seed: int)
 def run_backlog(backend: str, url: str, size: int, args: argparse.Namespace) -> BacklogRow:
     started = time.perf_counter()
     migrate.upgrade(url)
-    keys = fill(url, size)
+    keys = fill(url, size, args.vacuum)
     log(f"{backend} {size:>7,}: backlog filled in {time.perf_counter() - started:.1f} s")
     ordered = queue_order(keys)
     rng = random.Random(args.seed + size)
@@ -1108,6 +1116,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--per-call", type=int, default=2000, help="new keys queued one `enqueue` each; 0 skips"
     )
+    parser.add_argument(
+        "--vacuum",
+        action="store_true",
+        help="PostgreSQL: VACUUM ANALYZE the backlog instead of ANALYZE, as autovacuum "
+        "(on by default) would soon after a bulk load: index-only scans then skip the table",
+    )
     parser.add_argument("--seed", type=int, default=1, help="random seed for the keys polled")
     parser.add_argument(
         "--explain",
@@ -1133,6 +1147,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for line in environment(args):
         print(line)
     print(f"load average at start: {load_at_start}")
+    if args.vacuum:
+        print("backlogs: VACUUM ANALYZE on PostgreSQL (ANALYZE on SQLite)")
     backlogs: list[BacklogRow] = []
     bulks: list[BulkRow] = []
     for backend in args.backends:
