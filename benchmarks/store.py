@@ -1,37 +1,55 @@
-"""Benchmark of the SQL store's hot paths at large backlogs, on SQLite and PostgreSQL.
+"""Benchmark of the SQL store at large backlogs and for bulk enqueues, on SQLite and PostgreSQL.
 
-For each backend and each backlog size (default 1k, 10k and 100k pending jobs)
-the script builds a fresh database (SQLite: a file in a temporary directory;
-PostgreSQL: a database it creates next to the one in `--postgres-url` and drops
-at the end), upgrades it with the store's migrations, fills the backlog with
-bulk inserts (1000 users, ~1% INTERACTIVE, the rest PREFETCH, queue times
-spread over 30 days), runs ANALYZE, and measures through `JobStore`:
+Every figure is taken through `JobStore`, on a fresh database per measurement
+group (SQLite: a file in a temporary directory; PostgreSQL: a database this
+script creates next to the one in `--postgres-url` and drops at the end).
+
+Backlog measures, for each size in `--sizes` (default 1k, 10k and 100k pending
+jobs): the backlog is bulk-inserted (1000 users, about 1% INTERACTIVE, the rest
+PREFETCH, queue times spread over 30 days, plus 1% as many failed jobs, and a
+mean duration known for every kind), then `ANALYZE` (with `--vacuum`, on
+PostgreSQL `VACUUM ANALYZE`). Median and p95 of:
 
 - no-op poll: `enqueue` of an existing pending job with the same priority and
-  fingerprint (what a waiting screen does every few seconds); median and p95,
-  and a check that the polls wrote nothing: the polled rows' `revision` and
-  `updated_at` (and `xmin` on PostgreSQL) are unchanged, and the database's
-  write counter did not move (SQLite: `PRAGMA data_version` seen from another
-  connection; PostgreSQL: inserted+updated+deleted tuples in
-  `pg_stat_user_tables`). A single real write made afterwards must move the
-  counter by exactly one, which proves the check can see a write;
+  fingerprint (what a waiting screen does every few seconds). "Wrote nothing"
+  means the polled rows' `revision` and `updated_at` (and `xmin`/`xmax` on
+  PostgreSQL) are unchanged and the database's write counter did not move
+  (SQLite: `PRAGMA data_version` seen from another connection; PostgreSQL:
+  inserted+updated+deleted tuples in `pg_stat_user_tables`). One real write
+  made afterwards must move that counter, which shows the check can see one;
 - `claim_next` with gap 0 and concurrency 1; each claimed job is released
-  (untimed) back to its place, so the backlog keeps its size and contents;
+  (untimed) back to its place, so the backlog keeps its size and order;
+- `position()` of a job near the end of the queue (one of the last ten);
 - `list_jobs(user)` for a user whose 60 pending jobs are spread evenly through
-  the backlog (it computes every entry's place in line and ETA);
-- no-op polls per second from 4 processes at once (spawned; each has its own
-  `JobStore` and polls random existing keys for `--poll-seconds`).
+  the backlog (every entry with its place in line and ETA);
+- `queue_view(limit=50)` with one call in flight;
+- no-op polls per second from 4 spawned processes at once (`--poll-seconds`,
+  0 to skip).
 
-The targets it prints beside the figures: `claim_next` under 5 ms at 100k
-pending on both databases; a no-op poll writes nothing and costs under 1 ms.
-The original single-file queue scanned every pending row to claim (about
-670 ms at 100k on SQLite).
+Bulk measures (once per backend; `--bulk-users` users × 8 scopes, default
+10,000 × 8 = 80,000 jobs, 7 dated scopes and one superseding scope per user,
+the way a backfill queues them):
+
+- `enqueue_many` in one call: the first pass inserts every job; a second pass
+  changes the fingerprint of 1% of the scopes (those rows, and only those,
+  must be written); a third pass repeats the second and must write nothing at
+  all (no row revision, time, tuple version or lock, no write counted);
+- `enqueue_many` per user (one call of 8 per user, as the backfill flow does),
+  first pass and an unchanged second pass that must write nothing;
+- `requeue(kinds=[one kind])` and `requeue()` over the finished jobs (all
+  marked done, untimed, beforehand);
+- per-call `enqueue` of `--per-call` new keys, for comparison with the bulk path.
+
+Targets printed beside the figures: bulk enqueue and requeue of 10,000 users ×
+8 scopes on PostgreSQL well under 30 s; `position`, `list_jobs` and
+`queue_view` p95 under 50 ms at 100k pending on both databases; a no-op poll
+writes nothing and costs well under 1 ms; `claim_next` a few ms.
 
 Run from the repository root (PostgreSQL needs CREATE DATABASE rights):
 
     .venv/bin/python benchmarks/store.py
-    .venv/bin/python benchmarks/store.py --sizes 1000,10000 --backends sqlite --repeat 3
-    .venv/bin/python benchmarks/store.py --explain   # also print the hot queries' plans
+    .venv/bin/python benchmarks/store.py --sizes 1000,10000 --backends sqlite --bulk-users 1000
+    .venv/bin/python benchmarks/store.py --sizes 100000 --explain   # also the slowest plans
 
 `--postgres-url` defaults to $AI_JOB_TEST_POSTGRES_URL, else
 postgresql://postgres@127.0.0.1:5432/test.
@@ -43,11 +61,14 @@ import argparse
 import dataclasses
 import datetime as dt
 import functools
+import itertools
 import multiprocessing
 import os
+import platform
 import random
 import sqlite3
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -58,12 +79,12 @@ from multiprocessing.synchronize import Barrier
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from sqlalchemy import Engine, create_engine, event, insert, select, text
+from sqlalchemy import Engine, create_engine, event, insert, select, text, update
 from sqlalchemy.engine import make_url
 
 from queue_store import migrate, schema
 from queue_store.engine import create_store_engine, normalise_url
-from queue_store.models import INTERACTIVE, PREFETCH, Status, job_id
+from queue_store.models import INTERACTIVE, PREFETCH, EnqueueRequest, Status, job_id
 from queue_store.settings import Settings
 from queue_store.store import JobStore
 
@@ -75,12 +96,22 @@ LIST_USER = "bench-list-user"
 LIST_USER_JOBS = 60
 INSERT_CHUNK = 10_000
 SPREAD = dt.timedelta(days=30)
-WARMUP_CALLS = 20
+WARMUP_CALLS = 10
 POLL_PROCESSES = 4
+POSITION_TAIL = 10  # position() asks about one of the last this many jobs in line
 
-CLAIM_TARGET_MS = 5.0
+# The bulk scenario: per user, one scope per dated kind and one superseding scope.
+BULK_DATED_KINDS = ("sleep", "activity", "heart", "nutrition", "mood", "weight", "glucose")
+BULK_SUPERSEDING_KIND = "trends"
+BULK_CHANGED_EVERY = 100  # the second pass changes one scope in this many
+BULK_REQUEUE_KIND = BULK_SUPERSEDING_KIND
+
 POLL_TARGET_MS = 1.0
-ORIGINAL_CLAIM_MS_100K_SQLITE = 670.0
+CLAIM_TARGET_MS = 5.0
+READ_TARGET_MS = 50.0
+BULK_TARGET_S = 30.0
+# From the issue: the original per-call enqueue of 100k rows.
+ORIGINAL_ENQUEUE_100K_S = {"postgresql": 441.0, "sqlite": 118.0}
 
 
 class Key(NamedTuple):
@@ -96,16 +127,34 @@ class Key(NamedTuple):
 
 
 @dataclasses.dataclass
-class Row:
+class BacklogRow:
     backend: str
     backlog: int
-    run: int
     poll_ms: list[float]
     wrote_nothing: bool
     write_check: str
     claim_ms: list[float]
+    position_ms: list[float]
     list_ms: list[float]
-    polls_per_second: float
+    view_ms: list[float]
+    polls_per_second: float | None
+
+
+@dataclasses.dataclass
+class BulkStep:
+    name: str
+    jobs: int
+    seconds: float
+    check: str
+    ok: bool
+    per_call_ms: list[float] | None = None
+
+
+@dataclasses.dataclass
+class BulkRow:
+    backend: str
+    users: int
+    steps: list[BulkStep]
 
 
 # ---------------------------------------------------------------------------
@@ -123,13 +172,25 @@ def p95(samples: Sequence[float]) -> float:
 
 
 def timed(call: Callable[[], Any]) -> tuple[float, Any]:
+    """Milliseconds the call took, and what it returned."""
     start = time.perf_counter()
     value = call()
     return (time.perf_counter() - start) * 1000.0, value
 
 
+def sample_times(call: Callable[[], Any], calls: int, check: Callable[[Any], None]) -> list[float]:
+    """`calls` timed calls after a few untimed ones; `check` sees every result."""
+    times = []
+    for n in range(WARMUP_CALLS + calls):
+        elapsed, value = timed(call)
+        check(value)
+        if n >= WARMUP_CALLS:
+            times.append(elapsed)
+    return times
+
+
 # ---------------------------------------------------------------------------
-# Databases: one fresh database per (backend, backlog)
+# Databases: a fresh one per measurement group
 
 
 @contextmanager
@@ -138,10 +199,13 @@ def sqlite_database() -> Iterator[str]:
         yield f"sqlite:///{Path(directory) / 'bench.db'}"
 
 
+_databases = itertools.count(1)
+
+
 @contextmanager
 def postgres_database(admin_url: str) -> Iterator[str]:
     url = normalise_url(admin_url)
-    name = f"insight_queue_bench_{os.getpid()}"
+    name = f"insight_queue_bench_{os.getpid()}_{next(_databases)}"
     admin = create_engine(url, isolation_level="AUTOCOMMIT")
     try:
         with admin.connect() as connection:
@@ -156,18 +220,35 @@ def postgres_database(admin_url: str) -> Iterator[str]:
         admin.dispose()
 
 
+def fresh_database(backend: str, args: argparse.Namespace) -> Any:
+    return sqlite_database() if backend == "sqlite" else postgres_database(args.postgres_url)
+
+
 def settings_for(url: str) -> Settings:
-    # gap 0 and concurrency 1: every claim can succeed once the previous job is finished.
-    return Settings(
-        database_url=url,
-        data_dir=Path(tempfile.gettempdir()),
-        gap_seconds=0.0,
-        concurrency=1,
+    # gap 0 and concurrency 1: every claim can succeed once the previous job is handed back.
+    return Settings.from_env(
+        {}, database_url=url, data_dir=Path(tempfile.gettempdir()), gap_seconds=0.0, concurrency=1
     )
 
 
 def open_store(url: str) -> JobStore:
     return JobStore(url, settings=settings_for(url))
+
+
+def analyse(url: str, vacuum: bool = False) -> None:
+    """ANALYZE; with `vacuum`, on PostgreSQL VACUUM ANALYZE (what autovacuum would leave)."""
+    engine = create_store_engine(url)
+    try:
+        if vacuum and engine.dialect.name == "postgresql":
+            with engine.connect() as connection:
+                connection.execution_options(isolation_level="AUTOCOMMIT").exec_driver_sql(
+                    "VACUUM ANALYZE"
+                )
+            return
+        with engine.begin() as connection:
+            connection.exec_driver_sql("ANALYZE")
+    finally:
+        engine.dispose()
 
 
 # ---------------------------------------------------------------------------
@@ -186,42 +267,70 @@ def backlog_key(i: int, list_slots: set[int]) -> Key:
     return Key(user, KINDS[i % len(KINDS)], f"day-{i:07d}", f"fp-{i:07d}", priority)
 
 
-def fill(url: str, size: int) -> list[Key]:
-    """Insert `size` pending jobs as `enqueue` would have, oldest first; returns their keys."""
+def fill(url: str, size: int, vacuum: bool = False) -> list[Key]:
+    """`size` pending jobs as `enqueue` would have made them, oldest first, plus 1% failed.
+
+    Returns the pending jobs' keys, in the order they were queued.
+    """
     engine = create_store_engine(url)
     slots = list_user_slots(size)
     keys = [backlog_key(i, slots) for i in range(size)]
     start = dt.datetime.now(dt.UTC) - SPREAD - dt.timedelta(hours=1)
     step = SPREAD / max(size, 1)
+    failed = max(size // 100, 20)
     try:
         for first in range(0, size, INSERT_CHUNK):
             rows = []
             for i in range(first, min(first + INSERT_CHUNK, size)):
                 key = keys[i]
                 at = start + step * i
-                rows.append(
-                    {
-                        "id": key.id,
-                        "user_id": key.user_id,
-                        "kind": key.kind,
-                        "subject": key.subject,
-                        "fingerprint": key.fingerprint,
-                        "priority": key.priority,
-                        "status": Status.PENDING.value,
-                        "attempts": 0,
-                        "queued_at": at,
-                        "created_at": at,
-                        "updated_at": at,
-                        "revision": 0,
-                    }
-                )
+                rows.append(_row(key, Status.PENDING, at))
             with engine.begin() as connection:
                 connection.execute(insert(schema.jobs), rows)
+        rows = []
+        for n in range(failed):
+            key = Key(f"bench-user-{n % USERS:04d}", "failing", f"f-{n:07d}", "fp", PREFETCH)
+            at = start + SPREAD * n / failed
+            row = _row(key, Status.FAILED, at)
+            row.update(attempts=3, error="the gateway said no", finished_at=at)
+            rows.append(row)
         with engine.begin() as connection:
-            connection.exec_driver_sql("ANALYZE")
+            connection.execute(insert(schema.jobs), rows)
+            # A queue that has run for a while knows how long each kind takes.
+            connection.execute(
+                insert(schema.kind_durations),
+                [
+                    {"kind": kind, "mean_seconds": 20.0 + n, "samples": 50}
+                    for n, kind in enumerate(KINDS)
+                ],
+            )
     finally:
         engine.dispose()
+    analyse(url, vacuum)
     return keys
+
+
+def _row(key: Key, status: Status, at: dt.datetime) -> dict[str, Any]:
+    return {
+        "id": key.id,
+        "user_id": key.user_id,
+        "kind": key.kind,
+        "subject": key.subject,
+        "fingerprint": key.fingerprint,
+        "priority": key.priority,
+        "status": status.value,
+        "attempts": 0,
+        "queued_at": at,
+        "created_at": at,
+        "updated_at": at,
+        "requested_at": at if key.priority <= INTERACTIVE else None,
+        "revision": 0,
+    }
+
+
+def queue_order(keys: Sequence[Key]) -> list[Key]:
+    """The pending keys in the order the worker takes them (they were queued in list order)."""
+    return [key for _, key in sorted(enumerate(keys), key=lambda item: (item[1].priority, item[0]))]
 
 
 # ---------------------------------------------------------------------------
@@ -259,7 +368,7 @@ class WriteCounter:
         """The counter once earlier writes (the fill, other phases) have all been reported."""
         if self.is_sqlite:
             return self.read()
-        previous, value = self.read(), None
+        previous = self.read()
         for _ in range(50):
             time.sleep(interval)
             value = self.read()
@@ -274,17 +383,14 @@ class WriteCounter:
         Backends report tuple counts in batches; the store was closed before this is
         called, so its backends flush when they exit. SQLite's counter is immediate.
         """
+        if self.is_sqlite:
+            return self.read()
         deadline = time.monotonic() + timeout
         value = self.read()
-        while not self.is_sqlite and value - baseline < expected_delta:
-            if time.monotonic() > deadline:
-                break
+        while value - baseline < expected_delta and time.monotonic() < deadline:
             time.sleep(0.05)
             value = self.read()
-        if not self.is_sqlite:
-            time.sleep(0.5)  # anything else still on its way
-            value = self.read()
-        return value
+        return self.stable()
 
     def close(self) -> None:
         if self._sqlite is not None:
@@ -293,18 +399,25 @@ class WriteCounter:
             self._engine.dispose()
 
 
-def row_versions(url: str, ids: Sequence[str]) -> dict[str, tuple[Any, ...]]:
-    """Each row's revision and updated time (and xmin, its tuple version, on PostgreSQL)."""
+def row_versions(url: str, ids: Sequence[str] | None = None) -> dict[str, tuple[Any, ...]]:
+    """Each row's revision and updated time, and on PostgreSQL its tuple version and locker.
+
+    `xmin` changes when the row is written, `xmax` when it is locked or deleted.
+    Every row of the table if `ids` is None.
+    """
     engine = create_store_engine(url)
     jobs = schema.jobs
     columns: list[Any] = [jobs.c.id, jobs.c.revision, jobs.c.updated_at, jobs.c.status]
     if engine.dialect.name == "postgresql":
-        columns.append(text("xmin::text"))
+        columns += [text("xmin::text"), text("xmax::text")]
     found: dict[str, tuple[Any, ...]] = {}
     try:
         with engine.connect() as connection:
-            for first in range(0, len(ids), 1000):
-                chunk = list(ids[first : first + 1000])
+            if ids is None:
+                for row in connection.execute(select(*columns)):
+                    found[row[0]] = tuple(row[1:])
+            for first in range(0, len(ids or ()), 1000):
+                chunk = list((ids or ())[first : first + 1000])
                 for row in connection.execute(select(*columns).where(jobs.c.id.in_(chunk))):
                     found[row[0]] = tuple(row[1:])
     finally:
@@ -313,10 +426,10 @@ def row_versions(url: str, ids: Sequence[str]) -> dict[str, tuple[Any, ...]]:
 
 
 # ---------------------------------------------------------------------------
-# Measurements
+# Backlog measurements
 
 
-def poll(store: JobStore, key: Key) -> str:
+def poll(store: JobStore, key: Key) -> Status:
     return store.enqueue(key.user_id, key.kind, key.subject, key.fingerprint, key.priority)
 
 
@@ -344,9 +457,11 @@ def measure_noop_polls(
             store.enqueue(
                 control.user_id, control.kind, control.subject, "changed", control.priority
             )
+            # ... and put it back, untimed, so the backlog stays as it was.
+            poll(store, control)
         finally:
             store.close()
-        after_control = counter.settled(baseline, expected_delta=1)
+        after_control = counter.settled(baseline, expected_delta=2)
     finally:
         counter.close()
     after_rows = row_versions(url, ids)
@@ -356,13 +471,12 @@ def measure_noop_polls(
         counter_ok = after_polls == baseline and after_control != after_polls
         how = "PRAGMA data_version"
     else:
-        counter_ok = after_control - baseline == 1
+        counter_ok = after_control - baseline == 2
         how = "pg_stat_user_tables ins+upd+del"
     check = (
-        f"{len(ids)} rows' revision/updated_at{'/xmin' if not counter.is_sqlite else ''} "
+        f"{len(ids)} polled rows' revision/updated_at{'' if counter.is_sqlite else '/xmin/xmax'} "
         f"{'unchanged' if rows_unchanged else 'CHANGED'}; {how}: "
-        f"{'no write seen' if counter_ok else 'WRITES SEEN or control write missed'} "
-        f"(control write seen: {'yes' if after_control != baseline else 'NO'})"
+        f"{'no write seen' if counter_ok else 'WRITES SEEN, or the control writes missed'}"
     )
     return times, rows_unchanged and counter_ok, check
 
@@ -371,33 +485,78 @@ def measure_claims(url: str, calls: int) -> list[float]:
     store = open_store(url)
     times = []
     try:
-        for n in range(WARMUP_CALLS // 4 + calls):
+        for n in range(WARMUP_CALLS + calls):
             elapsed, claim = timed(lambda: store.claim_next("bench-worker"))
             if claim.job is None:
                 raise RuntimeError(f"claim_next handed out nothing: {claim.blocked}")
-            # Untimed: hand it back to its old place (attempt not spent), so the backlog,
-            # the polled keys and the listed user stay as they were for the next round.
+            # Untimed: hand it back to its old place (attempt not spent).
             store.release(claim.job.id, claim.job.holder)
-            if n >= WARMUP_CALLS // 4:
+            if n >= WARMUP_CALLS:
                 times.append(elapsed)
     finally:
         store.close()
     return times
 
 
-def measure_list_jobs(url: str, calls: int) -> list[float]:
+def measure_positions(url: str, ordered: Sequence[Key], calls: int) -> list[float]:
+    tail = [
+        (len(ordered) - 1 - n, key)
+        for n, key in enumerate(reversed(ordered))
+        if key.user_id != LIST_USER
+    ][:POSITION_TAIL]
+    picks = itertools.cycle(tail)
     store = open_store(url)
-    times = []
     try:
-        for n in range(WARMUP_CALLS // 4 + calls):
-            elapsed, listed = timed(lambda: store.list_jobs(LIST_USER))
-            if len(listed) != LIST_USER_JOBS or "ahead" not in listed[-1]:
-                raise RuntimeError(f"list_jobs returned {len(listed)} entries")
-            if n >= WARMUP_CALLS // 4:
-                times.append(elapsed)
+
+        def ask() -> tuple[int, Any]:
+            place, key = next(picks)
+            return place, store.position(key.user_id, key.kind, key.subject)
+
+        def check(value: tuple[int, Any]) -> None:
+            place, position = value
+            if position is None or position.ahead != place:
+                raise RuntimeError(f"position() gave {position}, expected {place} ahead")
+
+        return sample_times(ask, calls, check)
     finally:
         store.close()
-    return times
+
+
+def measure_list_jobs(url: str, ordered: Sequence[Key], calls: int) -> list[float]:
+    expected = [place for place, key in enumerate(ordered) if key.user_id == LIST_USER]
+    store = open_store(url)
+    try:
+
+        def check(listed: list[dict[str, Any]]) -> None:
+            if [entry.get("ahead") for entry in listed] != expected:
+                raise RuntimeError("list_jobs gave other places than a count of the queue")
+
+        return sample_times(lambda: store.list_jobs(LIST_USER), calls, check)
+    finally:
+        store.close()
+
+
+def measure_queue_view(url: str, size: int, calls: int) -> list[float]:
+    store = open_store(url)
+    try:
+        running = store.claim_next("bench-view")  # one call in flight, kept for the view
+        if running.job is None:
+            raise RuntimeError(f"claim_next handed out nothing: {running.blocked}")
+
+        def check(view: Any) -> None:
+            if (
+                len(view.running) != 1
+                or len(view.waiting) != 50
+                or view.waiting_total != size - 1
+                or not view.recent_failures
+            ):
+                raise RuntimeError("queue_view did not show the queue")
+
+        times = sample_times(lambda: store.queue_view(limit=50), calls, check)
+        store.release(running.job.id, running.job.holder or "")
+        return times
+    finally:
+        store.close()
 
 
 def poll_worker(
@@ -443,11 +602,275 @@ def measure_parallel_polls(url: str, keys: list[Key], seconds: float, seed: int)
     return float(sum(count / elapsed for count, elapsed in results))
 
 
+def run_backlog(backend: str, url: str, size: int, args: argparse.Namespace) -> BacklogRow:
+    started = time.perf_counter()
+    migrate.upgrade(url)
+    keys = fill(url, size, args.vacuum)
+    log(f"{backend} {size:>7,}: backlog filled in {time.perf_counter() - started:.1f} s")
+    ordered = queue_order(keys)
+    rng = random.Random(args.seed + size)
+    control = keys[0]
+    pollable = [key for key in keys[1:] if key.user_id != LIST_USER]
+
+    poll_ms, wrote_nothing, check = measure_noop_polls(url, pollable, args.calls, control, rng)
+    claim_ms = measure_claims(url, args.calls)
+    position_ms = measure_positions(url, ordered, args.calls)
+    list_ms = measure_list_jobs(url, ordered, args.calls)
+    view_ms = measure_queue_view(url, size, args.calls)
+    polls_per_second = None
+    if args.poll_seconds > 0:
+        parallel_keys = rng.sample(pollable, min(2000, len(pollable)))
+        before = row_versions(url, [key.id for key in parallel_keys])
+        polls_per_second = measure_parallel_polls(url, parallel_keys, args.poll_seconds, args.seed)
+        if row_versions(url, [key.id for key in parallel_keys]) != before:
+            wrote_nothing = False
+            check += "; 4-process polls CHANGED rows"
+        else:
+            check += f"; 4-process polls: {len(parallel_keys)} rows unchanged"
+    row = BacklogRow(
+        backend,
+        size,
+        poll_ms,
+        wrote_nothing,
+        check,
+        claim_ms,
+        position_ms,
+        list_ms,
+        view_ms,
+        polls_per_second,
+    )
+    log(format_backlog(row))
+    if args.explain:
+        print(f"\n===== statements and plans: {backend}, backlog {size:,} =====")
+        explain_operations(url, ordered)
+    return row
+
+
 # ---------------------------------------------------------------------------
-# --explain: the statements each operation runs, and their plans
+# Bulk measurements
 
 
-def explain_operations(url: str, keys: Sequence[Key]) -> None:
+def bulk_user(n: int) -> str:
+    return f"bulk-user-{n:05d}"
+
+
+def bulk_requests(users: int, day: str, changed: bool = False) -> list[EnqueueRequest]:
+    """Every user's scopes for `day`; `changed`: one scope in BULK_CHANGED_EVERY has new data."""
+    window = f"window-to-{day}"
+    requests: list[EnqueueRequest] = []
+    for u in range(users):
+        user = bulk_user(u)
+        scopes = [(kind, day, False) for kind in BULK_DATED_KINDS]
+        scopes.append((BULK_SUPERSEDING_KIND, window, True))
+        for kind, subject, supersede in scopes:
+            fingerprint = f"fp-{user}-{kind}-{subject}"
+            if changed and len(requests) % BULK_CHANGED_EVERY == 0:
+                fingerprint += "-new"
+            requests.append(
+                EnqueueRequest(user, kind, subject, fingerprint, PREFETCH, supersede=supersede)
+            )
+    return requests
+
+
+def by_user(requests: Sequence[EnqueueRequest]) -> list[list[EnqueueRequest]]:
+    return [list(group) for _, group in itertools.groupby(requests, key=lambda r: r.user_id)]
+
+
+def table_totals(url: str) -> dict[str, int]:
+    engine = create_store_engine(url)
+    try:
+        with engine.connect() as connection:
+            return {
+                str(status): int(count)
+                for status, count in connection.execute(
+                    select(schema.jobs.c.status, text("count(*)")).group_by(schema.jobs.c.status)
+                )
+            }
+    finally:
+        engine.dispose()
+
+
+def changes_between(
+    before: dict[str, tuple[Any, ...]], after: dict[str, tuple[Any, ...]]
+) -> tuple[set[str], set[str]]:
+    """Ids whose revision moved, and ids whose row changed in any other way (time, xmin, xmax)."""
+    revised = {
+        i for i in before.keys() | after.keys() if before.get(i, ())[:1] != after.get(i, ())[:1]
+    }
+    touched = {i for i in before.keys() | after.keys() if before.get(i) != after.get(i)}
+    return revised, touched - revised
+
+
+def bulk_pass(
+    url: str,
+    name: str,
+    calls: Sequence[Sequence[EnqueueRequest]],
+    expect_written: set[str] | None,
+) -> BulkStep:
+    """Run `enqueue_many` once per entry of `calls`; check which rows were written.
+
+    `expect_written`: ids that must be written (their revision moves by one) while every
+    other row stays exactly as it was; None for a first pass (every job new).
+    """
+    jobs = sum(len(c) for c in calls)
+    before = row_versions(url) if expect_written is not None else {}
+    counter = WriteCounter(url)
+    store = open_store(url)
+    per_call: list[float] = []
+    try:
+        baseline = counter.stable()
+        start = time.perf_counter()
+        statuses: list[Status] = []
+        for requests in calls:
+            elapsed, got = timed(functools.partial(store.enqueue_many, requests))
+            per_call.append(elapsed)
+            statuses += got
+        seconds = time.perf_counter() - start
+    finally:
+        store.close()
+    expected_writes = jobs if expect_written is None else len(expect_written)
+    after_count = counter.settled(baseline, expected_writes)
+    counter.close()
+    problems = []
+    if any(status != Status.PENDING for status in statuses):
+        problems.append("a status other than pending")
+    totals = table_totals(url)
+    if totals.get(Status.PENDING, 0) != jobs:
+        problems.append(f"table holds {totals}, expected {jobs:,} pending")
+    counted = after_count - baseline
+    if expect_written is None:
+        check = f"{jobs:,} inserted"
+        if not counter.is_sqlite and counted != jobs:
+            problems.append(f"pg_stat counted {counted:,} writes, expected {jobs:,}")
+    else:
+        after = row_versions(url)
+        revised, otherwise = changes_between(before, after)
+        if revised != expect_written:
+            problems.append(f"{len(revised):,} rows revised, expected {len(expect_written):,}")
+        if otherwise:
+            problems.append(f"{len(otherwise):,} rows touched without a revision")
+        if any(after[i][0] != before[i][0] + 1 for i in revised & after.keys() & before.keys()):
+            problems.append("a revision moved by more than one")
+        if counter.is_sqlite:
+            counter_ok = (counted == 0) == (not expect_written)
+            how = "data_version " + ("unchanged" if counted == 0 else "moved")
+        else:
+            counter_ok = counted == len(expect_written)
+            how = f"pg_stat counted {counted:,} writes"
+        if not counter_ok:
+            problems.append(how)
+        untouched = len(after.keys() - revised - otherwise)
+        check = (
+            f"{len(revised):,} rows written, {untouched:,} untouched "
+            f"(revision/updated_at{'' if counter.is_sqlite else '/xmin/xmax'}); {how}"
+        )
+    if problems:
+        check += "; PROBLEM: " + "; ".join(problems)
+    step = BulkStep(name, jobs, seconds, check, not problems, per_call if len(calls) > 1 else None)
+    log(f"  {name}: {seconds:.2f} s; {check}")
+    return step
+
+
+def mark_all_done(url: str) -> int:
+    """Untimed: every job finished, as if the gateway had worked through the queue."""
+    engine = create_store_engine(url)
+    jobs = schema.jobs
+    finished = dt.datetime.now(dt.UTC)
+    try:
+        with engine.begin() as connection:
+            count = connection.execute(
+                update(jobs).values(
+                    status=Status.DONE,
+                    attempts=1,
+                    finished_at=finished,
+                    updated_at=finished,
+                    revision=jobs.c.revision + 1,
+                )
+            ).rowcount
+    finally:
+        engine.dispose()
+    analyse(url)
+    return int(count)
+
+
+def requeue_step(url: str, name: str, kinds: list[str] | None, expected: int) -> BulkStep:
+    store = open_store(url)
+    try:
+        start = time.perf_counter()
+        queued = store.requeue(kinds)
+        seconds = time.perf_counter() - start
+    finally:
+        store.close()
+    totals = table_totals(url)
+    ok = queued == expected and totals.get(Status.PENDING, 0) == expected
+    check = f"{queued:,} queued again; table: {totals}"
+    if not ok:
+        check += f"; PROBLEM: expected {expected:,}"
+    log(f"  {name}: {seconds:.2f} s; {check}")
+    return BulkStep(name, expected, seconds, check, ok)
+
+
+def per_call_step(url: str, count: int) -> BulkStep:
+    requests = bulk_requests(max(count // 8, 1), "per-call")[:count]
+    store = open_store(url)
+    times = []
+    try:
+        for r in requests:
+            elapsed, _ = timed(
+                functools.partial(
+                    store.enqueue, r.user_id, r.kind, r.subject, r.fingerprint, r.priority
+                )
+            )
+            times.append(elapsed)
+    finally:
+        store.close()
+    seconds = sum(times) / 1000.0
+    check = f"{len(requests):,} new keys, one `enqueue` each"
+    log(f"  per-call enqueue: {seconds:.2f} s; {check}")
+    return BulkStep("per-call `enqueue`, new keys", len(requests), seconds, check, True, times)
+
+
+def run_bulk(backend: str, args: argparse.Namespace) -> BulkRow:
+    users = args.bulk_users
+    steps: list[BulkStep] = []
+    first = bulk_requests(users, "2026-06-01")
+    second = bulk_requests(users, "2026-06-01", changed=True)
+    changed_ids = {
+        job_id(r.user_id, r.kind, r.subject)
+        for r, old in zip(second, first, strict=True)
+        if r.fingerprint != old.fingerprint
+    }
+    log(f"{backend}: bulk, {users:,} users × 8 scopes")
+    with fresh_database(backend, args) as url:
+        migrate.upgrade(url)
+        steps.append(bulk_pass(url, "`enqueue_many`, one call: first pass", [first], None))
+        analyse(url)
+        steps.append(bulk_pass(url, "one call: second pass, 1% changed", [second], changed_ids))
+        steps.append(bulk_pass(url, "one call: third pass, unchanged", [second], set()))
+        kind_total = mark_all_done(url) // (len(BULK_DATED_KINDS) + 1)
+        steps.append(
+            requeue_step(
+                url, f"`requeue(['{BULK_REQUEUE_KIND}'])`", [BULK_REQUEUE_KIND], kind_total
+            )
+        )
+        mark_all_done(url)
+        steps.append(requeue_step(url, "`requeue()`", None, len(first)))
+    with fresh_database(backend, args) as url:
+        migrate.upgrade(url)
+        calls = by_user(first)
+        steps.append(bulk_pass(url, "`enqueue_many` per user: first pass", calls, None))
+        analyse(url)
+        steps.append(bulk_pass(url, "per user: second pass, unchanged", calls, set()))
+        if args.per_call > 0:
+            steps.append(per_call_step(url, args.per_call))
+    return BulkRow(backend, users, steps)
+
+
+# ---------------------------------------------------------------------------
+# --explain: the statements each operation runs, and the slowest ones' plans
+
+
+def explain_operations(url: str, ordered: Sequence[Key]) -> None:
     store = open_store(url)
     engine: Engine = store._engine
     captured: list[tuple[str, Any, float]] = []
@@ -462,16 +885,21 @@ def explain_operations(url: str, keys: Sequence[Key]) -> None:
     event.listen(engine, "before_cursor_execute", before)
     event.listen(engine, "after_cursor_execute", after)
 
-    def claim_and_finish() -> Any:
+    last = next(key for key in reversed(ordered) if key.user_id != LIST_USER)
+    middle = ordered[len(ordered) // 2]
+
+    def claim_and_release() -> Any:
         claim = store.claim_next("bench-explain")
         if claim.job is None:
             raise RuntimeError(f"claim_next handed out nothing: {claim.blocked}")
         return claim
 
     operations: dict[str, Callable[[], Any]] = {
-        "no-op poll": lambda: poll(store, keys[len(keys) // 2]),
-        "claim_next": claim_and_finish,
+        "no-op poll": lambda: poll(store, middle),
+        "claim_next": claim_and_release,
+        "position (last in line)": lambda: store.position(last.user_id, last.kind, last.subject),
         "list_jobs": lambda: store.list_jobs(LIST_USER),
+        "queue_view": lambda: store.queue_view(limit=50),
     }
     is_sqlite = engine.dialect.name == "sqlite"
     try:
@@ -480,17 +908,16 @@ def explain_operations(url: str, keys: Sequence[Key]) -> None:
                 captured.clear()
                 elapsed, value = timed(operation)
                 shown = list(captured)
-                if name == "claim_next":  # untimed: free the gateway slot for the next claim
-                    store.finish(value.job.id, value.job.holder, result={"ok": True})
+                if name == "claim_next":  # untimed: free the gateway slot again
+                    store.release(value.job.id, value.job.holder)
             print(f"\n--- {name}: {elapsed:.2f} ms in all, {len(shown)} statements:")
             for statement, _parameters, ms in shown:
                 print(f"  {ms:6.2f} ms  {' '.join(statement.split())[:110]}")
             slowest = sorted(shown, key=lambda item: -item[2])
-            for statement, parameters, ms in slowest[:3]:
-                if not statement.lstrip().upper().startswith(("SELECT", "UPDATE", "DELETE")):
+            for statement, parameters, ms in slowest[:2]:
+                if not statement.lstrip().upper().startswith(("SELECT", "WITH")):
                     continue
-                print(f"\n[{ms:.2f} ms] {' '.join(statement.split())}")
-                print(f"params: {parameters}")
+                print(f"\n[{ms:.2f} ms] {' '.join(statement.split())[:400]}")
                 for line in plan(engine, statement, parameters, is_sqlite):
                     print(f"    {line}")
     finally:
@@ -516,115 +943,156 @@ def plan(engine: Engine, statement: str, parameters: Any, is_sqlite: bool) -> li
 
 
 # ---------------------------------------------------------------------------
+# Report
 
 
-def run_backlog(backend: str, url: str, size: int, args: argparse.Namespace) -> list[Row]:
-    started = time.perf_counter()
-    migrate.upgrade(url)
-    keys = fill(url, size)
-    print(
-        f"  {backend} {size:>7,}: backlog filled in {time.perf_counter() - started:.1f} s",
-        file=sys.stderr,
-    )
-    rng = random.Random(args.seed + size)
-    control = keys[0]
-    pollable = [key for key in keys[1:] if key.user_id != LIST_USER]
-    rows = []
-    for run in range(1, args.repeat + 1):
-        poll_ms, wrote_nothing, check = measure_noop_polls(
-            url, pollable, args.poll_calls, control, rng
-        )
-        # The control write made `control` stale once; poll it back to its fingerprint.
-        with open_store(url) as store:
-            store.enqueue(
-                control.user_id,
-                control.kind,
-                control.subject,
-                control.fingerprint,
-                control.priority,
-            )
-        list_ms = measure_list_jobs(url, args.list_calls)
-        parallel_keys = rng.sample(pollable, min(2000, len(pollable)))
-        parallel_before = row_versions(url, [key.id for key in parallel_keys])
-        polls_per_second = measure_parallel_polls(
-            url, parallel_keys, args.poll_seconds, args.seed + run
-        )
-        if row_versions(url, [key.id for key in parallel_keys]) != parallel_before:
-            wrote_nothing = False
-            check += "; 4-process polls CHANGED rows"
-        else:
-            check += f"; 4-process polls: {len(parallel_keys)} rows unchanged"
-        claim_ms = measure_claims(url, args.claim_calls)
-        row = Row(
-            backend,
-            size,
-            run,
-            poll_ms,
-            wrote_nothing,
-            check,
-            claim_ms,
-            list_ms,
-            polls_per_second,
-        )
-        print(f"  {format_row(row)}", file=sys.stderr)
-        rows.append(row)
-    if args.explain:
-        print(f"\n===== query plans: {backend}, backlog {size:,} =====")
-        explain_operations(url, pollable)
-    return rows
+def log(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
-HEADER = (
-    "| backend | backlog | run | no-op poll median / p95 ms | wrote nothing "
-    "| claim_next median / p95 ms | list_jobs median / p95 ms | polls/s, 4 procs |"
+def ms(samples: Sequence[float], digits: int = 2) -> str:
+    return f"{median(samples):.{digits}f} / {p95(samples):.{digits}f}"
+
+
+BACKLOG_HEADER = (
+    "| backlog | no-op poll ms | wrote nothing | claim_next ms | position ms "
+    "| list_jobs ms | queue_view ms | polls/s, 4 procs |"
 )
-RULE = "|---|---:|---:|---:|:---:|---:|---:|---:|"
+BACKLOG_RULE = "|---:|---:|:---:|---:|---:|---:|---:|---:|"
 
 
-def format_row(row: Row) -> str:
+def format_backlog(row: BacklogRow) -> str:
+    polls = "–" if row.polls_per_second is None else f"{row.polls_per_second:,.0f}"
     return (
-        f"| {row.backend} | {row.backlog:,} | {row.run} "
-        f"| {median(row.poll_ms):.3f} / {p95(row.poll_ms):.3f} "
-        f"| {'yes' if row.wrote_nothing else 'NO'} "
-        f"| {median(row.claim_ms):.2f} / {p95(row.claim_ms):.2f} "
-        f"| {median(row.list_ms):.2f} / {p95(row.list_ms):.2f} "
-        f"| {row.polls_per_second:,.0f} |"
+        f"| {row.backlog:,} | {ms(row.poll_ms, 3)} | {'yes' if row.wrote_nothing else 'NO'} "
+        f"| {ms(row.claim_ms)} | {ms(row.position_ms)} | {ms(row.list_ms)} "
+        f"| {ms(row.view_ms)} | {polls} |"
     )
 
 
-def met(samples: Sequence[float], target_ms: float) -> str:
-    """Whether the median and the p95 are under the target."""
+def format_bulk(step: BulkStep) -> str:
+    rate = step.jobs / step.seconds if step.seconds else 0.0
+    calls = "–" if step.per_call_ms is None else ms(step.per_call_ms)
     return (
-        f"median {median(samples):.3f} ms {'MET' if median(samples) < target_ms else 'MISSED'}, "
-        f"p95 {p95(samples):.3f} ms {'MET' if p95(samples) < target_ms else 'MISSED'}"
+        f"| {step.name} | {step.jobs:,} | {step.seconds:.2f} | {rate:,.0f} | {calls} "
+        f"| {'yes' if step.ok else 'NO'} |"
     )
 
 
-def verdicts(rows: Sequence[Row]) -> list[str]:
-    lines = []
-    largest = max(row.backlog for row in rows)
-    for row in rows:
-        line = (
-            f"- {row.backend} {row.backlog:,} (run {row.run}): no-op poll writes nothing: "
-            f"{'MET' if row.wrote_nothing else 'MISSED'}; under {POLL_TARGET_MS:g} ms: "
-            f"{met(row.poll_ms, POLL_TARGET_MS)}"
+def verdict(samples: Sequence[float], target: float) -> str:
+    value = p95(samples)
+    return f"p95 {value:.2f} ms {'MET' if value < target else 'MISSED'}"
+
+
+def report(
+    backlogs: Sequence[BacklogRow], bulks: Sequence[BulkRow], args: argparse.Namespace
+) -> None:
+    print(
+        f"\nBacklog: {args.calls} timed calls per operation after {WARMUP_CALLS} untimed; "
+        "figures are median / p95 in ms. position(): one of the last "
+        f"{POSITION_TAIL} jobs in line; list_jobs: a user with {LIST_USER_JOBS} pending jobs "
+        "spread through the backlog; queue_view(limit=50) with one call in flight."
+    )
+    for backend in args.backends:
+        rows = [row for row in backlogs if row.backend == backend]
+        if rows:
+            print(f"\n{backend}\n\n{BACKLOG_HEADER}\n{BACKLOG_RULE}")
+            for row in rows:
+                print(format_backlog(row))
+    for bulk in bulks:
+        print(
+            f"\n{bulk.backend}, bulk: {bulk.users:,} users × 8 scopes "
+            "(per-call column: median / p95 ms of each call)\n"
         )
-        if row.backlog == largest:
-            line += (
-                f"; claim_next under {CLAIM_TARGET_MS:g} ms: {met(row.claim_ms, CLAIM_TARGET_MS)}"
+        print("| step | jobs | seconds | jobs/s | per call ms | checks |")
+        print("|---|---:|---:|---:|---:|:---:|")
+        for step in bulk.steps:
+            print(format_bulk(step))
+
+    print("\nTargets:")
+    largest = max((row.backlog for row in backlogs), default=0)
+    for row in backlogs:
+        if row.backlog != largest:
+            continue
+        print(
+            f"- {row.backend} {row.backlog:,}: no-op poll writes nothing: "
+            f"{'MET' if row.wrote_nothing else 'MISSED'}, under {POLL_TARGET_MS:g} ms "
+            f"{verdict(row.poll_ms, POLL_TARGET_MS)}; claim_next under {CLAIM_TARGET_MS:g} ms "
+            f"{verdict(row.claim_ms, CLAIM_TARGET_MS)}; under {READ_TARGET_MS:g} ms: "
+            f"position {verdict(row.position_ms, READ_TARGET_MS)}, "
+            f"list_jobs {verdict(row.list_ms, READ_TARGET_MS)}, "
+            f"queue_view {verdict(row.view_ms, READ_TARGET_MS)}"
+        )
+    for bulk in bulks:
+        for step in bulk.steps:
+            if step.per_call_ms is not None and "per-call" in step.name:
+                whole = step.seconds / step.jobs * bulk.users * 8
+                print(
+                    f"- {bulk.backend}: per-call enqueue would take about {whole:.0f} s for "
+                    f"{bulk.users * 8:,} jobs (the issue's figure for the original: "
+                    f"{ORIGINAL_ENQUEUE_100K_S[bulk.backend]:g} s per 100k)"
+                )
+                continue
+            print(
+                f"- {bulk.backend}: {step.name}: {step.seconds:.2f} s "
+                f"{'MET' if step.seconds < BULK_TARGET_S else 'MISSED'} "
+                f"(under {BULK_TARGET_S:g} s); checks {'passed' if step.ok else 'FAILED'}"
             )
-        lines.append(line)
+    print("\nWrite checks:")
+    for row in backlogs:
+        print(f"- {row.backend} {row.backlog:,}: {row.write_check}")
+    for bulk in bulks:
+        for step in bulk.steps:
+            print(f"- {bulk.backend} bulk, {step.name}: {step.check}")
+
+
+def environment(args: argparse.Namespace) -> list[str]:
+    lines = [
+        f"date {dt.datetime.now(dt.UTC).isoformat(timespec='seconds')}",
+        f"python {platform.python_version()}, SQLite {sqlite3.sqlite_version}, "
+        f"{os.cpu_count()} cores",
+    ]
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=10,
+        ).stdout.strip()
+        if commit:
+            lines.append(f"commit {commit}")
+    except OSError:
+        pass
+    if "postgresql" in args.backends:
+        engine = create_engine(normalise_url(args.postgres_url))
+        try:
+            with engine.connect() as connection:
+                version = connection.exec_driver_sql("SHOW server_version").scalar_one()
+                settings = {
+                    name: connection.exec_driver_sql(f"SHOW {name}").scalar_one()
+                    for name in ("fsync", "synchronous_commit", "autovacuum", "shared_buffers")
+                }
+            lines.append(
+                f"PostgreSQL {version} (" + ", ".join(f"{k} {v}" for k, v in settings.items()) + ")"
+            )
+        finally:
+            engine.dispose()
     return lines
+
+
+def load() -> str:
+    return " ".join(f"{value:.2f}" for value in os.getloadavg())
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        description="Measure the store's no-op poll, claim_next and list_jobs at large backlogs.",
+        description="Measure the store's hot paths at large backlogs and its bulk enqueues.",
     )
     parser.add_argument(
         "--sizes",
         default="1000,10000,100000",
-        help="comma-separated backlog sizes (pending jobs); default %(default)s",
+        help="comma-separated backlog sizes (pending jobs); default %(default)s; empty: none",
     )
     parser.add_argument(
         "--backends", default="sqlite,postgresql", help="comma-separated; default %(default)s"
@@ -632,21 +1100,33 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--postgres-url",
         default=os.environ.get("AI_JOB_TEST_POSTGRES_URL") or DEFAULT_POSTGRES_URL,
-        help="server to create the benchmark database on "
+        help="server to create the benchmark databases on "
         "(default: $AI_JOB_TEST_POSTGRES_URL or %(default)s)",
     )
+    parser.add_argument("--calls", type=int, default=200, help="timed calls per backlog operation")
     parser.add_argument(
-        "--repeat", type=int, default=1, help="measurement rounds per backlog; one row each"
+        "--poll-seconds",
+        type=float,
+        default=3.0,
+        help="length of the 4-process poll run; 0 skips it",
     )
-    parser.add_argument("--poll-calls", type=int, default=500, help="no-op polls timed")
-    parser.add_argument("--claim-calls", type=int, default=200, help="claims timed")
-    parser.add_argument("--list-calls", type=int, default=100, help="list_jobs calls timed")
     parser.add_argument(
-        "--poll-seconds", type=float, default=3.0, help="length of the 4-process poll run"
+        "--bulk-users", type=int, default=10_000, help="users in the bulk measures; 0 skips them"
+    )
+    parser.add_argument(
+        "--per-call", type=int, default=2000, help="new keys queued one `enqueue` each; 0 skips"
+    )
+    parser.add_argument(
+        "--vacuum",
+        action="store_true",
+        help="PostgreSQL: VACUUM ANALYZE the backlog instead of ANALYZE, as autovacuum "
+        "(on by default) would soon after a bulk load: index-only scans then skip the table",
     )
     parser.add_argument("--seed", type=int, default=1, help="random seed for the keys polled")
     parser.add_argument(
-        "--explain", action="store_true", help="print the plans of each operation's slowest queries"
+        "--explain",
+        action="store_true",
+        help="print every operation's statements and the slowest ones' plans",
     )
     args = parser.parse_args(argv)
     args.sizes = [int(size) for size in args.sizes.split(",") if size.strip()]
@@ -656,43 +1136,33 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error(f"unknown backend(s): {', '.join(sorted(unknown))}")
     if any(size < LIST_USER_JOBS * 2 for size in args.sizes):
         parser.error(f"every size must be at least {LIST_USER_JOBS * 2}")
-    if args.repeat < 1 or args.poll_calls < 1 or args.claim_calls < 1 or args.list_calls < 1:
-        parser.error("--repeat and the call counts must be at least 1")
+    if args.calls < 1 or args.bulk_users < 0 or args.per_call < 0:
+        parser.error("--calls must be at least 1, --bulk-users and --per-call at least 0")
     return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    rows: list[Row] = []
+    load_at_start = load()
+    for line in environment(args):
+        print(line)
+    print(f"load average at start: {load_at_start}")
+    if args.vacuum:
+        print("backlogs: VACUUM ANALYZE on PostgreSQL (ANALYZE on SQLite)")
+    backlogs: list[BacklogRow] = []
+    bulks: list[BulkRow] = []
     for backend in args.backends:
         for size in args.sizes:
-            database = (
-                sqlite_database() if backend == "sqlite" else postgres_database(args.postgres_url)
-            )
-            with database as url:
-                rows.extend(run_backlog(backend, url, size, args))
-
-    print(
-        f"\nno-op poll: {args.poll_calls} calls; claim_next: {args.claim_calls} claims "
-        f"(gap 0, concurrency 1, each released untimed); list_jobs: {args.list_calls} "
-        f"calls for a user with {LIST_USER_JOBS} pending jobs spread through the backlog; "
-        f"polls/s: {POLL_PROCESSES} spawned processes for {args.poll_seconds:g} s.\n"
+            with fresh_database(backend, args) as url:
+                backlogs.append(run_backlog(backend, url, size, args))
+        if args.bulk_users:
+            bulks.append(run_bulk(backend, args))
+    report(backlogs, bulks, args)
+    print(f"\nload average at end: {load()}")
+    failed = any(not row.wrote_nothing for row in backlogs) or any(
+        not step.ok for bulk in bulks for step in bulk.steps
     )
-    print(HEADER)
-    print(RULE)
-    for row in rows:
-        print(format_row(row))
-    print(
-        f"\nTargets: claim_next under {CLAIM_TARGET_MS:g} ms at 100k pending on both databases; "
-        f"a no-op poll writes nothing and costs under {POLL_TARGET_MS:g} ms. "
-        f"Reference: the original queue's claim scanned every pending row, "
-        f"about {ORIGINAL_CLAIM_MS_100K_SQLITE:g} ms at 100k on SQLite."
-    )
-    print("\n".join(verdicts(rows)))
-    print("\nWrite checks:")
-    for row in rows:
-        print(f"- {row.backend} {row.backlog:,} (run {row.run}): {row.write_check}")
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -166,18 +166,21 @@ def claim(
 
 
 def _first_pending(connection: Connection, *, avoid_suspects: bool) -> Row[Any] | None:
+    # The id breaks ties of age: the claim takes jobs in the very order that
+    # places in line are counted in (`positions`), the queue index's order.
     query = select(jobs).where(jobs.c.status == Status.PENDING)
+    order = (jobs.c.priority, jobs.c.queued_at, jobs.c.id)
     if avoid_suspects:
         probe = connection.execute(
             query.where(jobs.c.unavailable_since.is_(None))
-            .order_by(jobs.c.priority, jobs.c.queued_at)
+            .order_by(*order)
             .limit(1)
             .with_for_update(skip_locked=True)
         ).one_or_none()
         if probe is not None:
             return probe
     return connection.execute(
-        query.order_by(jobs.c.priority, jobs.c.queued_at).limit(1).with_for_update(skip_locked=True)
+        query.order_by(*order).limit(1).with_for_update(skip_locked=True)
     ).one_or_none()
 
 
@@ -323,9 +326,7 @@ def settle_failure(
         )
         _refund(connection, row, now, error)
         _ended_call(connection, now)
-        # Asked again and again without a time to wait: back off further each time.
-        more = {"outages_in_a_row": streak + 1} if retry_after is None else {}
-        pause(connection, now, seconds, PauseKind.RATE_LIMIT, error, **more)
+        pause(connection, now, seconds, PauseKind.RATE_LIMIT, error)
         return Settlement(
             Status.PENDING, False, seconds, f"rate limited; claiming paused {seconds:g} s"
         )
@@ -365,7 +366,7 @@ def _refund(connection: Connection, row: Row[Any], now: dt.datetime, error: str)
 def settle_done(
     connection: Connection, now: dt.datetime, row: Row[Any], flow_run_id: str | None = None
 ) -> None:
-    """The attempt produced a result: the job is done, and names the run that made it (N4)."""
+    """The attempt produced a result; the run that made it, if named, goes on the row (N4)."""
     more: dict[str, Any] = {} if flow_run_id is None else {"flow_run_id": flow_run_id}
     _settle_row(
         connection,

@@ -30,7 +30,7 @@ from sqlalchemy import (
 from queue_store.models import Job, Status
 
 # The migration this code expects; `JobStore` refuses an older database.
-SCHEMA_REVISION = "0003"
+SCHEMA_REVISION = "0004"
 VERSION_TABLE = "insight_queue_version"
 
 GATE_ROW_ID = 1
@@ -113,9 +113,18 @@ jobs = Table(
     Column("unavailable_since", UTCDateTime),
 )
 
-# The claim: the first pending job by priority then age, found in the index
-# without touching the table; `kind` rides along for position and ETA counts.
-Index("ix_ai_jobs_queue", jobs.c.status, jobs.c.priority, jobs.c.queued_at, jobs.c.kind)
+# The queue in claim order: status, priority, age, and the id that breaks ties.
+# The claim takes the first pending entry; a place in line is a count of a
+# range of entries, and every part of that count (the id included) is in the
+# index, so neither touches the table. `kind` rides along for the ETA.
+Index(
+    "ix_ai_jobs_queue",
+    jobs.c.status,
+    jobs.c.priority,
+    jobs.c.queued_at,
+    jobs.c.id,
+    jobs.c.kind,
+)
 # The claim's liveness checks: only the few running rows, whatever the backlog.
 Index(
     "ix_ai_jobs_running",

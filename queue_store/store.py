@@ -47,12 +47,11 @@ from sqlalchemy import (
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
-from queue_store import lease, migrate, positions, schema, validation
+from queue_store import bulk, lease, migrate, positions, schema, validation
 from queue_store.clock import Clock, ClockFunction, DatabaseClock, HostClock, InjectedClock
 from queue_store.engine import SQLITE_BEGIN, create_store_engine, shown_url, wrap_database_error
 from queue_store.errors import ClaimLost, DatabaseError, InvalidArgument, SchemaOutdated
 from queue_store.models import (
-    INTERACTIVE,
     PREFETCH,
     Claim,
     EnqueueRequest,
@@ -83,8 +82,10 @@ workers = schema.workers
 # An enqueue that keeps losing its compare-and-swap is being raced by writers
 # on the same key; a few rounds always settle it.
 MAX_ENQUEUE_ROUNDS = 8
-# Rows read and written per statement by `enqueue_many`.
+# Requests per transaction of `enqueue_many`; a user's run of requests may
+# stretch a chunk up to the most.
 BULK_CHUNK = 500
+MAX_BULK_CHUNK = 2000
 # Failed jobs shown by the queue view.
 RECENT_FAILURES = 20
 # A worker not seen for this many leases is forgotten.
@@ -259,7 +260,7 @@ class JobStore:
                         now = self._now(connection)
                         connection.execute(
                             insert(jobs).values(
-                                _new_job(user_id, kind, subject, fingerprint, priority, now)
+                                bulk.new_job(user_id, kind, subject, fingerprint, priority, now)
                             )
                         )
                     return Status.PENDING
@@ -291,65 +292,54 @@ class JobStore:
                 lease.reap(connection, self._settings, now, [row])
 
     def enqueue_many(self, requests: Iterable[EnqueueRequest]) -> list[Status]:
-        """`enqueue` (and `supersede` where asked) for many keys, in one transaction.
+        """`enqueue` (and `supersede` where asked) for many keys: for backfills.
 
-        For backfills: a user's scopes, or every user's after a data import.
-        Returns each request's status, in order. A running job whose claim has
-        lapsed is reported as it will be once taken back, and left to the
+        A user's scopes, or every user's after a data import. Returns each
+        request's status, in order: the statuses, and the rows, of the same
+        sequence of `enqueue` calls (`bulk`), the jobs it adds queued in the
+        order given. Every request is checked before anything is written
+        (FIX8). The requests are written one transaction per chunk of about
+        `BULK_CHUNK`; a user's requests given together stay in one chunk.
+        A chunk that changes nothing writes nothing. A running job whose claim
+        has lapsed is reported as it will be once taken back, and left to the
         next claim to take back.
         """
         checked = [_checked_request(r) for r in requests]
         statuses: list[Status] = []
-        for start in range(0, len(checked), BULK_CHUNK):
-            statuses += self._enqueue_chunk(checked[start : start + BULK_CHUNK])
+        last: dt.datetime | None = None
+        for chunk in bulk.chunks(checked, BULK_CHUNK, MAX_BULK_CHUNK):
+            decided = self._enqueue_chunk(chunk, last)
+            statuses += decided.statuses
+            last = decided.last
         return statuses
 
-    def _enqueue_chunk(self, chunk: Sequence[EnqueueRequest]) -> list[Status]:
-        ids = [job_id(r.user_id, r.kind, r.subject) for r in chunk]
-        with self._write("enqueue_many") as connection:
+    def _enqueue_chunk(
+        self, chunk: Sequence[EnqueueRequest], after: dt.datetime | None
+    ) -> bulk.Plan:
+        for _ in range(MAX_ENQUEUE_ROUNDS):
+            try:
+                return self._try_chunk(chunk, after)
+            except bulk.Raced:
+                continue  # another writer got to one of its rows first: decide again
+        raise DatabaseError("enqueue_many: its jobs kept changing under this call; retry")
+
+    def _try_chunk(self, chunk: Sequence[EnqueueRequest], after: dt.datetime | None) -> bulk.Plan:
+        # The read locks nothing. PostgreSQL writes in the same transaction (a
+        # chunk that writes nothing commits nothing); SQLite takes the write
+        # lock in a transaction of its own, only for a chunk that changes
+        # something: a read transaction cannot take it safely.
+        with self._read("enqueue_many") as connection:
             now = self._now(connection)
-            existing = {
-                row.id: row
-                for row in connection.execute(
-                    select(jobs).where(jobs.c.id.in_(set(ids))).with_for_update()
-                )
-            }
-            inserts: dict[str, dict[str, Any]] = {}
-            statuses: list[Status] = []
-            for position, (jid, request) in enumerate(zip(ids, chunk, strict=True)):
-                row = existing.get(jid)
-                if row is None:
-                    if jid not in inserts:
-                        # A microsecond apart: the queue keeps the order they were given in.
-                        inserts[jid] = _new_job(
-                            request.user_id,
-                            request.kind,
-                            request.subject,
-                            request.fingerprint,
-                            request.priority,
-                            now + dt.timedelta(microseconds=position),
-                        )
-                    else:  # the same key twice in one call: promote, never demote
-                        entry = inserts[jid]
-                        entry["priority"] = min(entry["priority"], request.priority)
-                        entry["fingerprint"] = request.fingerprint or entry["fingerprint"]
-                    statuses.append(Status.PENDING)
-                    continue
-                decision = decide(row, request.fingerprint, request.priority, now, self._settings)
-                statuses.append(decision.status)
-                if decision.changes is not None and not decision.reap_first:
-                    connection.execute(
-                        update(jobs)
-                        .where(jobs.c.id == jid)
-                        .values(**decision.changes, updated_at=now, revision=row.revision + 1)
-                    )
-                    existing[jid] = connection.execute(select(jobs).where(jobs.c.id == jid)).one()
-            if inserts:
-                connection.execute(insert(jobs), list(inserts.values()))
-            for request in chunk:
-                if request.supersede:
-                    self._supersede(connection, request.user_id, request.kind, request.subject)
-        return statuses
+            rows = bulk.read(connection, chunk)
+            decided = bulk.plan(chunk, rows, bulk.starting_after(now, after), self._settings)
+            if decided.writes_nothing:
+                return decided
+            if not self._is_sqlite:
+                bulk.write(connection, decided)
+                return decided
+        with self._write("enqueue_many") as connection:
+            bulk.write(connection, decided)
+        return decided
 
     def requeue(self, kinds: Sequence[str] | None = None) -> int:
         """Queue every finished job again (of these kinds, or all): after a prompt change.
@@ -885,31 +875,6 @@ class JobStore:
             )
             for row in connection.execute(select(workers).order_by(workers.c.seen_at.desc()))
         ]
-
-
-def _new_job(
-    user_id: str,
-    kind: str,
-    subject: str,
-    fingerprint: str | None,
-    priority: int,
-    now: dt.datetime,
-) -> dict[str, Any]:
-    return {
-        "id": job_id(user_id, kind, subject),
-        "user_id": user_id,
-        "kind": kind,
-        "subject": subject,
-        "fingerprint": fingerprint,
-        "priority": priority,
-        "status": Status.PENDING,
-        "attempts": 0,
-        "queued_at": now,
-        "created_at": now,
-        "updated_at": now,
-        "requested_at": now if priority <= INTERACTIVE else None,
-        "revision": 0,
-    }
 
 
 def _checked_request(request: object) -> EnqueueRequest:

@@ -1,22 +1,116 @@
-"""The claim's queries use indexes however large the backlog, once SQLite has statistics.
+"""The hot queries use indexes however large the backlog, once the database has statistics.
 
 With every row pending, `ANALYZE` tells SQLite that `status = ?` matches the
 whole table; without the partial index on running rows it would then scan
-the queue on every claim.
+the queue on every claim. Places in line are counts of ranges of the queue
+index (`ix_ai_jobs_queue`, which ends in the id that breaks ties of age):
+they must be read from that index alone, never by scanning or sorting the
+table.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import insert, text
+import pytest
+from sqlalchemy import Engine, event, insert, text
 
 from queue_store import JobStore, Settings, job_id, migrate
 from queue_store.schema import jobs
 
 BACKLOG = 5000
+LISTED_USER = "listed"
+LISTED_EVERY = 125  # the listed user's jobs are spread through the backlog
+
+
+def _backlog(store: JobStore) -> None:
+    start = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
+    rows = []
+    for n in range(BACKLOG):
+        user = LISTED_USER if n % LISTED_EVERY == LISTED_EVERY // 2 else f"u{n % 50}"
+        rows.append(
+            {
+                "id": job_id(user, "k", str(n)),
+                "user_id": user,
+                "kind": "k",
+                "subject": str(n),
+                "priority": 10,
+                "status": "pending",
+                "attempts": 0,
+                "queued_at": start + dt.timedelta(seconds=n),
+                "created_at": start,
+                "updated_at": start,
+                "revision": 0,
+            }
+        )
+    with store._engine.begin() as connection:
+        connection.execute(insert(jobs), rows)
+        connection.execute(text("ANALYZE"))
+
+
+def _statements(engine: Engine, call: Callable[[], Any]) -> list[tuple[str, Any]]:
+    """The SELECT and UPDATE statements `call` runs, with their parameters."""
+    seen: list[tuple[str, Any]] = []
+
+    def record(
+        conn: Any, cursor: Any, statement: str, parameters: Any, context: Any, executemany: bool
+    ) -> None:
+        if statement.lstrip().upper().startswith(("SELECT", "UPDATE")):
+            seen.append((statement, parameters))
+
+    event.listen(engine, "before_cursor_execute", record)
+    try:
+        call()
+    finally:
+        event.remove(engine, "before_cursor_execute", record)
+    return seen
+
+
+def _plan(engine: Engine, statement: str, parameters: Any) -> str:
+    with engine.connect() as connection:
+        if engine.dialect.name == "sqlite":
+            rows = connection.exec_driver_sql(f"EXPLAIN QUERY PLAN {statement}", parameters)
+            return "\n".join(str(row[-1]) for row in rows)
+        rows = connection.exec_driver_sql(f"EXPLAIN {statement}", parameters)
+        return "\n".join(str(row[0]) for row in rows)
+
+
+def _scans_the_table(plan: str) -> bool:
+    """Whether the plan reads ai_jobs other than through an index."""
+    return "Seq Scan on ai_jobs" in plan or any(
+        line.strip().startswith("SCAN ai_jobs") and "INDEX" not in line
+        for line in plan.splitlines()
+    )
+
+
+def _sorts(plan: str) -> bool:
+    return "TEMP B-TREE" in plan or "Sort Key" in plan
+
+
+def _reads_only_the_queue_index(plan: str) -> bool:
+    """Whether every read of ai_jobs is a range of the queue index that never visits the table."""
+    reads = [
+        line.strip()
+        for line in plan.splitlines()
+        if ("Scan" in line and " on ai_jobs" in line)
+        or line.strip().startswith(("SEARCH ai_jobs", "SCAN ai_jobs"))
+    ]
+    return bool(reads) and all(
+        "Index Only Scan using ix_ai_jobs_queue " in line
+        or "USING COVERING INDEX ix_ai_jobs_queue " in line
+        for line in reads
+    )
+
+
+@pytest.fixture
+def analysed_store(database_url: str) -> Iterator[JobStore]:
+    store = JobStore(database_url, settings=Settings(database_url=database_url, gap_seconds=0))
+    _backlog(store)
+    yield store
+    store.close()
 
 
 def test_liveness_and_claim_queries_use_indexes_on_a_large_analysed_backlog(
@@ -25,45 +119,43 @@ def test_liveness_and_claim_queries_use_indexes_on_a_large_analysed_backlog(
     url = f"sqlite:///{tmp_path / 'q.db'}"
     migrate.upgrade(url)
     store = JobStore(url, settings=Settings(database_url=url, gap_seconds=0))
-    start = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
-    rows = [
-        {
-            "id": job_id(f"u{n % 50}", "k", str(n)),
-            "user_id": f"u{n % 50}",
-            "kind": "k",
-            "subject": str(n),
-            "priority": 10,
-            "status": "pending",
-            "attempts": 0,
-            "queued_at": start + dt.timedelta(seconds=n),
-            "created_at": start,
-            "updated_at": start,
-            "revision": 0,
-        }
-        for n in range(BACKLOG)
-    ]
-    with store._engine.begin() as connection:
-        connection.execute(insert(jobs), rows)
-        connection.execute(text("ANALYZE"))
+    _backlog(store)
 
-    statements: list[tuple[str, Any]] = []
+    statements = _statements(store._engine, lambda: store.claim_next("w"))
 
-    def record(conn, cursor, statement, parameters, context, executemany):
-        if statement.lstrip().upper().startswith(("SELECT", "UPDATE")):
-            statements.append((statement, parameters))
-
-    from sqlalchemy import event
-
-    event.listen(store._engine, "before_cursor_execute", record)
-    assert store.claim_next("w").job is not None
-    event.remove(store._engine, "before_cursor_execute", record)
-
-    with store._engine.connect() as connection:
-        for statement, parameters in statements:
-            plan = connection.exec_driver_sql(f"EXPLAIN QUERY PLAN {statement}", parameters).all()
-            details = " | ".join(str(row[-1]) for row in plan)
-            assert "SCAN ai_jobs" not in details.replace("SCAN ai_jobs USING", ""), (
-                statement,
-                details,
-            )
+    for statement, parameters in statements:
+        details = _plan(store._engine, statement, parameters)
+        assert "SCAN ai_jobs" not in details.replace("SCAN ai_jobs USING", ""), (
+            statement,
+            details,
+        )
     store.close()
+
+
+def test_places_in_line_are_counted_in_the_queue_index(analysed_store: JobStore) -> None:
+    store = analysed_store
+    listed: list[dict[str, Any]] = []
+    statements = _statements(store._engine, lambda: listed.extend(store.list_jobs(LISTED_USER)))
+    assert [entry["ahead"] for entry in listed] == [
+        n for n in range(BACKLOG) if n % LISTED_EVERY == LISTED_EVERY // 2
+    ]
+
+    counts = [(s, p) for s, p in statements if "AS stretch" in s]
+    assert len(counts) == 1  # one statement for every place
+    plan = _plan(store._engine, *counts[0])
+    assert _reads_only_the_queue_index(plan), plan
+    assert not _sorts(plan), plan
+
+
+def test_the_queue_view_reads_the_head_of_the_queue_in_index_order(
+    analysed_store: JobStore,
+) -> None:
+    store = analysed_store
+    statements = _statements(store._engine, lambda: store.queue_view(limit=50))
+
+    heads = [(s, p) for s, p in statements if "ORDER BY ai_jobs.priority" in s]
+    assert len(heads) == 1
+    plan = _plan(store._engine, *heads[0])
+    assert "ix_ai_jobs_queue" in plan, plan
+    assert not _scans_the_table(plan), plan
+    assert not _sorts(plan), plan

@@ -1,0 +1,389 @@
+"""Bulk enqueue (`JobStore.enqueue_many`): many `enqueue` calls, one transaction per chunk.
+
+Each request is decided by the rule `enqueue` applies (`rules.decide`), in
+the order given, on the row as the requests before it in the call left it;
+`supersede` drops the user's other pending jobs of that kind at that point of
+the sequence (R7). So a call gives the statuses and rows of the same sequence
+of `enqueue` (and `supersede`) calls, made one microsecond apart: the queue
+takes the jobs it adds in the order they were given.
+
+A chunk is worked out in memory from one read of the rows it can touch, then
+written with one statement per verb (the deletes, the inserts, the updates),
+however many rows. Like `enqueue` (FIX7), a chunk that changes nothing writes
+nothing and locks nothing. The rows a chunk changes are locked first
+(PostgreSQL `SELECT ... FOR UPDATE`, in id order; SQLite holds the write
+lock) and checked unchanged since they were read; if another writer got there
+first, or inserted one of the new keys, the whole chunk is rolled back and
+worked out again. A claim skips rows locked here (`SKIP LOCKED`), and an
+`enqueue` of a locked row waits and then finds its revision gone and decides
+again: nothing is lost either way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import functools
+import types
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from sqlalchemy import (
+    Connection,
+    Select,
+    String,
+    bindparam,
+    column,
+    delete,
+    func,
+    select,
+    text,
+    true,
+    union_all,
+    update,
+)
+from sqlalchemy.dialects import postgresql
+from sqlalchemy.engine import Dialect
+
+from queue_store import schema
+from queue_store.models import INTERACTIVE, EnqueueRequest, Status, job_id
+from queue_store.rules import decide
+from queue_store.settings import Settings
+
+jobs = schema.jobs
+
+# The columns an enqueue can change on an existing row (`rules.decide`), and
+# the two every write sets.
+CHANGED_COLUMNS = (
+    "status",
+    "holder",
+    "worker",
+    "claimed_at",
+    "heartbeat_at",
+    "priority",
+    "fingerprint",
+    "attempts",
+    "error",
+    "unavailable_since",
+    "queued_at",
+    "requested_at",
+    "updated_at",
+    "revision",
+)
+
+
+# Every column, empty: what a new row holds beyond `new_job`'s values.
+EMPTY_ROW: dict[str, Any] = {column.name: None for column in jobs.columns}
+
+
+@dataclasses.dataclass
+class Plan:
+    """What a chunk does: each request's status, and the rows to delete, insert and update."""
+
+    statuses: list[Status]
+    deletes: set[str]
+    inserts: dict[str, dict[str, Any]]
+    updates: dict[str, dict[str, Any]]
+    # The revision read of every existing row that is deleted or updated.
+    revisions: dict[str, int]
+    # The time given to the last request: the next chunk starts after it.
+    last: dt.datetime
+
+    @property
+    def writes_nothing(self) -> bool:
+        return not (self.deletes or self.inserts or self.updates)
+
+
+class Raced(Exception):
+    """Another writer changed a row this chunk is writing: work the chunk out again."""
+
+
+def chunks(
+    requests: Sequence[EnqueueRequest], size: int, most: int
+) -> Iterator[Sequence[EnqueueRequest]]:
+    """Runs of about `size` requests that end where a user's run of requests ends.
+
+    A user's scopes, given together, are queued in one transaction; only a run
+    longer than `most` is cut.
+    """
+    start = 0
+    while start < len(requests):
+        end = min(start + size, len(requests))
+        while (
+            end < len(requests)
+            and end - start < most
+            and requests[end].user_id == requests[end - 1].user_id
+        ):
+            end += 1
+        yield requests[start:end]
+        start = end
+
+
+def read(connection: Connection, chunk: Sequence[EnqueueRequest]) -> dict[str, dict[str, Any]]:
+    """The rows the chunk can touch: its keys, and every job of a (user, kind) it supersedes."""
+    ids = sorted({job_id(r.user_id, r.kind, r.subject) for r in chunk})
+    superseding = sorted({(r.user_id, r.kind) for r in chunk if r.supersede})
+    values = {
+        "ids": ids,
+        "users": [user for user, _ in superseding],
+        "kinds": [kind for _, kind in superseding],
+    }
+    statement = _read(connection.dialect.name == "postgresql", bool(superseding))
+    wanted, pairs = set(ids), set(superseding)
+    found = {}
+    for row in connection.execute(statement, values):
+        # SQLite reads users times kinds: more than the pairs superseded.
+        if row.id in wanted or (row.user_id, row.kind) in pairs:
+            found[row.id] = dict(row._mapping)
+    return found
+
+
+@functools.cache
+def _read(postgres: bool, superseding: bool) -> Any:
+    if postgres:
+        by_id = _by_id_one_by_one(*jobs.columns)
+        if superseding:
+            return union_all(by_id, _by_user_and_kind_one_by_one())
+        return by_id
+    by_id = select(jobs).where(jobs.c.id.in_(bindparam("ids", expanding=True)))
+    if superseding:
+        by_kind = select(jobs).where(
+            jobs.c.user_id.in_(bindparam("users", expanding=True)),
+            jobs.c.kind.in_(bindparam("kinds", expanding=True)),
+        )
+        return union_all(by_id, by_kind)
+    return by_id
+
+
+def _by_user_and_kind_one_by_one() -> Select[Any]:
+    """PostgreSQL: every job of each (user, kind) in the arrays `users` and `kinds`.
+
+    Looked up pair by pair in `ix_ai_jobs_user`, as `_by_id_one_by_one` looks
+    up ids. With `user_id = ANY(...) AND kind = ANY(...)`, a session that had
+    prepared the statement (psycopg does after five runs) read it slower and
+    slower as a backfill of one call per user grew the table, while the same
+    statement unprepared did not; pair by pair it stays flat. (OFFSET 0 keeps
+    the lookup a lookup: without it the planner may merge it into a join.)
+    """
+    pairs = (
+        func.unnest(
+            bindparam("users", type_=postgresql.ARRAY(String)),
+            bindparam("kinds", type_=postgresql.ARRAY(String)),
+        )
+        .table_valued(column("user_id", String), column("kind", String))
+        .render_derived()
+    )
+    found = (
+        select(*jobs.columns)
+        .where(jobs.c.user_id == pairs.c.user_id, jobs.c.kind == pairs.c.kind)
+        .offset(0)
+        .lateral()
+    )
+    return select(*found.c).select_from(pairs).join(found, true())
+
+
+def _by_id_one_by_one(*columns: Any, lock: bool = False) -> Select[Any]:
+    """PostgreSQL: the rows of the ids in the array `ids`, each looked up in the primary key.
+
+    `id = ANY(:ids)` reads the same rows, but on a table that has grown since
+    it was last analysed (a first backfill) the planner takes it for a few
+    pages and scans all of it, for every chunk. A lookup per id (LATERAL ...
+    LIMIT 1), in the order given (sorted: the lock order), stays a lookup
+    whatever the statistics say.
+    """
+    keys = (
+        func.unnest(bindparam("ids", type_=postgresql.ARRAY(String)))
+        .table_valued(column("id", String))
+        .render_derived()
+    )
+    one = select(*columns).where(jobs.c.id == keys.c.id).limit(1)
+    if lock:
+        one = one.with_for_update()
+    found = one.lateral()
+    return select(*found.c).select_from(keys).join(found, true())
+
+
+def plan(
+    chunk: Sequence[EnqueueRequest],
+    rows: dict[str, dict[str, Any]],
+    start: dt.datetime,
+    settings: Settings,
+) -> Plan:
+    """Decide every request of the chunk in order, on the rows as the earlier ones left them.
+
+    Request `n` is decided at `start` plus `n` microseconds.
+    """
+    # Every job as it stands after the requests so far; None once deleted.
+    current: dict[str, types.SimpleNamespace | None] = {
+        jid: types.SimpleNamespace(**row) for jid, row in rows.items()
+    }
+    # Jobs by (user, kind), for supersede.
+    by_kind: dict[tuple[str, str], set[str]] = {}
+    for jid, row in rows.items():
+        by_kind.setdefault((row["user_id"], row["kind"]), set()).add(jid)
+    statuses: list[Status] = []
+    deletes: set[str] = set()
+    inserts: dict[str, types.SimpleNamespace] = {}
+    changed: set[str] = set()
+    at = start
+    for n, request in enumerate(chunk):
+        at = start + dt.timedelta(microseconds=n)
+        jid = job_id(request.user_id, request.kind, request.subject)
+        job = current.get(jid)
+        if job is None:  # new, or deleted by a supersede earlier in the call: R2
+            job = types.SimpleNamespace(**EMPTY_ROW)
+            vars(job).update(
+                new_job(
+                    request.user_id,
+                    request.kind,
+                    request.subject,
+                    request.fingerprint,
+                    request.priority,
+                    at,
+                )
+            )
+            current[jid] = inserts[jid] = job
+            by_kind.setdefault((request.user_id, request.kind), set()).add(jid)
+            statuses.append(Status.PENDING)
+        else:
+            decision = decide(job, request.fingerprint, request.priority, at, settings)
+            statuses.append(decision.status)
+            # A lapsed claim is reported as it will be once taken back, and
+            # left to the next lease decision to take back (under the gate lock).
+            if decision.changes is not None and not decision.reap_first:
+                vars(job).update(decision.changes, updated_at=at, revision=job.revision + 1)
+                if jid not in inserts:
+                    changed.add(jid)
+        if request.supersede:  # R7
+            for other in sorted(by_kind.get((request.user_id, request.kind), ())):
+                job = current.get(other)
+                if job is None or job.subject == request.subject or job.status != Status.PENDING:
+                    continue
+                current[other] = None
+                if other in inserts:
+                    del inserts[other]
+                else:
+                    deletes.add(other)
+                    changed.discard(other)
+    # A key deleted from the table and queued again later in the call is both
+    # deleted and inserted: the deletes run first.
+    return Plan(
+        statuses=statuses,
+        deletes=deletes,
+        inserts={
+            jid: {c.name: getattr(job, c.name) for c in jobs.columns}
+            for jid, job in inserts.items()
+        },
+        updates={
+            jid: {name: getattr(current[jid], name) for name in CHANGED_COLUMNS} for jid in changed
+        },
+        revisions={jid: rows[jid]["revision"] for jid in deletes | changed},
+        last=at,
+    )
+
+
+def write(connection: Connection, plan: Plan) -> None:
+    """Apply the plan, or raise `Raced` (the caller's transaction rolls back)."""
+    postgres = connection.dialect.name == "postgresql"
+    if plan.revisions:
+        ids = sorted(plan.revisions)
+        if postgres:
+            locking: Any = _pg_lock()
+        else:  # the write transaction holds the database's one write lock already
+            locking = select(jobs.c.id, jobs.c.revision).where(
+                jobs.c.id.in_(bindparam("ids", expanding=True))
+            )
+        locked = connection.execute(locking, {"ids": ids})
+        if {row.id: row.revision for row in locked} != plan.revisions:
+            raise Raced
+    if plan.deletes:
+        connection.execute(delete(jobs).where(jobs.c.id.in_(sorted(plan.deletes))))
+    if plan.inserts:
+        rows = list(plan.inserts.values())
+        if postgres:
+            # One statement with a column of values each, whatever the number of rows.
+            inserted = connection.execute(
+                _pg_insert(connection.dialect),
+                {name: [row[name] for row in rows] for name in INSERTED},
+            ).all()
+            written = len(inserted)
+        else:
+            written = connection.execute(_sqlite_insert(), rows).rowcount
+        if written != len(rows):  # another caller inserted one first
+            raise Raced
+    if plan.updates:
+        connection.execute(
+            update(jobs).where(jobs.c.id == bindparam("job_id")),
+            [{"job_id": jid, **values} for jid, values in plan.updates.items()],
+        )
+
+
+# Every column of a new row.
+INSERTED = tuple(column.name for column in jobs.columns)
+
+
+@functools.cache
+def _pg_lock() -> Any:
+    return _by_id_one_by_one(jobs.c.id, jobs.c.revision, lock=True)
+
+
+@functools.cache
+def _sqlite_insert() -> Any:
+    """One row per execution, many executions; the count of rows inserted adds up.
+
+    Written as text, like `_pg_insert`: SQLAlchemy does not cache its SQLite
+    INSERT ... ON CONFLICT either.
+    """
+    return text(
+        f"INSERT INTO ai_jobs ({', '.join(INSERTED)}) "
+        f"VALUES ({', '.join(f':{name}' for name in INSERTED)}) ON CONFLICT (id) DO NOTHING"
+    ).bindparams(*[bindparam(name, type_=jobs.c[name].type) for name in INSERTED])
+
+
+@functools.cache
+def _pg_insert(dialect: Dialect) -> Any:
+    """INSERT ... SELECT FROM unnest(one array per column): one statement, one plan.
+
+    Written as text: SQLAlchemy does not cache its PostgreSQL INSERT ... ON
+    CONFLICT, and would compile it again for every chunk.
+    """
+    arrays = ", ".join(
+        f"CAST(:{name} AS {jobs.c[name].type.compile(dialect=dialect)}[])" for name in INSERTED
+    )
+    return text(
+        f"INSERT INTO ai_jobs ({', '.join(INSERTED)}) SELECT * FROM unnest({arrays}) "
+        "ON CONFLICT (id) DO NOTHING RETURNING id"
+    ).bindparams(*[bindparam(name, type_=postgresql.ARRAY(jobs.c[name].type)) for name in INSERTED])
+
+
+def new_job(
+    user_id: str,
+    kind: str,
+    subject: str,
+    fingerprint: str | None,
+    priority: int,
+    now: dt.datetime,
+) -> dict[str, Any]:
+    """A new key's row: pending, no attempts (R2)."""
+    return {
+        "id": job_id(user_id, kind, subject),
+        "user_id": user_id,
+        "kind": kind,
+        "subject": subject,
+        "fingerprint": fingerprint,
+        "priority": priority,
+        "status": Status.PENDING,
+        "attempts": 0,
+        "queued_at": now,
+        "created_at": now,
+        "updated_at": now,
+        "requested_at": now if priority <= INTERACTIVE else None,
+        "revision": 0,
+    }
+
+
+def starting_after(now: dt.datetime, previous: dt.datetime | None) -> dt.datetime:
+    """A chunk's first time: now, but never at or before the previous chunk's last."""
+    if previous is None or now > previous:
+        return now
+    return previous + dt.timedelta(microseconds=1)
