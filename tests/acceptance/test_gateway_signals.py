@@ -3,7 +3,7 @@
 Each scenario queues a few jobs in a real store (SQLite; PostgreSQL where it
 costs little), puts the independent recorder (`flows.recorder`, a TCP proxy)
 in front of the gateway simulator or of fakellm (a third-party
-OpenAI-compatible server), and runs `tests.support.consumer_process` in a
+OpenAI-compatible server), and runs `tests.support.worker` in a
 process of its own until the queue is empty (or, for a refusal, until the
 test stops it). `AI_JOB_CONCURRENCY` is 1, as for a project sharing the
 gateway's four slots with two others: one call at a time makes every
@@ -102,7 +102,7 @@ class ConsumerRun:
 
 
 class ConsumerProcess:
-    """`tests.support.consumer_process` in its own session; stopped by its PID."""
+    """`tests.support.worker` in its own session; stopped by its PID."""
 
     def __init__(self, env: dict[str, str], directory: Path, log_level: str = "INFO") -> None:
         directory.mkdir(parents=True, exist_ok=True)
@@ -110,7 +110,7 @@ class ConsumerProcess:
         self.started = time.monotonic()
         with open(self.out, "wb") as out, open(self.err, "wb") as err:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "tests.support.consumer_process", "--log-level", log_level],
+                [sys.executable, "-m", "tests.support.worker", "--log-level", log_level],
                 env={**os.environ, **env},
                 cwd=ROOT,
                 stdin=subprocess.DEVNULL,

@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 import tracemalloc
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -192,6 +192,10 @@ def test_latency_can_be_changed_at_run_time(simulator: GatewaySimulator) -> None
     assert simulator.stats().latency == (0.0, 0.01)
 
 
+def _requests(count: int) -> Callable[[SimulatorStats], bool]:
+    return lambda stats: len(stats.requests) == count
+
+
 def test_at_most_workers_requests_are_served_at_once_the_rest_wait_in_order() -> None:
     with GatewaySimulator(workers=2) as simulator:
         simulator.set_fault("hang")  # every request held until cleared
@@ -199,7 +203,7 @@ def test_at_most_workers_requests_are_served_at_once_the_rest_wait_in_order() ->
         for number in range(8):
             calls.append(Call(simulator, f"job {number}"))
             # One at a time, so the order of arrival is known.
-            simulator.wait_for(lambda s, n=number: len(s.requests) == n + 1, WAIT_LIMIT)
+            simulator.wait_for(_requests(number + 1), WAIT_LIMIT)
         stats = simulator.wait_for(lambda s: s.waiting == 6, WAIT_LIMIT)
         assert stats.in_flight == stats.peak_in_flight == 2
         simulator.clear_fault()
@@ -801,7 +805,8 @@ def start_command(*args: str) -> tuple[subprocess.Popen[str], str]:
     line = process.stdout.readline()
     if "development tool" not in line:
         stop_process_group(process, 5)
-        raise AssertionError(f"no announcement: {line!r} {process.stderr.read()[-2000:]}")
+        errors = process.stderr.read() if process.stderr is not None else ""
+        raise AssertionError(f"no announcement: {line!r} {errors[-2000:]}")
     return process, line.split(" at ", 1)[1].split()[0]
 
 
