@@ -30,7 +30,7 @@ from typing import Any
 
 from flows.guard import Guard, GuardUnavailable, Held, NullGuard
 from flows.runner import JobRunner, Outcome, Report
-from queue_store import Blocked, JobStore, Settings, StoreError
+from queue_store import Blocked, JobStore, PauseKind, Settings, StoreError
 
 logger = logging.getLogger(__name__)
 
@@ -220,6 +220,12 @@ class Consumer:
         self._store_down_since = None
         job = claim.job
         if job is None:
+            if (
+                claim.blocked is Blocked.PAUSED
+                and not self._standby
+                and await self._stop_if_refused() is None
+            ):
+                return None
             if claim.blocked in (Blocked.GAP, Blocked.PAUSED):
                 return min(claim.retry_in or self._settings.poll_seconds, MAX_WAIT_SECONDS)
             if claim.blocked is Blocked.CONCURRENCY and self._standby:
@@ -237,7 +243,23 @@ class Consumer:
         self.summary.add(report)
         log = logger.info if report.outcome is Outcome.DONE else logger.warning
         log("%s: %s (%s)", job.run_name, report.outcome, report.message)
+        if report.outcome is not Outcome.DONE and not self._standby:
+            return await self._stop_if_refused()
         return 0.0
+
+    async def _stop_if_refused(self) -> float | None:
+        """A draining consumer stops once the gateway refuses our credentials.
+
+        Only a fixed token (or an operator's `resume`) ends such a pause: a
+        drain would only probe again and again, so it leaves the job queued
+        with its attempts and stops, saying why.
+        """
+        refused = await self._refusal()
+        if refused is None:
+            return 0.0
+        logger.error("the gateway refuses us, stopping: %s", refused)
+        self._finished(f"refused: {refused}")
+        return None
 
     def _store_trouble(self, exc: StoreError) -> float:
         now = time.monotonic()
@@ -266,6 +288,16 @@ class Consumer:
             self._finished(f"gateway slot unavailable: {exc}")
             return 0.0
         return self._settings.poll_seconds
+
+    async def _refusal(self) -> str | None:
+        """The reason claiming is paused, if the gateway refused our credentials."""
+        try:
+            gate = await asyncio.to_thread(self._store.gate_state)
+        except StoreError:
+            return None
+        if gate.paused and gate.pause_kind is PauseKind.REFUSED:
+            return gate.pause_reason or "the gateway refused our credentials"
+        return None
 
     async def _work_waiting(self) -> bool:
         """Whether a claim could find something (indexed reads; never a write)."""

@@ -28,15 +28,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from prefect.settings import PREFECT_API_URL, PREFECT_CLIENT_MAX_RETRIES, temporary_settings
 from sqlalchemy import Engine, create_engine, inspect
 
-from deployments import triggers
+from deployments.processes import free_port
+from deployments.triggers import Triggers
+from flows.registry import Registry
+from flows.runtime import Runtime
 from queue_store import INTERACTIVE, InvalidArgument, JobStore, Settings, Status, migrate
 from queue_store.engine import normalise_url
+from queue_store.redact import Redactor
 from queue_store.schema import VERSION_TABLE
 from tests.support.race_worker import dump_tables
-from tests.support.services import BIN, ROOT, free_port
+from tests.support.services import BIN, ROOT
 
 STORE_TABLES = {"ai_jobs", "ai_job_results", "ai_job_gate", VERSION_TABLE}
 
@@ -63,7 +66,7 @@ HOSTILE: dict[str, str] = {
     "astral": "\U0001f600\U00010348\U000e0041",
     "line-breaks": "a\nb\r\nc\u2028d\u2029e\x85",
     "controls": "\x01\x07\x1b[31mred\x1b[0m\x7f\x9b",
-    "whitespace": "  \t ",
+    "padded": " padded\t",
     "html": "<script>alert(1)</script>",
     "json": '{"status": "done", "user_id": "other"}',
 }
@@ -78,6 +81,7 @@ LONE_SURROGATE = "a\udcffb"
 # Invalid values of a key part: (value, why) -> refused, naming the argument.
 BAD_KEY_TEXT: dict[str, Any] = {
     "empty": "",
+    "blank": "  \t ",
     "nul": "a\x00b",
     "nul-only": "\x00",
     "10kB": TEN_KB,
@@ -152,13 +156,18 @@ def _assert_intact(url: str, jobs: int, results: int) -> None:
 
 
 @pytest.fixture
-def prefect_unreachable(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    """Point Prefect at a closed 127.0.0.1 port; a fresh once-only outage log."""
-    api_url = f"http://127.0.0.1:{free_port()}/api"
-    monkeypatch.setattr(triggers, "_prefect_outage", triggers._OnceLogger("Prefect server"))
-    monkeypatch.setattr(triggers, "_deployment_ids", {})
-    with temporary_settings({PREFECT_API_URL: api_url, PREFECT_CLIENT_MAX_RETRIES: 0}):
-        yield api_url
+def app(store: JobStore) -> Iterator[Triggers]:
+    """The app's triggers on this store, with Prefect at a closed 127.0.0.1 port.
+
+    No generator is registered, so any kind is accepted; the scopes of a
+    backfill are the demo's.
+    """
+    from flows.demo import demo_scopes
+
+    registry = Registry()
+    registry.register_scopes(demo_scopes)
+    runtime = Runtime(store.config, store, registry, Redactor.for_settings(store.config))
+    yield Triggers(runtime, prefect_url=f"http://127.0.0.1:{free_port()}/api")
 
 
 class _Records(logging.Handler):
@@ -184,7 +193,7 @@ def _keys() -> list[tuple[str, str, str]]:
 def test_hostile_keys_and_fingerprints_round_trip_through_store_and_request_insight(
     store: JobStore,
     database_url: str,
-    prefect_unreachable: str,
+    app: Triggers,
 ) -> None:
     keys = _keys()
     fingerprints = [*HOSTILE.values(), MAX_FINGERPRINT]
@@ -193,23 +202,24 @@ def test_hostile_keys_and_fingerprints_round_trip_through_store_and_request_insi
     trigger_log = logging.getLogger("deployments.triggers")
     trigger_log.addHandler(logged)
     try:
-        _round_trip(store, keys, fingerprint_of)
+        _round_trip(store, app, keys, fingerprint_of)
     finally:
         trigger_log.removeHandler(logged)
-    outages = [r for r in logged.records if "Prefect server unreachable" in r.getMessage()]
+    outages = [r for r in logged.records if "queued work waits" in r.getMessage()]
     assert len(outages) == 1, "the Prefect outage is logged once, not once per poll"
     _assert_intact(database_url, jobs=len(keys), results=len(keys))
 
 
 def _round_trip(
     store: JobStore,
+    app: Triggers,
     keys: list[tuple[str, str, str]],
     fingerprint_of: dict[tuple[str, str, str], str],
 ) -> None:
     # The first screens: nothing is in flight, so each poll also tries (and
     # fails) to start a Prefect run; the state comes from the store alone.
     for key in keys[:3]:
-        state = triggers.request_insight(*key, fingerprint_of[key], store=store)
+        state = app.request_insight(*key, fingerprint_of[key])
         assert (state.status, state.error, state.flow_run_id) == ("pending", None, None)
         assert state.ahead is not None and state.result is None
     # The rest through the store, at prefetch priority.
@@ -220,7 +230,7 @@ def _round_trip(
     first = store.claim_next("hostile-worker")
     assert first.job is not None
     for key in keys:
-        state = triggers.request_insight(*key, fingerprint_of[key], store=store)
+        state = app.request_insight(*key, fingerprint_of[key])
         key_job = store.job(*key)
         assert key_job is not None
         expected = "running" if key_job.id == first.job.id else "pending"
@@ -256,7 +266,7 @@ def _round_trip(
         assert result.output == {"key": list(key), "fingerprint": fingerprint}
         assert (result.user_id, result.kind, result.subject) == key
 
-        state = triggers.request_insight(*key, fingerprint, store=store)
+        state = app.request_insight(*key, fingerprint)
         assert (state.status, state.fresh, state.error) == ("done", True, None)
         assert state.result is not None and state.result["output"]["key"] == list(key)
         assert state.result["fingerprint"] == fingerprint
@@ -265,7 +275,7 @@ def _round_trip(
 @pytest.mark.parametrize("part", ["user_id", "kind", "subject"])
 @pytest.mark.parametrize("bad", list(BAD_KEY_TEXT), ids=list(BAD_KEY_TEXT))
 def test_bad_key_text_is_refused_by_name_and_writes_nothing(
-    store: JobStore, database_url: str, prefect_unreachable: str, part: str, bad: str
+    store: JobStore, database_url: str, app: Triggers, part: str, bad: str
 ) -> None:
     store.enqueue("victim", "sleep", "d1", "fp")
     before = _snapshot(database_url)
@@ -274,7 +284,7 @@ def test_bad_key_text_is_refused_by_name_and_writes_nothing(
 
     calls: list[tuple[str, Any]] = [
         ("enqueue", lambda: store.enqueue(*args, "fp")),
-        ("request_insight", lambda: triggers.request_insight(*args, "fp", store=store)),
+        ("request_insight", lambda: app.request_insight(*args, "fp")),
         ("status_of", lambda: store.status_of(*args)),
         ("result_of", lambda: store.result_of(*args)),
         ("supersede", lambda: store.supersede(*args)),
@@ -297,14 +307,14 @@ def test_bad_key_text_is_refused_by_name_and_writes_nothing(
 
 @pytest.mark.parametrize("part", ["user_id", "kind"])
 def test_the_id_joiner_is_refused_where_it_would_merge_two_keys(
-    store: JobStore, database_url: str, prefect_unreachable: str, part: str
+    store: JobStore, database_url: str, app: Triggers, part: str
 ) -> None:
     before = _snapshot(database_url)
     key = {"user_id": "u", "kind": "sleep", "subject": "d1", part: BAD_JOINER}
     args = (key["user_id"], key["kind"], key["subject"])
     for call in (
         lambda: store.enqueue(*args),
-        lambda: triggers.request_insight(*args, store=store),
+        lambda: app.request_insight(*args),
         lambda: store.result_of(*args),
     ):
         with pytest.raises(InvalidArgument) as refused:
@@ -315,7 +325,7 @@ def test_the_id_joiner_is_refused_where_it_would_merge_two_keys(
 
 @pytest.mark.parametrize("bad", list(BAD_FINGERPRINTS), ids=list(BAD_FINGERPRINTS))
 def test_fingerprints_of_every_wrong_type_are_refused_and_write_nothing(
-    store: JobStore, database_url: str, prefect_unreachable: str, bad: str
+    store: JobStore, database_url: str, app: Triggers, bad: str
 ) -> None:
     store.enqueue("u", "sleep", "d1", "fp-old")  # an existing row a bad poll must not touch
     before = _snapshot(database_url)
@@ -323,8 +333,8 @@ def test_fingerprints_of_every_wrong_type_are_refused_and_write_nothing(
     for call in (
         lambda: store.enqueue("u", "sleep", "d1", value),
         lambda: store.enqueue("u", "sleep", "new-day", value),
-        lambda: triggers.request_insight("u", "sleep", "d1", value, store=store),
-        lambda: triggers.request_insight("u", "sleep", "new-day", value, store=store),
+        lambda: app.request_insight("u", "sleep", "d1", value),
+        lambda: app.request_insight("u", "sleep", "new-day", value),
     ):
         with pytest.raises(InvalidArgument) as refused:
             call()
@@ -334,7 +344,7 @@ def test_fingerprints_of_every_wrong_type_are_refused_and_write_nothing(
 
 @pytest.mark.parametrize("name", list(VALID_FINGERPRINTS), ids=list(VALID_FINGERPRINTS))
 def test_valid_fingerprints_round_trip_and_none_or_empty_keep_the_stored_one(
-    store: JobStore, prefect_unreachable: str, name: str
+    store: JobStore, app: Triggers, name: str
 ) -> None:
     value = VALID_FINGERPRINTS[name]
     expected = value or None  # "" means "none given", as in the original
@@ -346,14 +356,14 @@ def test_valid_fingerprints_round_trip_and_none_or_empty_keep_the_stored_one(
 
     # On an existing row, no fingerprint keeps the stored one; a new one replaces it.
     store.enqueue("u", "sleep", "kept", "fp-stored")
-    state = triggers.request_insight("u", "sleep", "kept", value, store=store)
+    state = app.request_insight("u", "sleep", "kept", value)
     assert state.status == "pending" and state.error is None
     kept = store.job("u", "sleep", "kept")
     assert kept is not None and kept.fingerprint == (expected or "fp-stored")
 
 
 def test_sql_in_a_user_id_reaches_no_other_user(
-    store: JobStore, database_url: str, prefect_unreachable: str
+    store: JobStore, database_url: str, app: Triggers
 ) -> None:
     """Classic injections as user ids match only themselves: never everyone, never a drop."""
     store.enqueue("alice", "sleep", "d1", "fp-a", priority=INTERACTIVE)
@@ -390,7 +400,7 @@ def test_sql_in_a_user_id_reaches_no_other_user(
 
     # As a real user id: queued, listed, superseded, and nothing dropped.
     drop = "'; DROP TABLE ai_jobs; --"
-    state = triggers.request_insight(drop, "sleep", "'; DROP TABLE ai_job_gate; --", store=store)
+    state = app.request_insight(drop, "sleep", "'; DROP TABLE ai_job_gate; --")
     assert state.status == "pending" and state.error is None
     store.enqueue(drop, "sleep", "other-day")
     assert store.supersede(drop, "sleep", "other-day") == 1
@@ -403,13 +413,14 @@ def test_sql_in_a_user_id_reaches_no_other_user(
 
 
 def test_trigger_backfill_with_prefect_unreachable_still_queues_in_the_store(
-    store: JobStore, prefect_unreachable: str, monkeypatch: pytest.MonkeyPatch
+    store: JobStore, app: Triggers
 ) -> None:
     from flows.demo import demo_scopes
 
-    monkeypatch.setattr(triggers, "_store", store)  # the app's default store
     user = HOSTILE["drop-table"]
-    assert triggers.trigger_backfill(user, sync_id="sync-1") is None
+    state = app.trigger_backfill(user, sync_id="sync-1")
+    assert (state.queued, state.flow_run_id, state.error) == (len(demo_scopes(user)), None, None)
+    assert state.run_note and "127.0.0.1" in state.run_note
     assert store.pending_count(user) == len(demo_scopes(user))
 
 
@@ -424,6 +435,8 @@ def _cli_env(tmp_path: Path) -> dict[str, str]:
         "AI_JOB_DATABASE_URL": f"sqlite:///{tmp_path / 'queue.db'}",
         "AI_JOB_DATA_DIR": str(tmp_path / "data"),
         "AI_JOB_GAP_SECONDS": "0",
+        # A plugin that registers no generator: any kind is accepted.
+        "AI_JOB_PLUGINS": "tests.support",
         "PREFECT_API_URL": f"http://127.0.0.1:{free_port()}/api",
         "PREFECT_CLIENT_MAX_RETRIES": "0",
         "PREFECT_HOME": str(tmp_path / "prefect"),
@@ -473,7 +486,7 @@ CLI_KEYS: list[tuple[str, str, str, str]] = [
     (HOSTILE["double-quote"], HOSTILE["placeholders"], HOSTILE["backslash"], "--"),
     (HOSTILE["emoji-zwj"], HOSTILE["rtl-override"], HOSTILE["combining"], HOSTILE["cjk"]),
     (HOSTILE["astral"], HOSTILE["zero-width-bom"], HOSTILE["line-breaks"], HOSTILE["controls"]),
-    ("-leading-dash", HOSTILE["html"], HOSTILE["json"], HOSTILE["whitespace"]),
+    ("-leading-dash", HOSTILE["html"], HOSTILE["json"], HOSTILE["padded"]),
     (*MAX_KEY, MAX_FINGERPRINT),
 ]
 
@@ -607,9 +620,15 @@ def test_cli_sql_in_a_user_id_is_just_a_user_id(cli_env: dict[str, str]) -> None
     table = _iq(cli_env, "jobs", "--user", "' OR 1=1 --")
     assert table.returncode == 0 and "(no jobs)" in table.stdout
     missing = _iq(cli_env, "status", "alice' --", "sleep", "d1")
-    assert (missing.returncode, missing.stderr.strip()) == (1, "no such job")
+    assert (missing.returncode, missing.stderr.strip()) == (
+        1,
+        'error: no job for "alice\' --" sleep:d1',
+    )
     retried = _iq(cli_env, "retry-failed", "' OR 1=1 --")
-    assert (retried.returncode, retried.stdout.strip()) == (0, "0")
+    assert (retried.returncode, retried.stdout.strip()) == (
+        0,
+        "retried 0 failed job(s) of ' OR 1=1 --; 0 now pending or running",
+    )
     mine = json.loads(_iq(cli_env, "jobs", "--json", "--user", drop).stdout)
     assert [(e["kind"], e["subject"]) for e in mine] == [
         ("sleep", "'; DROP TABLE ai_job_results; --")

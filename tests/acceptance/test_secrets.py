@@ -1,16 +1,17 @@
 """The gateway token and the database password never show anywhere they could be read.
 
 Both secrets are random per session, so finding one is never a coincidence.
-A consumer runs as `insight-queue -v interactive` / `drain` processes with every
-log level turned up, against the gateway simulator requiring the token and
-against an "echo" gateway that quotes the Authorization header back in its
-401/500/503 bodies; the store is on PostgreSQL through a role whose password
+A consumer runs as `insight-queue -v drain` processes with every log level
+turned up, against the gateway simulator requiring the token and against an
+"echo" gateway that quotes the Authorization header back in its 401/500/503
+bodies and headers; the store is on PostgreSQL through a role whose password
 is in `AI_JOB_DATABASE_URL`. Afterwards the secrets are searched for in:
 
 - the consumers' stdout and stderr;
-- what Prefect kept: flow runs (names, parameters, tags, states), task runs
-  (names, inputs, tags, state messages) and their logs, read with the Prefect
-  client, and the raw bytes of the Prefect server's database and log;
+- what Prefect kept: every flow run (one per generation attempt, and the
+  drains: names, parameters, tags, state messages), task run and log, read
+  with the Prefect client, and the raw bytes of the Prefect server's
+  database and log;
 - every table of the store (errors, pause reason, results);
 - the command line: `settings`, `settings --json`, `db upgrade`, `db status`,
   and the store's errors for unreachable or refused databases.
@@ -26,6 +27,7 @@ import json
 import os
 import secrets
 import threading
+import time
 import traceback
 import urllib.parse
 import uuid
@@ -40,12 +42,12 @@ from sqlalchemy import create_engine, text
 
 from flows.gateway import EXCERPT_CHARS, JOB_HEADER
 from flows.simulator import GatewaySimulator
-from queue_store import JobStore, Settings, StoreError, migrate
+from queue_store import INTERACTIVE, JobStore, Settings, StoreError, migrate
 from queue_store.engine import normalise_url
 from queue_store.redact import REDACTED
 from tests.support.databases import POSTGRES_URL
 from tests.support.race_worker import dump_tables
-from tests.support.services import PrefectServer, client_env, run_cli
+from tests.support.services import ROOT, PrefectServer, client_env, run_cli
 
 pytestmark = [pytest.mark.slow, pytest.mark.prefect, pytest.mark.postgres]
 
@@ -194,43 +196,27 @@ class EchoGateway:
 # -- reading back what Prefect kept ---------------------------------------------------------
 
 
-def prefect_records(api_url: str, flow_run_ids: list[str]) -> dict[str, str]:
-    """Flow runs, their task runs and logs as JSON text, read with the Prefect client."""
+def prefect_records(api_url: str) -> dict[str, str]:
+    """Every flow run, task run and log the server kept, as JSON text."""
     from prefect import get_client
-    from prefect.client.schemas.filters import (
-        FlowRunFilter,
-        FlowRunFilterId,
-        LogFilter,
-        LogFilterFlowRunId,
-    )
 
-    ids = [uuid.UUID(i) for i in flow_run_ids]
     with temporary_settings({PREFECT_API_URL: api_url}), get_client(sync_client=True) as client:
-        flow_runs = client.read_flow_runs(
-            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=ids))
-        )
-        task_runs = client.read_task_runs(
-            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=ids))
-        )
+        flow_runs = client.read_flow_runs(limit=200)
+        task_runs = client.read_task_runs(limit=200)
         logs: list[Any] = []
         while True:  # the API pages its answers
-            page = client.read_logs(
-                log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=ids)),
-                limit=200,
-                offset=len(logs),
-            )
+            page = client.read_logs(limit=200, offset=len(logs))
             logs += page
             if len(page) < 200:
                 break
-    assert len(flow_runs) == len(ids)
     return {
         "flow runs": "\n".join(r.model_dump_json() for r in flow_runs),
+        "flow-run names": "\n".join(r.name for r in flow_runs),
         "flow-run parameters": json.dumps([r.parameters for r in flow_runs], default=str),
-        "task runs": "\n".join(r.model_dump_json() for r in task_runs),
-        "task-run names": "\n".join(r.name for r in task_runs),
-        "task-run states": "\n".join(
-            f"{r.state.name}: {r.state.message}" for r in task_runs if r.state
+        "flow-run states": "\n".join(
+            f"{r.state.name}: {r.state.message}" for r in flow_runs if r.state
         ),
+        "task runs": "\n".join(r.model_dump_json() for r in task_runs),
         "logs": "\n".join(log.message for log in logs),
     }
 
@@ -253,15 +239,6 @@ def store_dump(url: str) -> str:
         engine.dispose()
 
 
-def flow_run_ids(store: JobStore, keys: list[tuple[str, str, str]]) -> list[str]:
-    ids = set()
-    for key in keys:
-        job = store.job(*key)
-        assert job is not None and job.flow_run_id, (key, job)
-        ids.add(job.flow_run_id)
-    return sorted(ids)
-
-
 def consumer_env(
     api_url: str, home: Path, database_url: str, gateway_url: str, token: str
 ) -> dict[str, str]:
@@ -271,6 +248,7 @@ def consumer_env(
         "AI_GATEWAY_URL": gateway_url,
         "AI_GATEWAY_TOKEN": token,
         "AI_JOB_PLUGINS": "flows.demo,tests.support.plugins",
+        "PYTHONPATH": str(ROOT),
         "AI_JOB_GAP_SECONDS": "0",
         "AI_JOB_HEARTBEAT_SECONDS": "0.5",
         "AI_JOB_LEASE_SECONDS": "10",
@@ -303,48 +281,66 @@ def test_a_consumer_run_leaks_neither_the_token_nor_the_database_password(
             env = consumer_env(prefect_server.api_url, tmp_path / "c1", role_url, sim.url, TOKEN)
             store.enqueue(user, "ok", f"{marker}-a")
             store.enqueue(user, "broken", f"{marker}-b")
-            done = run_cli("-v", "interactive", user, "ok", f"{marker}-c", env=env, timeout=240)
-            outputs["interactive stdout"], outputs["interactive stderr"] = done.stdout, done.stderr
+            store.enqueue(user, "ok", f"{marker}-c", priority=INTERACTIVE)
+            done = run_cli("-v", "drain", env=env, timeout=240)
+            outputs["drain 1 stdout"], outputs["drain 1 stderr"] = done.stdout, done.stderr
             served = sim.stats().requests
         assert {r.status for r in served} == {200}, served  # the token was sent, and right
         assert len(served) == 2  # ok a and ok c; the broken generator never calls
 
-        # 2. A gateway quoting the token back in its 401/500/503 answers.
+        # 2. A gateway quoting the token back in its 500/503/401 answers. The
+        # 401 comes last: it stops all claiming until an operator resumes.
         with EchoGateway() as echo:
             env = consumer_env(prefect_server.api_url, tmp_path / "c2", role_url, echo.url, TOKEN)
-            for subject in ("echo-401", "echo-500", "echo-503", "fine"):
+            for subject in ("fine", "echo-500", "echo-503"):
                 store.enqueue(user, "ok", f"{marker}-{subject}")
+            for round_ in range(2, 6):  # a drain may end at the 503's pause; the next goes on
+                done = run_cli("-v", "drain", env=env, timeout=240)
+                outputs[f"drain {round_} stdout"] = done.stdout
+                outputs[f"drain {round_} stderr"] = done.stderr
+                if store.pending_count(user) == 0:
+                    break
+                time.sleep(2.5)  # past AI_JOB_BACKOFF_MAX_SECONDS
+            # A refusal stops the line: the drain ends, the job keeps its attempts.
+            store.enqueue(user, "ok", f"{marker}-echo-401")
             done = run_cli("-v", "drain", env=env, timeout=240)
-            outputs["drain stdout"], outputs["drain stderr"] = done.stdout, done.stderr
+            outputs["drain 401 stdout"], outputs["drain 401 stderr"] = done.stdout, done.stderr
+            assert "refused" in done.stdout, done.stdout
         assert set(echo.authorizations) == {f"Bearer {TOKEN}"}
         statuses = [status for _, status in echo.answered]
-        assert statuses.count(401) == 3 and statuses.count(500) == 3 and 503 in statuses
+        assert statuses.count(401) == 1, outputs["drain 401 stderr"][-6000:]
+        assert statuses.count(500) == 3 and 503 in statuses
 
-        subjects = ["a", "b", "c", "echo-401", "echo-500", "echo-503", "fine"]
+        subjects = ["a", "b", "c", "fine", "echo-500", "echo-503", "echo-401"]
         keys = [(user, "broken" if s == "b" else "ok", f"{marker}-{s}") for s in subjects]
         final = {key[2].removeprefix(f"{marker}-"): store.job(*key) for key in keys}
-        assert {s: j.status for s, j in final.items() if j} == {
-            "a": "done",
-            "b": "failed",
-            "c": "done",
-            "echo-401": "failed",
-            "echo-500": "failed",
-            "echo-503": "done",
-            "fine": "done",
+        assert {s: (j.status, j.attempts) for s, j in final.items() if j} == {
+            "a": ("done", 1),
+            "b": ("failed", 3),
+            "c": ("done", 1),
+            "fine": ("done", 1),
+            "echo-500": ("failed", 3),
+            "echo-503": ("done", 1),
+            "echo-401": ("pending", 0),
         }
-        # The quoted tokens reached the store's error column, redacted.
-        for subject in ("echo-401", "echo-500"):
-            error = final[subject].error  # type: ignore[union-attr]
-            assert error is not None and REDACTED in error, error
-        runs = flow_run_ids(store, keys)
+        # The quoted tokens reached the store's error column and the pause
+        # reason, redacted.
+        error = final["echo-500"].error  # type: ignore[union-attr]
+        assert error is not None and REDACTED in error, error
+        gate = store.gate_state()
+        assert gate.pause_reason is not None and "401" in gate.pause_reason
+        assert REDACTED in gate.pause_reason, gate.pause_reason
+        outputs["pause reason"] = gate.pause_reason
 
-    outputs.update(prefect_records(prefect_server.api_url, runs))
+    outputs.update(prefect_records(prefect_server.api_url))
     outputs["store"] = store_dump(role_url)
     # Positive controls: every source holds the marker the jobs carried.
     outputs["consumer output"] = "".join(outputs[k] for k in list(outputs) if " std" in k)
-    for where in ("consumer output", "task-run names", "task runs", "logs", "store"):
+    for where in ("consumer output", "flow-run names", "flow runs", "logs", "store"):
         assert marker in outputs[where], f"{where} should mention {marker}"
-    assert "HTTP 401" in outputs["task-run states"] and REDACTED in outputs["task-run states"]
+    # The generations' runs end with the gateway's answer, redacted.
+    assert "HTTP 500" in outputs["flow-run states"], outputs["flow-run states"]
+    assert REDACTED in outputs["flow-run states"], outputs["flow-run states"]
     for where, found in outputs.items():
         assert_absent(found, where, TOKEN, DB_PASSWORD)
 
