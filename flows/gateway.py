@@ -235,11 +235,25 @@ def _plain_number(text: str) -> float | None:
     return value if 0 <= value < float("inf") else None
 
 
+class _Borrowed(httpx.AsyncBaseTransport):
+    """A transport lent to every call: closing a call's client leaves it open."""
+
+    def __init__(self, transport: httpx.AsyncBaseTransport) -> None:
+        self._transport = transport
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        return await self._transport.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        """The lender closes it."""
+
+
 class GatewayClient:
     """An asynchronous client for one gateway, configured from `Settings`.
 
     Each `complete()` opens its own connection and closes it when it returns
-    or is cancelled. Safe to share between tasks of one event loop.
+    or is cancelled. Safe to share between tasks of one event loop. A
+    `transport` given here stays the caller's: calls use it, none closes it.
     """
 
     def __init__(
@@ -269,7 +283,7 @@ class GatewayClient:
             )
         self._token = token
         self._model = settings.gateway_model
-        self._transport = transport
+        self._transport = _Borrowed(transport) if transport is not None else None
         self._redact = redactor or Redactor.for_settings(settings)
         self._max_bytes = settings.gateway_max_answer_bytes
         self._call_timeout = settings.call_timeout

@@ -851,3 +851,31 @@ def test_command_listens_on_8765_when_it_is_free() -> None:
         assert process.wait(WAIT_LIMIT) == 0
     finally:
         stop_process_group(process, 5)
+
+
+def test_a_transport_lent_to_the_client_survives_its_calls(simulator: GatewaySimulator) -> None:
+    """Calls sharing one transport: the quick one ending must not cut the slow one off."""
+    import asyncio
+
+    from flows.gateway import Completion, GatewayClient
+    from queue_store import Settings
+
+    async def both() -> list[Completion]:
+        transport = httpx.AsyncHTTPTransport()
+        client = GatewayClient(
+            Settings.from_env({}, gateway_url=simulator.url), transport=transport
+        )
+        messages = [{"role": "user", "content": "sleep for user 42"}]
+        try:
+            return list(
+                await asyncio.gather(
+                    client.complete(messages, sim_latency=0.5),
+                    client.complete(messages, sim_latency=0.05),
+                )
+            )
+        finally:
+            await transport.aclose()
+
+    slow, quick = asyncio.run(both())
+    assert slow.status == quick.status == 200
+    assert slow.elapsed_seconds > quick.elapsed_seconds
