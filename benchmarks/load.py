@@ -7,25 +7,34 @@ own connections, a gateway simulator answering in 10 ms, `AI_JOB_GAP_SECONDS`
 queue's overhead per job next to the 10 ms call:
 
 - `overhead/job` = wall time x limit / jobs - call: what a gateway slot spends
-  per job outside the call (claim, heartbeat thread, HTTP client, finish);
+  per job outside the call (claim, lease renewals, HTTP client, finish);
 - `idle p50/p95` (limit 1 only) = the gateway's idle time between one call's
   end and the next call's start, as the simulator saw it.
 
-The consumers are plain Python (`JobStore.claim_next` + `flows.runner.JobRunner`,
-the same runner the Prefect task uses, with its heartbeat thread), not
-`insight-queue drain`: a Prefect task run costs ~50 ms per job, five times the
-call, and `drain` leaves as soon as another consumer holds the gateway, so four
-of them would not stay to compete. A consumer that finds the gateway busy
-polls again after `--poll-ms`.
+Each consumer process drives the product's runner the way `flows.consumer`
+does, on an asyncio loop of its own: it notes the loop's time, claims with
+`JobStore.claim_next` (in a thread), and awaits `JobRunner.run(job,
+claim_sent)`, which keeps the lease itself (its `LeaseKeeper` renews the claim
+in the background and once more right before the call) and records the
+outcome. One claim at a time per process, so the consumers compete for the
+gateway through the store. They are not `insight-queue drain` (nor a draining
+`flows.consumer.Consumer`): a Prefect task run costs ~50 ms per job, five
+times the call, and a draining consumer leaves as soon as another one holds
+the gateway, so four of them would not stay to compete. A consumer that finds
+the gateway busy polls again after `--poll-ms`.
 
-`--client per-job` (the default) is what the flows do: `JobRunner` builds a
-new `GatewayClient` per job, and `httpx.Client()` builds a new SSL context and
-loads the CA bundle each time (~17 ms of CPU). `--client shared-tls` still
-builds a client per job but on a transport made from one SSL context per
-process, which shows what that costs (and is what the load test uses).
+`--client per-job` (the default) is what the flows do: one `GatewayClient`
+per process (`Runtime.client()`), which opens a new `httpx.AsyncClient`, and
+so a new connection, per call, on the process's one cached SSL context.
+`--client shared-tls` gives that client one `httpx.AsyncHTTPTransport` made
+from one SSL context per process (it still opens an `AsyncClient` per call,
+on that transport, and each call still has a connection of its own), which
+shows what building a transport per call costs (and is what the load test
+uses).
 
-`run_load` is also what `tests/test_load.py` runs and checks (every job done
-exactly once, the gateway's peak equal to the limit, claims in queue order).
+`run_load` is also what `tests/acceptance/test_load.py` runs and checks
+(every job done exactly once, the gateway's peak equal to the limit, claims
+in queue order); `check` is the same verdict for the command line.
 
 Run from the repository root; PostgreSQL runs in a fresh schema it drops
 afterwards, SQLite in a temporary file:
@@ -41,6 +50,7 @@ postgresql://postgres@127.0.0.1:5432/test.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import collections
 import dataclasses
 import datetime as dt
@@ -63,8 +73,8 @@ import httpx
 from sqlalchemy import create_engine, select, text
 from sqlalchemy.exc import OperationalError
 
+from flows import registry
 from flows.gateway import GatewayClient
-from flows.registry import register_generator
 from flows.runner import JobRunner
 from flows.simulator import GatewaySimulator
 from queue_store import (
@@ -87,6 +97,7 @@ STORE_ERROR_PAUSE_SECONDS = 1.0  # a consumer whose claim failed waits this long
 GIVE_UP_SECONDS = 600.0  # a consumer still running after this reports a timeout
 START_TIMEOUT_SECONDS = 120.0  # spawned consumers must be connected by then
 SPAWN = multiprocessing.get_context("spawn")
+Row = dict[str, Any]  # a job row, by column name
 CLIENTS = ("per-job", "shared-tls")
 DROP_ATTEMPTS = 10  # tries to drop a PostgreSQL schema while the server restarts
 DROP_PAUSE_SECONDS = 2.0
@@ -97,7 +108,7 @@ def _messages(user_id: str, subject: str) -> list[dict[str, str]]:
 
 
 # Registered on import, so every spawned consumer has the kind too.
-register_generator(KIND, _messages)
+registry.register_generator(KIND, _messages)
 
 
 def job_keys(jobs: int, users: int) -> list[tuple[str, str, str, int]]:
@@ -132,17 +143,21 @@ class ConsumerReport:
 
 
 def runner_for(store: JobStore, settings: Settings, client: str) -> JobRunner:
-    """The flows' runner; with "shared-tls", its clients share one SSL context."""
+    """The flows' runner, as `Runtime.runner()` builds it but without run history.
+
+    "per-job": the flows' gateway client; "shared-tls": a gateway client whose
+    calls all go through one transport made from one SSL context.
+    """
     if client == "per-job":
-        return JobRunner(store, settings)
-    if client != "shared-tls":
+        gateway = GatewayClient(settings)
+    elif client == "shared-tls":
+        # Safe only because a consumer process makes one call at a time: every
+        # call's `AsyncClient` closes the transport's connections as it ends.
+        context = httpx.create_ssl_context()
+        gateway = GatewayClient(settings, transport=httpx.AsyncHTTPTransport(verify=context))
+    else:
         raise ValueError(f"client: expected one of {CLIENTS}, got {client!r}")
-    context = httpx.create_ssl_context()
-    return JobRunner(
-        store,
-        settings,
-        lambda: GatewayClient(settings, transport=httpx.HTTPTransport(verify=context)),
-    )
+    return JobRunner(store, settings, registry.default, gateway)
 
 
 def consume(
@@ -171,39 +186,61 @@ def consume(
     try:
         configured = Settings(**settings)
         store = JobStore(url, settings=configured)
-        runner = runner_for(store, configured, client)
         store.pending_count()  # connected before the start line
         ready.put(name)
         if not start.wait(START_TIMEOUT_SECONDS):
             raise TimeoutError("the start signal never came")
-        deadline = time.monotonic() + give_up_after
-        while True:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{name} gave up after {give_up_after} s")
-            try:
-                claim = store.claim_next(name)
-            except StoreError:
-                blocked["store-error"] += 1
-                time.sleep(STORE_ERROR_PAUSE_SECONDS)
-                continue
-            job = claim.job
-            if job is None:
-                blocked[str(claim.blocked)] += 1
-                if claim.blocked == Blocked.EMPTY and store.pending_count() == 0:
-                    break
-                time.sleep(poll_seconds)
-                continue
-            with runner.heartbeat(job) as beat:
-                report = runner.run(job, beat.lost)
-            records.append(
-                ClaimRecord(job.id, job.holder or "", job.attempts, str(report.outcome), name)
-            )
+        asyncio.run(
+            drain(store, configured, name, client, poll_seconds, give_up_after, records, blocked)
+        )
     except BaseException:  # noqa: BLE001 - reported to the parent, which asserts on it
         error = traceback.format_exc()
     finally:
         if store is not None:
             store.close()
     out.put(ConsumerReport(name, records, dict(blocked), error))
+
+
+async def drain(
+    store: JobStore,
+    settings: Settings,
+    name: str,
+    client: str,
+    poll_seconds: float,
+    give_up_after: float,
+    records: list[ClaimRecord],
+    blocked: collections.Counter[str],
+) -> None:
+    """The consumer's loop, as `flows.consumer.Consumer` runs one lane of it.
+
+    The claim's time is the loop's, taken just before the claim is sent: the
+    runner's lease counts from it. `records` and `blocked` are filled as it
+    goes, so a consumer that fails still reports what it did.
+    """
+    runner = runner_for(store, settings, client)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + give_up_after
+    while True:
+        if loop.time() > deadline:
+            raise TimeoutError(f"{name} gave up after {give_up_after} s")
+        claim_sent = loop.time()
+        try:
+            claim = await asyncio.to_thread(store.claim_next, name)
+        except StoreError:
+            blocked["store-error"] += 1
+            await asyncio.sleep(STORE_ERROR_PAUSE_SECONDS)
+            continue
+        job = claim.job
+        if job is None:
+            blocked[str(claim.blocked)] += 1
+            if claim.blocked is Blocked.EMPTY and await asyncio.to_thread(store.pending_count) == 0:
+                return
+            await asyncio.sleep(poll_seconds)
+            continue
+        report = await runner.run(job, claim_sent)
+        records.append(
+            ClaimRecord(job.id, job.holder or "", job.attempts, str(report.outcome), name)
+        )
 
 
 @dataclasses.dataclass
@@ -266,6 +303,8 @@ def run_load(
     client: str = "per-job",
 ) -> LoadResult:
     """Enqueue the scenario into an upgraded, empty store at `url`, drain it, and report."""
+    if client not in CLIENTS:
+        raise ValueError(f"client: expected one of {CLIENTS}, got {client!r}")
     with GatewaySimulator(workers=4, latency=latency) as sim:
         settings = consumer_settings(url, sim.url, concurrency)
         with JobStore(url, settings=Settings(**settings)) as setup:
@@ -439,7 +478,38 @@ def check(result: LoadResult) -> list[str]:
     done = sum(1 for row in result.rows if row["status"] == "done" and row["attempts"] == 1)
     if done != result.jobs:
         problems.append(f"{done} of {result.jobs} jobs done after exactly one attempt")
+    records = result.records
+    if len(records) != result.jobs or len({r.job_id for r in records}) != result.jobs:
+        problems.append(
+            f"{len(records)} claims of {len({r.job_id for r in records})} jobs for {result.jobs}"
+        )
+    outcomes = collections.Counter(r.outcome for r in records if r.outcome != "done")
+    if outcomes:
+        problems.append(f"claims that did not end done: {dict(outcomes)}")
+    disorder = out_of_queue_order(result.rows)
+    if disorder:
+        before, after = disorder[0]
+        problems.append(
+            f"{len(disorder)} claims out of queue order, e.g. {after['subject']}"
+            f" (priority {after['priority']}) after {before['subject']}"
+            f" (priority {before['priority']})"
+        )
     return problems
+
+
+def out_of_queue_order(rows: Sequence[Row]) -> list[tuple[Row, Row]]:
+    """Consecutive claims (rows ordered by claimed_at) taken against the queue's order (R8).
+
+    Claims are serialised on the gate row, so by claim time the jobs must go
+    by priority, then age; two claims stamped with the same time are not compared.
+    """
+    claimed = [row for row in rows if row["claimed_at"] is not None]
+    return [
+        (before, after)
+        for before, after in itertools.pairwise(claimed)
+        if before["claimed_at"] != after["claimed_at"]
+        and (before["priority"], before["queued_at"]) > (after["priority"], after["queued_at"])
+    ]
 
 
 def describe(result: LoadResult) -> str:
@@ -516,4 +586,12 @@ if __name__ == "__main__":
     raise SystemExit(main())
 
 
-__all__ = ["LoadResult", "check", "fresh_database", "job_keys", "run_load"]
+__all__ = [
+    "LoadResult",
+    "check",
+    "describe",
+    "fresh_database",
+    "job_keys",
+    "out_of_queue_order",
+    "run_load",
+]

@@ -4,15 +4,17 @@
 their own `JobStore` and connections, a gateway simulator answering in 10 ms,
 `AI_JOB_GAP_SECONDS` 0; once with `AI_JOB_CONCURRENCY` 1 and once with 2.
 
-The consumers are `benchmarks/load.py`'s: plain Python processes looping over
-`JobStore.claim_next` and `flows.runner.JobRunner` (the runner the Prefect
-task uses, heartbeat thread included), polling again 2 ms after finding the
-gateway busy. Not `insight-queue drain`: measured here, a Prefect task run
-costs ~50 ms per job (2,000 jobs would take minutes), and `drain` leaves as
-soon as another consumer holds the gateway, so four of them would not keep
-competing. Their gateway clients share one SSL context per process
-(`--client shared-tls`): building one per job costs ~17 ms of CPU, which says
-nothing about the store (BENCHMARKS.md has both figures).
+The consumers are `benchmarks/load.py`'s: plain Python processes, each on an
+asyncio loop of its own, claiming with `JobStore.claim_next` and awaiting
+`flows.runner.JobRunner.run(job, claim_sent)` as `flows.consumer` does (the
+runner keeps the lease itself with its `LeaseKeeper`), one claim at a time,
+polling again 2 ms after finding the gateway busy. Not `insight-queue drain`:
+measured here, a Prefect task run costs ~50 ms per job (2,000 jobs would take
+minutes), and a draining consumer leaves as soon as another consumer holds
+the gateway, so four of them would not keep competing. Their gateway clients
+call through one `httpx.AsyncHTTPTransport` on one SSL context per process
+(`--client shared-tls`), so the figures say what the store costs, not the
+HTTP client (BENCHMARKS.md has both figures).
 
 Each test uses a fresh PostgreSQL schema, upgraded by the migrations and
 dropped afterwards. It runs only with AI_JOB_TEST_POSTGRES_URL set (CI sets it).
