@@ -188,6 +188,7 @@ def test_a_database_outage_longer_than_the_lease_stops_the_call_before_anyone_ta
             workers.stop_all()
         seen = gateway.assert_kept(concurrency=1, gap=GAP)
         assert closed.intervals[0].closed is not None
+        print(f"FIGURES outage: the call stopped {stopped_after:.2f} s into the outage")
         assert stopped_after < LEASE, f"the call ran on {stopped_after:.1f} s into the outage"
         for subject in ("long-1", "long-2"):
             job = store.job("outage", "ok", subject)

@@ -58,6 +58,11 @@ class Gateway:
     def assert_kept(self, concurrency: int, gap: float) -> RecorderSnapshot:
         """The promise, measured at the gateway: peak in flight and every gap."""
         seen = self.snapshot()
+        smallest = "-" if seen.min_gap is None else f"{seen.min_gap:.3f} s"
+        print(
+            f"FIGURES recorder: {seen.count} connections, peak in flight "
+            f"{seen.peak_in_flight}, smallest gap {smallest}"
+        )
         assert seen.peak_in_flight <= concurrency, f"{seen.peak_in_flight} calls at once"
         if seen.min_gap is not None:
             assert seen.min_gap >= gap - GAP_SLACK_SECONDS, f"gap of {seen.min_gap:.3f} s"
