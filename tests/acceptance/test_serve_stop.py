@@ -76,6 +76,7 @@ def test_stopping_serve_mid_call_hands_the_job_back_and_a_restart_finishes_it(
         seen = gateway.recorder.wait_until(lambda s: s.in_flight == 0, 5, "the call closed")
         assert seen.count == 1
         assert gateway.answers_for(f"ok:{subject}") == 0
+        print(f"FIGURES {sig.name}: serve stopped in {stopped_in:.2f} s")
         assert stopped_in < 20, f"serve took {stopped_in:.1f} s to stop"
         assert code == 0, (tmp_path / "serve-1.log").read_text()[-3000:]
         for child in children:
@@ -98,6 +99,7 @@ def test_stopping_serve_mid_call_hands_the_job_back_and_a_restart_finishes_it(
             env={"PYTHONPATH": str(Path(__file__).resolve().parents[2])},
             log=tmp_path / "serve-2.log",
         ).start()
+        restarted_at = time.monotonic()
         try:
             deadline = time.monotonic() + 120
             while time.monotonic() < deadline:
@@ -107,6 +109,7 @@ def test_stopping_serve_mid_call_hands_the_job_back_and_a_restart_finishes_it(
                 time.sleep(0.3)
         finally:
             restarted.stop()
+        print(f"FIGURES ready again -> job done {time.monotonic() - restarted_at:.2f} s")
         assert job is not None and (job.status, job.attempts) == (Status.DONE, 1)
         assert gateway.answers_for(f"ok:{subject}") == 1
         gateway.assert_kept(concurrency=1, gap=0.2)

@@ -232,7 +232,10 @@ def test_a_worker_lost_on_the_last_allowed_attempt_fails_its_job(
     for key in others:
         job = store.job(*key)
         assert job is not None and (job.status, job.attempts) == ("done", 1), job
-    assert summary["outcomes"] == {"done": len(others)}, summary
+    # The survivor never ran the victim; it ran what the doomed worker had
+    # not (a job may have gone between the victim's attempts).
+    assert set(summary["outcomes"]) == {"done"}, summary
+    assert all(r["job"] != "ok:last-try" for r in summary["reports"]), summary
     gateway.assert_kept(concurrency=1, gap=GAP)
     print(
         f"\n[{store.url.split(':', 1)[0]}] kill -> failed as worker lost {failed_after:.2f} s "

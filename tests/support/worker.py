@@ -109,8 +109,23 @@ def main(argv: list[str] | None = None) -> int:
         summary = asyncio.run(work(runtime, options.name or worker_name("test"), options.standby))
     finally:
         runtime.close()
+    summary["peak_rss_bytes"] = peak_rss_bytes()
     print(json.dumps(summary), flush=True)
     return 0
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set since it started (VmHWM).
+
+    Not `ru_maxrss`: Linux carries the parent's high-water mark across fork
+    and exec into it, so a child of a large test process would report the
+    parent's size.
+    """
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024  # kB
+    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 if __name__ == "__main__":
