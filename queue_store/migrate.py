@@ -1,25 +1,31 @@
 """Schema migrations: upgrade a database to what this code needs, or say how.
 
 Alembic runs on a connection we open, with its own version table so the
-store can share a database with an application that uses Alembic too.
+store can share a database with an application that uses Alembic too. It is
+imported only to upgrade: reading the revision is one query, and every
+command that opens a store reads it.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from alembic import command
-from alembic.config import Config
 from sqlalchemy import Engine, inspect, text
 from sqlalchemy.exc import SQLAlchemyError
 
 from queue_store.engine import create_store_engine, wrap_database_error
 from queue_store.schema import SCHEMA_REVISION, VERSION_TABLE
 
+if TYPE_CHECKING:
+    from alembic.config import Config
+
 MIGRATIONS = Path(__file__).parent / "migrations"
 
 
 def _config() -> Config:
+    from alembic.config import Config
+
     config = Config()
     config.set_main_option("script_location", str(MIGRATIONS))
     return config
@@ -27,6 +33,8 @@ def _config() -> Config:
 
 def upgrade(url_or_engine: str | Engine, revision: str = "head") -> str | None:
     """Bring the database to `revision`; returns the revision it is at afterwards."""
+    from alembic import command
+
     engine = create_store_engine(url_or_engine) if isinstance(url_or_engine, str) else url_or_engine
     try:
         with engine.begin() as connection:
