@@ -13,6 +13,7 @@ from queue_store import (
     Blocked,
     ClaimLost,
     DatabaseError,
+    InvalidArgument,
     JobStore,
     Renewal,
     Settings,
@@ -436,6 +437,27 @@ def test_recover_releases_dead_and_own_claims_never_a_live_one(
     live_row = _row(store, "sleep", "live")
     assert (live_row["status"], live_row["holder"]) == ("running", live.holder)
     assert store.recover() == []
+
+
+def test_recover_matches_the_worker_exactly_never_a_prefix_or_another_case(
+    make_store: StoreFactory,
+) -> None:
+    store = make_store(concurrency=3, lease_seconds=60)
+    for subject in ("a", "b", "c"):
+        store.enqueue(U, "sleep", subject)
+    held = [store.claim_next(name).job for name in ("web-1", "worker", "web")]
+    assert all(held)
+    for other in ("we", "WORKER", "Web", "web-", "work", "w_b", "_eb"):
+        assert store.recover(other) == [], other
+    # "web" is a worker of its own: only its claim comes back.
+    assert [j.worker for j in store.recover("web")] == ["web"]
+    rows = [store.get(job.id) for job in held if job]
+    assert {r.worker for r in rows if r and r.status == Status.RUNNING} == {"web-1", "worker"}
+    # A claim's token is "<worker>/<nonce>": no name can hold the separator.
+    for bad in ("web/1", "web%", "*", " web", ""):
+        with pytest.raises(InvalidArgument) as refused:
+            store.recover(bad)
+        assert refused.value.argument == "worker"
 
 
 # -- FIX6 -----------------------------------------------------------------------
