@@ -219,10 +219,14 @@ class ServeProcess:
         store = JobStore(self.settings.database_url, settings=self.settings, check_schema=False)
 
         def ready() -> bool:
+            # This serve's own consumer: after a crash, the dead one's row
+            # (same stable name) still looks alive for a lease.
             try:
                 for deployment in table.DEPLOYMENTS:
                     api.deployment_id(deployment.name)
-                return any(w.alive and w.role == "consumer" for w in store.workers())
+                return any(
+                    w.alive and w.role == "consumer" and w.pid == self.pid for w in store.workers()
+                )
             except (PrefectUnavailable, StoreError):
                 return False
 

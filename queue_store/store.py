@@ -823,18 +823,26 @@ class JobStore:
         """Say that this consumer is alive (call it every few seconds)."""
         name = validation.worker(name)
         role = validation.text("role", role, 32)
+        host, pid = socket.gethostname()[:200], os.getpid()
         with self._write("worker_seen") as connection:
             now = self._now(connection)
-            written = connection.execute(
-                update(workers).where(workers.c.name == name).values(seen_at=now, info=info or {})
-            ).rowcount
-            if not written:
+            row = connection.execute(
+                select(workers.c.host, workers.c.pid).where(workers.c.name == name)
+            ).one_or_none()
+            if row is not None:
+                values: dict[str, Any] = {"seen_at": now, "info": info or {}}
+                if (row.host, row.pid) != (host, pid):
+                    # A stable name taken up by a new process (serve restarted
+                    # after a crash): the row describes the new one.
+                    values |= {"host": host, "pid": pid, "role": role, "started_at": now}
+                connection.execute(update(workers).where(workers.c.name == name).values(**values))
+            else:
                 connection.execute(
                     insert(workers).values(
                         name=name,
                         role=role,
-                        host=socket.gethostname()[:200],
-                        pid=os.getpid(),
+                        host=host,
+                        pid=pid,
                         started_at=now,
                         seen_at=now,
                         info=info or {},

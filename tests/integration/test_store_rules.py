@@ -715,3 +715,35 @@ def test_clock_must_be_aware(database_url: str) -> None:
     with pytest.raises(InvalidArgument):
         store.enqueue(U, "a", "1")
     store.close()
+
+
+# -- consumers' presence ---------------------------------------------------------
+
+
+def test_a_stable_worker_name_taken_up_by_a_new_process_describes_the_new_one(
+    store: JobStore, clock: FakeClock
+) -> None:
+    """serve restarted after a crash keeps its worker name; the row must not keep the dead pid."""
+    import os
+
+    from sqlalchemy import update
+
+    from queue_store.schema import workers
+
+    store.worker_seen("serve-main", "consumer")
+    first = next(w for w in store.workers() if w.name == "serve-main")
+    assert first.pid == os.getpid()
+    # The row as a crashed process left it: another pid, an older start.
+    with store._write("test") as connection:
+        connection.execute(update(workers).values(pid=first.pid + 100_000))
+    clock.advance(5)
+    store.worker_seen("serve-main", "consumer")
+    again = next(w for w in store.workers() if w.name == "serve-main")
+    assert again.pid == os.getpid()
+    assert again.started_at > first.started_at
+    # Seen again by the same process: its start stays.
+    clock.advance(5)
+    store.worker_seen("serve-main", "consumer", {"lanes": 1})
+    same = next(w for w in store.workers() if w.name == "serve-main")
+    assert (same.pid, same.started_at) == (again.pid, again.started_at)
+    assert same.seen_at > again.seen_at
