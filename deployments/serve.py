@@ -142,6 +142,21 @@ def prepare(
         )
 
 
+def _prefect_away(error: BaseException | None) -> bool:
+    """Whether the runner failed because Prefect could not be reached (an outage, not a fault)."""
+    import httpx
+
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, httpx.TransportError | ConnectionError | TimeoutError):
+            return True
+        if isinstance(error, httpx.HTTPStatusError) and error.response.status_code >= 500:
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
 class _RunnerThread(threading.Thread):
     """Prefect's runner for the deployments, in a thread with its own event loop.
 
@@ -273,7 +288,7 @@ def serve(settings: Settings, options: ServeOptions) -> None:
                     if runner_thread.is_alive():
                         time.sleep(0.5)
                         continue
-                    if not runner_thread.served:
+                    if not runner_thread.served and not _prefect_away(runner_thread.error):
                         break  # it never got going: not an outage, a fault to report
                     if time.monotonic() - started > RUNNER_RESTART_MAX_SECONDS:
                         pause = RUNNER_RESTART_SECONDS  # it had been running a while

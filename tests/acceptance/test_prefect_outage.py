@@ -47,6 +47,16 @@ def wait_for(condition: Callable[[], object], timeout: float, what: str) -> None
     raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
 
 
+def outlasts_the_runner(serve: ServeProcess, log: Path) -> None:
+    """Prefect is away: serve's log says it starts its runner again, and serve lives on."""
+    wait_for(
+        lambda: "starting it again" in log.read_text() or not serve.alive(),
+        120,
+        "serve to notice that Prefect's runner stopped",
+    )
+    assert serve.alive(), log.read_text(errors="replace")[-4000:]
+
+
 def run_state(api_url: str, run_id: str) -> dict[str, Any]:
     response = httpx.get(f"{api_url}/flow_runs/{run_id}", timeout=10)
     response.raise_for_status()
@@ -80,12 +90,7 @@ def test_serve_starts_another_runner_when_prefect_s_gives_up_and_serves_again(
             server.start()
             with serve:
                 server.stop()
-                wait_for(
-                    lambda: "starting it again" in log.read_text() or not serve.alive(),
-                    120,
-                    "serve to notice that Prefect's runner stopped",
-                )
-                assert serve.alive(), log.read_text(errors="replace")[-4000:]
+                outlasts_the_runner(serve, log)
                 server.start()
 
                 # The post-sync hook's run is taken by the runner serve started.
@@ -116,6 +121,41 @@ def test_serve_starts_another_runner_when_prefect_s_gives_up_and_serves_again(
             serve.stop()
             server.stop()
         gateway.assert_kept(concurrency=1, gap=GAP)
+
+
+def test_serve_rides_out_prefect_going_away_before_its_deployments_were_registered(
+    tmp_path: Path,
+) -> None:
+    """The window between serve saying where it is and its runner registering the deployments."""
+    with Gateway(latency=0.2) as gateway:
+        settings = Settings.from_env({}, data_dir=tmp_path / "data", gateway_url=gateway.url)
+        server = PrefectServer(tmp_path / "prefect-server", free_port(), ui=False, reuse=False)
+        log = tmp_path / "serve.log"
+        serve = ServeProcess(
+            settings,
+            server.api_url,
+            env={"PYTHONPATH": str(ROOT), "PREFECT_CLIENT_MAX_RETRIES": "1"},
+            log=log,
+        )
+        state = settings.data_dir / "serve.json"
+
+        def announced() -> bool:
+            return state.exists() and json.loads(state.read_text()).get("pid") == serve.pid
+
+        try:
+            server.start()
+            serve.start(wait=False)
+            wait_for(lambda: announced() or not serve.alive(), 120, "serve to say where it is")
+            server.stop()
+            outlasts_the_runner(serve, log)
+            server.start()
+            serve.wait_ready(timeout=120)
+            assert serve.alive()
+            code = serve.stop()
+            assert code == 0, log.read_text(errors="replace")[-4000:]
+        finally:
+            serve.stop()
+            server.stop()
 
 
 def test_consume_waits_for_a_gateway_slot_while_prefect_is_away_and_calls_once_it_is_back(
