@@ -1,9 +1,10 @@
 """Soak: the whole served stack under random failures, then every invariant checked.
 
-The script starts the stack itself in a temporary directory and stops all of
-it at the end (also on Ctrl-C, SIGTERM or an error):
+The script starts the stack itself in a working directory and stops all of it
+at the end (also on Ctrl-C, SIGTERM or an error), every process by the PID it
+got when starting it:
 
-- a Prefect server (`deployments.embedded.EmbeddedServer`: file-backed
+- a Prefect server (`deployments.stack.PrefectServer`: file-backed
   concurrency leases, no UI) on a free 127.0.0.1 port with its own home;
 - the gateway simulator (`flows.simulator.GatewaySimulator`) in this process,
   4 workers, 0.3-1.0 s per answer;
@@ -11,23 +12,41 @@ it at the end (also on Ctrl-C, SIGTERM or an error):
   of its own (`insight_queue_soak_<hex>`) created on that server and dropped
   afterwards; a trigger logs every transition of a job to `done` with the
   holder that made it (table `soak_done_log`);
-- `insight-queue serve --safety-net 5` as a subprocess (concurrency 1, gap
-  0.3 s, lease 15 s), whose flow-run subprocesses are the consumers.
+- `insight-queue serve` (`deployments.stack.ServeProcess`, reporting to that
+  Prefect server; concurrency 1, gap 0.3 s, lease 15 s, heartbeat 1 s). Its
+  warm consumer, a thread of the serve process, makes the gateway calls; the
+  flow runs it starts (subprocesses) follow their jobs, and drain the queue
+  themselves only when no consumer stands by.
 
 For the first part of the run it injects seeded random events; the rest is
-quiet, so the queue can settle:
+quiet, so the queue can settle. Faults are set off by events and counts, not
+by timing windows a slow machine could miss. Processes are started and
+stopped from the main thread only, one thing at a time: events that fall due
+while Prefect or serve is starting run late, and the log shows when:
 
-- kill:      SIGKILL of a flow-run process (`python -m prefect.engine`) that is
-             a descendant of the `serve` process started here, found through
-             /proc/<pid>/task/*/children; preferably the one holding the job
-             whose gateway call is in flight (its PID is in the claim's holder);
-- prefect:   the Prefect server stopped, down 2-8 s, started again;
-- outage:    the simulator refuses connections, answers 503, or hangs, for
-             2-12 s (shorter than the lease: a killed consumer's hung call
-             ends before its job can be taken over);
-- backfill:  `trigger_backfill` for a new or known user (8 demo scopes each);
-- screen:    a thread polls `request_insight` every second for a demo key
-             (known or new) until it is done, and records the wait.
+- kill:      SIGKILL of the process that holds the claim of the call in
+             flight at the gateway (the simulator's open request and the
+             store's running row name the same job; the claim's worker names
+             the process). Serve's own worker: serve is SIGKILLed mid-call,
+             what is left of its process group is reaped (as a supervisor
+             would), and serve is started again on the same data directory
+             (back once it wrote its own `serve.json`, its consumer said it is
+             alive and its runner registered the deployments again); a
+             flow-run process draining the queue: that process only, and serve
+             must live on. With nothing queued, a new user's backfill is
+             queued first; the kill looks for a call for up to 20 s;
+- prefect:   the Prefect server stopped, a new user's backfill triggered
+             while it is down, and the server started again once 2-8 s
+             passed (and serve again if it was killed meanwhile: it cannot
+             start without Prefect);
+- outage:    the simulator answers 503 to the next 2-6 calls, or hangs the
+             next call for 2-12 s, or refuses connections until the queue has
+             met 1-3 refused calls (at most 30 s);
+- backfill:  `deployments.triggers.trigger_backfill` for a new or known user
+             (8 demo scopes each);
+- screen:    a thread polls `deployments.triggers.request_insight` every
+             second for a demo key (known or new) until it is done, and
+             records the wait.
 
 Then it checks:
 
@@ -37,22 +56,21 @@ Then it checks:
 3. no job was done twice in one round (`soak_done_log`: at most one `done`
    per job and fingerprint; a newer fingerprint legitimately starts a new
    round, counted apart);
-4. the Prefect `gateway` tag limit has no slot counted without a live lease
-   (`flows.limits.repair_gateway_slots(repair=False)`), and none taken once
-   the leases of killed consumers expired;
-5. `serve` survived everything;
+4. no leaked `gateway` slot: once the leases of killed holders could lapse,
+   the slots Prefect counts (`flows.limits.repair_gateway_slots(repair=False)`)
+   are at most those held by live holders: serve's consumer (the leases it
+   records in `serve.json`; it keeps its slot while idle) and task runs;
+5. serve never exited on its own, and every serve killed here was started
+   again and came back (deployments registered, consumer alive); the last one
+   is alive at the end;
 6. every screen that waited got its job done;
 7. every backfilled user's scopes are in the store, even when Prefect was down.
-   Off by default because it fails today: a backfill whose flow run never
-   starts (Prefect down at the trigger) or crashes before its own enqueue
-   (Prefect down as it starts) queues nothing, and nothing retries it. The
-   summary always reports such users under "lost backfills".
 
 It prints a summary (events injected, jobs and outcomes, gateway calls, peak
 in flight, screen waits) and exits 0 when every invariant held, 1 otherwise.
 
 Run from the repository root (not in CI at full length; CI runs two minutes
-through tests/test_soak.py):
+through tests/acceptance/test_soak.py):
 
     .venv/bin/python benchmarks/soak.py --minutes 30 --seed 7
     .venv/bin/python benchmarks/soak.py --minutes 10 --postgres-url postgresql://postgres@127.0.0.1:5432/test
@@ -69,41 +87,55 @@ import argparse
 import contextlib
 import dataclasses
 import datetime as dt
+import functools
 import json
 import logging
 import os
 import random
 import shutil
 import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 import uuid
 from collections import Counter
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
+
+import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-BIN = Path(sys.executable).parent
+from deployments import processes, table  # noqa: E402 - after the path is set
+from deployments.stack import PrefectServer, ServeProcess, client_env  # noqa: E402
+from flows.simulator import GatewaySimulator, RequestRecord  # noqa: E402
+from queue_store import JobStore, Settings  # noqa: E402
+
 CONCURRENCY = 1
 GAP_SECONDS = 0.3
-LEASE_SECONDS = 15
-HEARTBEAT_SECONDS = 1
+LEASE_SECONDS = 15.0
+HEARTBEAT_SECONDS = 1.0
+POLL_SECONDS = 0.5
+BACKOFF_SECONDS = 1.0
+BACKOFF_MAX_SECONDS = 8.0
 LATENCY = (0.3, 1.0)
-SAFETY_NET_SECONDS = 5
+SIM_WORKERS = 4
 SCREEN_POLL_SECONDS = 1.0
 MAX_SCREENS = 2
-SERVE_READY_SECONDS = 120
-# A SIGKILLed gateway task keeps its Prefect slot until its lease (60 s in
-# Prefect's task engine) expires and the repossessor (every 15 s) revokes it.
-SLOT_RELEASE_SECONDS = 120
+# A kill waits this long for a call in flight whose holder it can name.
+KILL_WAIT_SECONDS = 20.0
+# A refusal ends once the queue met its refused calls, or after this long.
+REFUSE_MAX_SECONDS = 30.0
+# A SIGKILLed holder keeps its `gateway` slot until its lease (60 s, renewed
+# by the holder) lapses and Prefect's repossessor revokes it.
+SLOT_RELEASE_SECONDS = 120.0
+SERVE_START_ATTEMPTS = 2
+SERVE_READY_SECONDS = 180.0
 
 log = logging.getLogger("soak")
 
@@ -111,133 +143,210 @@ log = logging.getLogger("soak")
 # -- processes ---------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def children(pid: int) -> list[int]:
-    found: list[int] = []
-    for task in Path(f"/proc/{pid}/task").glob("*/children"):
-        with contextlib.suppress(OSError, ValueError):
-            found += [int(child) for child in task.read_text().split()]
-    return found
-
-
-def descendants(pid: int) -> list[int]:
-    found, stack = [], [pid]
-    while stack:
-        for child in children(stack.pop()):
-            found.append(child)
-            stack.append(child)
-    return found
-
-
 def cmdline(pid: int) -> str:
     try:
-        return (
-            Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        )
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return ""
+    return raw.replace(b"\0", b" ").decode(errors="replace").strip()
 
 
-def is_flow_run(pid: int) -> bool:
-    return "prefect.engine" in cmdline(pid)
+def process_group(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except (ProcessLookupError, PermissionError):
+        return None
+
+
+def worker_pid(worker: str) -> int | None:
+    """The PID in a consumer's worker name (`role@host:pid:nonce`), if it has one."""
+    parts = worker.rsplit(":", 2)
+    if len(parts) != 3 or not parts[1].isdigit():
+        return None
+    return int(parts[1])
 
 
 # -- the stack ---------------------------------------------------------------------------------
 
 
 class Stack:
-    def __init__(self, workdir: Path, database_url: str, seed: int) -> None:
-        from deployments.embedded import EmbeddedServer
-        from flows.simulator import GatewaySimulator
+    """The Prefect server, the simulator and serve; every start from the main thread.
 
+    Processes are started from the main thread only, so each is sent SIGTERM
+    by the kernel if this script dies without its cleanup (PR_SET_PDEATHSIG).
+    """
+
+    def __init__(self, workdir: Path, database_url: str, seed: int, postgres: bool) -> None:
         self.workdir = workdir
         self.database_url = database_url
-        self.server = EmbeddedServer(workdir / "prefect-server", free_port(), ui=False)
-        self.sim = GatewaySimulator(workers=4, latency=LATENCY, seed=seed)
-        self.serve: subprocess.Popen[bytes] | None = None
-        self.serve_exit: int | None = None
+        self.postgres = postgres
+        self.server = PrefectServer(
+            workdir / "prefect-server", processes.free_port(), ui=False, reuse=False
+        )
+        self.sim = GatewaySimulator(workers=SIM_WORKERS, latency=LATENCY, seed=seed)
+        self.settings: Settings | None = None
+        self.store: JobStore | None = None  # this script's reads, opened at the start
+        self.serve: ServeProcess | None = None
+        self.serve_pids: list[int] = []
+        self.serve_start_failures: list[str] = []  # every failed attempt, with why
+        self.serve_exit: int | None = None  # of the last serve, stopped at the end
+        self.prefect_up = False
 
     @property
     def api_url(self) -> str:
         return self.server.api_url
 
-    def env(self) -> dict[str, str]:
-        return {
-            "PREFECT_API_URL": self.api_url,
-            "PREFECT_HOME": str(self.workdir / "prefect-client"),
-            "PREFECT_SERVER_ALLOW_EPHEMERAL_MODE": "false",
-            "PREFECT_LOGGING_LEVEL": "INFO",
-            "DO_NOT_TRACK": "1",
-            "PYTHONPATH": str(ROOT),
-            "AI_JOB_DATABASE_URL": self.database_url,
-            "AI_JOB_DATA_DIR": str(self.workdir / "data"),
-            "AI_GATEWAY_URL": self.sim.url,
-            "AI_JOB_CONCURRENCY": str(CONCURRENCY),
-            "AI_JOB_GAP_SECONDS": str(GAP_SECONDS),
-            "AI_JOB_HEARTBEAT_SECONDS": str(HEARTBEAT_SECONDS),
-            "AI_JOB_LEASE_SECONDS": str(LEASE_SECONDS),
-            "AI_JOB_POLL_SECONDS": "0.5",
-            "AI_JOB_BACKOFF_SECONDS": "1",
-            "AI_JOB_BACKOFF_MAX_SECONDS": "8",
-            "AI_JOB_PLUGINS": "flows.demo",
-        }
-
     def start(self) -> None:
         self.sim.start()
+        self.settings = Settings.from_env(
+            {},
+            database_url=self.database_url,
+            data_dir=self.workdir / "data",
+            gateway_url=self.sim.url,
+            concurrency=CONCURRENCY,
+            gap_seconds=GAP_SECONDS,
+            heartbeat_seconds=HEARTBEAT_SECONDS,
+            lease_seconds=LEASE_SECONDS,
+            poll_seconds=POLL_SECONDS,
+            backoff_seconds=BACKOFF_SECONDS,
+            backoff_max_seconds=BACKOFF_MAX_SECONDS,
+            plugins="flows.demo",
+        )
+        # This process calls the triggers as the app would, and reads the
+        # `gateway` limit: both from the environment, set before Prefect loads.
+        os.environ.update(self.settings.to_env())
+        os.environ.update(client_env(self.api_url, self.workdir / "prefect-client"))
+        os.environ["PREFECT_LOGGING_LEVEL"] = "WARNING"
+        self.store = JobStore(self.database_url, settings=self.settings)
+        self.start_prefect()
+        self.start_serve()
+
+    def start_prefect(self) -> None:
         self.server.start()
-        os.environ.update(self.env())  # this process calls the triggers as the app would
-        with open(self.workdir / "serve.log", "ab") as out:
-            self.serve = subprocess.Popen(
-                [
-                    str(BIN / "insight-queue"),
-                    *("serve", "--no-upgrade", "--safety-net", str(SAFETY_NET_SECONDS)),
-                ],
-                env={**os.environ, **self.env()},
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-                cwd=ROOT,
-            )
-        self._wait_serving()
+        self.prefect_up = True
 
-    def _wait_serving(self) -> None:
-        from prefect import get_client
-
-        deadline = time.monotonic() + SERVE_READY_SECONDS
-        while time.monotonic() < deadline:
-            if self.serve is not None and self.serve.poll() is not None:
-                raise RuntimeError(f"serve exited at start-up; see {self.workdir / 'serve.log'}")
-            try:
-                with get_client(sync_client=True) as client:
-                    for name in ("backfill", "interactive", "drain"):
-                        client.read_deployment_by_name(f"{name}/insight-queue")
-                return
-            except Exception:  # noqa: BLE001 - not there yet
-                time.sleep(0.5)
-        raise TimeoutError("serve did not register its deployments")
-
-    def restart_prefect(self, down_seconds: float) -> float:
-        started = time.monotonic()
+    def stop_prefect(self) -> None:
+        self.prefect_up = False
         self.server.stop()
-        time.sleep(down_seconds)
-        self.server.start()
-        return time.monotonic() - started
+
+    def start_serve(self) -> ServeProcess:
+        """Start serve and wait until it is ready; a second try if the first one fails."""
+        assert self.settings is not None
+        args = ("--no-ui", "--upgrade") if self.postgres else ("--no-ui",)
+        error: Exception | None = None
+        for _ in range(SERVE_START_ATTEMPTS):
+            # What a serve killed before this one left: its worker row (the
+            # same stable name) looks alive for a lease, and its deployments
+            # stay registered, so `ServeProcess.wait_ready` alone would pass
+            # at once. Ready means: this serve wrote its own `serve.json`, its
+            # consumer said it is alive after the one before it last did, and
+            # its runner registered every deployment again (until then, a
+            # Prefect outage makes serve exit: see `_serve_ready`).
+            left = self._serve_seen()
+            since = dt.datetime.now(dt.UTC)
+            serve = ServeProcess(
+                self.settings,
+                self.api_url,
+                env={"PYTHONPATH": str(ROOT), "PREFECT_LOGGING_LEVEL": "INFO"},
+                log=self.workdir / "serve.log",
+                args=args,
+            )
+            self.serve = serve
+            try:
+                serve.start()
+                processes.wait_for(
+                    functools.partial(self._serve_ready, serve, left, since),
+                    timeout=SERVE_READY_SECONDS,
+                    what=f"serve's own consumer (log: {serve.log})",
+                    interval=0.2,
+                    alive=serve.alive,
+                )
+            except (RuntimeError, TimeoutError) as exc:
+                error = exc
+                self.serve_start_failures.append(f"pid {serve.pid}: {str(exc)[:300]}")
+                if serve.pid is not None:
+                    self.serve_pids.append(serve.pid)
+                serve.stop()
+                continue
+            assert serve.pid is not None
+            self.serve_pids.append(serve.pid)
+            return serve
+        self.serve = None
+        raise RuntimeError(f"serve did not start: {error}")
+
+    def _serve_seen(self) -> dt.datetime | None:
+        """When serve's consumer last said it is alive (the store's clock), if ever."""
+        from deployments.serve import serve_worker
+        from queue_store import StoreError
+
+        assert self.settings is not None and self.store is not None
+        name = serve_worker(self.settings)
+        with contextlib.suppress(StoreError):
+            return next((w.seen_at for w in self.store.workers() if w.name == name), None)
+        return None
+
+    def _serve_ready(
+        self, serve: ServeProcess, left: dt.datetime | None, since: dt.datetime
+    ) -> bool:
+        """This serve's own state, consumer and deployments (see `start_serve`).
+
+        The deployments matter: serve exits with an error when Prefect cannot
+        be reached before its runner has registered them, though its consumer
+        is already serving. Waiting for them keeps the soak's Prefect
+        restarts out of that start-up window.
+        """
+        from deployments.prefect_api import ServeState
+
+        assert self.settings is not None
+        state = ServeState.read(self.settings)
+        if state is None or state.pid != serve.pid:
+            return False
+        seen = self._serve_seen()
+        if seen is None or (left is not None and seen <= left):
+            return False
+        return all(
+            (updated := self._deployment_updated(d.name)) is not None and updated >= since
+            for d in table.DEPLOYMENTS
+        )
+
+    def _deployment_updated(self, name: str) -> dt.datetime | None:
+        """When Prefect last had the deployment `flow/deployment` registered (upserted)."""
+        flow, _, deployment = name.partition("/")
+        try:
+            response = httpx.get(
+                f"{self.api_url}/deployments/name/{flow}/{deployment}", timeout=2.0
+            )
+            if response.status_code != 200:
+                return None
+            return dt.datetime.fromisoformat(str(response.json()["updated"]))
+        except (httpx.HTTPError, ValueError, KeyError):
+            return None
+
+    def kill_serve(self) -> tuple[int, int | None, int]:
+        """SIGKILL serve; reap what is left of its group. Returns (pid, exit code, reaped)."""
+        serve = self.serve
+        assert serve is not None and serve.process is not None
+        pid = serve.process.pid
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(Exception):
+            serve.process.wait(10)
+        # Its flow-run processes are left in its group, orphaned: a supervisor
+        # restarting serve would end them with it.
+        left = processes.group_members(pid)
+        code = serve.stop(grace_seconds=5)
+        self.serve = None
+        return pid, code, len(left)
 
     def stop(self) -> None:
-        from deployments.embedded import stop_process_group
-
         if self.serve is not None:
-            self.serve_exit = self.serve.poll()
-            stop_process_group(self.serve)
+            self.serve_exit = self.serve.stop()
+            self.serve = None
         with contextlib.suppress(Exception):
             self.sim.stop()
-        self.server.stop()
+        self.stop_prefect()
+        if self.store is not None:
+            self.store.close()
 
 
 # -- the store -------------------------------------------------------------------------------
@@ -279,6 +388,7 @@ class Database:
             )
         else:
             self.url = f"sqlite:///{workdir / 'queue.db'}"
+        self._engine: Any = None
 
     def create(self) -> None:
         from sqlalchemy import text
@@ -290,24 +400,27 @@ class Database:
             with self._admin() as admin, admin.connect() as connection:
                 connection.execute(text(f"CREATE DATABASE {self.created}"))
         migrate.upgrade(self.url)
-        engine = create_store_engine(self.url)
+        self._engine = create_store_engine(self.url)
         statements = DONE_LOG_POSTGRES if self.created else DONE_LOG_SQLITE
-        try:
-            with engine.begin() as connection:
-                for statement in statements:
-                    connection.exec_driver_sql(statement)
-        finally:
-            engine.dispose()
+        with self._engine.begin() as connection:
+            for statement in statements:
+                connection.exec_driver_sql(statement)
+
+    def close(self) -> None:
+        if self._engine is not None:
+            self._engine.dispose()
+            self._engine = None
 
     def drop(self) -> None:
         from sqlalchemy import text
 
+        self.close()
         if self.created:
             with self._admin() as admin, admin.connect() as connection:
                 connection.execute(text(f"DROP DATABASE IF EXISTS {self.created} WITH (FORCE)"))
 
     @contextlib.contextmanager
-    def _admin(self) -> Any:
+    def _admin(self) -> Iterator[Any]:
         from sqlalchemy import create_engine
 
         from queue_store.engine import normalise_url
@@ -319,14 +432,9 @@ class Database:
             engine.dispose()
 
     def rows(self, query: str) -> list[Any]:
-        from queue_store.engine import create_store_engine
-
-        engine = create_store_engine(self.url)
-        try:
-            with engine.connect() as connection:
-                return list(connection.exec_driver_sql(query).all())
-        finally:
-            engine.dispose()
+        assert self._engine is not None
+        with self._engine.connect() as connection:
+            return list(connection.exec_driver_sql(query).all())
 
 
 # -- events -------------------------------------------------------------------------------------
@@ -350,12 +458,21 @@ class ScreenWait:
     errors: int = 0
 
 
+@dataclasses.dataclass
+class Refusal:
+    """A refusal in force: it ends once the queue met `calls` refused calls."""
+
+    calls: int
+    baseline: int  # the store's outage streak when it began
+    started: float
+
+
 class Soak:
     def __init__(self, args: argparse.Namespace, stack: Stack, database: Database) -> None:
-        from queue_store import JobStore, Settings
-
+        assert stack.settings is not None and stack.store is not None
         self.args = args
         self.stack = stack
+        self.settings = stack.settings
         self.database = database
         self.rng = random.Random(args.seed)
         self.events: list[Event] = []
@@ -365,12 +482,17 @@ class Soak:
         self.started = time.monotonic()
         self.stop_screens = threading.Event()
         self.screen_threads: list[threading.Thread] = []
-        self.restarter: threading.Thread | None = None
-        self.prefect_down = False
         self.unstarted_backfills: list[str] = []
         self.evidence: list[dict[str, Any]] = []
-        settings = Settings.from_env(stack.env())
-        self.store = JobStore(database.url, settings=settings)
+        # Faults in force, ended by `tick()` from the main loop.
+        self.prefect_back_at: float | None = None  # monotonic time to start Prefect again
+        self.prefect_stopped_at: float | None = None
+        self.serve_killed_at: float | None = None  # serve is down, to be started again
+        self.refusal: Refusal | None = None
+        self.serve_kills = 0
+        self.serve_restarts = 0
+        self.serve_exits_unasked: list[str] = []
+        self.store = stack.store
 
     def now(self) -> float:
         return round(time.monotonic() - self.started, 1)
@@ -410,8 +532,13 @@ class Soak:
         for at, kind in plan:
             self._sleep_until(at)
             getattr(self, f"do_{kind}")()
-        if self.restarter is not None:
-            self.restarter.join(60)
+            self.tick()
+        # The quiet part: end every fault still in force.
+        if self.prefect_back_at is not None:
+            self.prefect_back_at = time.monotonic()
+        if self.refusal is not None:
+            self._end_refusal("the quiet part began")
+        self.tick()
         self.stack.sim.clear_fault()
         self.record("quiet", f"no more events after {chaos:.0f} s")
         self._sleep_until(total)
@@ -419,25 +546,67 @@ class Soak:
 
     def _sleep_until(self, at: float) -> None:
         while (left := at - (time.monotonic() - self.started)) > 0:
+            self.tick()
             time.sleep(min(left, 0.5))
+
+    def tick(self) -> None:
+        """End the faults whose event came; notice a serve that exited on its own."""
+        if self.prefect_back_at is not None and time.monotonic() >= self.prefect_back_at:
+            self.prefect_back_at = None
+            began = self.prefect_stopped_at or time.monotonic()
+            self.stack.start_prefect()
+            self.record("prefect", f"server back after {time.monotonic() - began:.1f} s down")
+        if self.refusal is not None:
+            with contextlib.suppress(Exception):  # the store may be slow: next tick
+                streak = self.store.gate_state().outages_in_a_row
+                if streak - self.refusal.baseline >= self.refusal.calls:
+                    self._end_refusal(f"the queue met {streak - self.refusal.baseline}")
+            if (
+                self.refusal is not None
+                and time.monotonic() - self.refusal.started > REFUSE_MAX_SECONDS
+            ):
+                self._end_refusal("no call met it in time")
+        serve = self.stack.serve
+        if serve is not None and not serve.alive():
+            code = serve.process.returncode if serve.process is not None else None
+            self.serve_exits_unasked.append(f"pid {serve.pid} exited with {code}")
+            self.record("serve", f"exited on its own (pid {serve.pid}, code {code})")
+            serve.stop()
+            self.stack.serve = None
+            self.serve_killed_at = time.monotonic()
+        if self.serve_killed_at is not None and self.stack.prefect_up:
+            killed_at, self.serve_killed_at = self.serve_killed_at, None
+            try:
+                started = self.stack.start_serve()
+            except RuntimeError as exc:
+                self.record("serve", f"could not be started again: {str(exc)[:200]}")
+                return
+            self.serve_restarts += 1
+            self.record(
+                "serve",
+                f"back after {time.monotonic() - killed_at:.1f} s (pid {started.pid}, "
+                "deployments registered, consumer alive)",
+            )
 
     # -- the events
 
-    def do_backfill(self) -> None:
+    def do_backfill(self, why: str = "", *, new_user: bool = False) -> None:
         from deployments.triggers import trigger_backfill
 
-        if not self.users or self.rng.random() < 0.6:
+        # A known user's scopes are done already (same data): only a new
+        # user's queue new work.
+        if new_user or not self.users or self.rng.random() < 0.6:
             user = f"soak-{len(self.users) + 1:03d}"
             self.users.append(user)
         else:
             user = self.rng.choice(self.users)
         self.backfills += 1
-        run_id = trigger_backfill(user, sync_id=f"sync-{self.backfills}")
-        if run_id is None:
-            # Prefect was down: whether the scopes reached the store anyway is
-            # checked at the end (they do not, today: the backfill is lost).
+        state = trigger_backfill(user, sync_id=f"sync-{self.backfills}")
+        if state.flow_run_id is None:
             self.unstarted_backfills.append(user)
-        self.record("backfill", f"{user} -> {run_id or 'Prefect unreachable: no run'}")
+        run = state.flow_run_id or f"no run ({state.run_note})"
+        error = f"; store error: {state.error}" if state.error else ""
+        self.record("backfill", f"{why}{user}: {state.queued} scopes queued, run {run}{error}")
 
     def do_screen(self) -> None:
         from flows.demo import METRICS, demo_scopes
@@ -470,7 +639,7 @@ class Soak:
 
         started = time.monotonic()
         while not self.stop_screens.is_set():
-            state = request_insight(*wait.key, wait.fingerprint, store=self.store)
+            state = request_insight(*wait.key, wait.fingerprint)
             wait.polls += 1
             wait.errors += state.error is not None
             wait.final = state.status
@@ -480,83 +649,144 @@ class Soak:
             self.stop_screens.wait(SCREEN_POLL_SECONDS)
 
     def do_kill(self) -> None:
-        serve = self.stack.serve
-        if serve is None or serve.poll() is not None:
-            self.record("kill", "skipped: serve is not running")
+        """SIGKILL the process holding the call in flight (serve, or a flow run draining)."""
+        if self.stack.serve is None:
+            self.record("kill", "skipped: serve is down, waiting to be started again")
             return
-        target, why = None, ""
-        deadline = time.monotonic() + 10
-        while target is None and time.monotonic() < deadline:
-            target, why = self._mid_call_consumer(serve.pid)
-            if target is None:
-                time.sleep(0.2)
-        if target is None:
-            flow_runs = [pid for pid in descendants(serve.pid) if is_flow_run(pid)]
-            if not flow_runs:
-                self.record("kill", "skipped: no flow-run process")
-                return
-            target, why = self.rng.choice(flow_runs), "a flow-run process, no call in flight"
-        # Checked again right before the signal: only our own serve's descendants.
-        if target not in descendants(serve.pid):
-            self.record("kill", f"skipped: {target} is no longer a descendant of serve")
+        if self.store.pending_count() == 0:
+            self.do_backfill("work for the kill: ", new_user=True)
+        calls_before = len(self.stack.sim.stats().requests)
+        # Time spent starting Prefect or serve again (`tick`) does not count
+        # against the wait: the kill looks for a call for the whole time.
+        looked = 0.0
+        while True:
+            began = time.monotonic()
+            target = self._holder_mid_call()
+            if target is not None:
+                break
+            time.sleep(0.1)
+            looked += time.monotonic() - began
+            if looked >= KILL_WAIT_SECONDS:
+                break
+            self.tick()
+        serve = self.stack.serve
+        if target is None or serve is None or serve.pid is None:
+            self.record("kill", f"skipped: {self._why_no_call(calls_before)}")
+            return
+        pid, worker, label = target
+        if pid == serve.pid:
+            pid, code, reaped = self.stack.kill_serve()
+            self.serve_kills += 1
+            self.serve_killed_at = time.monotonic()
+            self.record(
+                "kill",
+                f"SIGKILL {pid} (serve, {worker}): it held {label}, its call in flight; "
+                f"exit {code}, {reaped} process(es) of its group reaped; starting it again",
+            )
+            return
+        # Checked again right before the signal: only a process in our serve's group.
+        if process_group(pid) != serve.pid:
+            self.record("kill", f"skipped: {pid} is no longer in serve's process group")
             return
         with contextlib.suppress(ProcessLookupError):
-            os.kill(target, signal.SIGKILL)
-        self.record("kill", f"SIGKILL {target}: {why}")
-
-    def _mid_call_consumer(self, serve_pid: int) -> tuple[int | None, str]:
-        if self.stack.sim.stats().in_flight == 0:
-            return None, ""
-        rows = self.database.rows(
-            "SELECT holder, kind, subject FROM ai_jobs WHERE status = 'running'"
+            os.kill(pid, signal.SIGKILL)
+        self.record(
+            "kill",
+            f"SIGKILL {pid} (flow run, {worker}): it held {label}, its call in flight; "
+            "serve lives on",
         )
-        ours = set(descendants(serve_pid))
-        for holder, kind, subject in rows:
-            with contextlib.suppress(ValueError, IndexError, AttributeError):
-                pid = int(holder.split("/")[0].split(":")[1])
-                if pid in ours and is_flow_run(pid):
-                    return pid, f"holds {kind}:{subject}, its call in flight"
-        return None, ""
+
+    def _why_no_call(self, calls_before: int) -> str:
+        """What the gateway and the store said when a kill found no call to interrupt."""
+        calls = len(self.stack.sim.stats().requests) - calls_before
+        try:
+            gate = self.store.gate_state()
+            paused = f"{gate.pause_kind} pause" if gate.paused else "no pause"
+            queued = f"{self.store.pending_count()} pending or running, {paused}"
+        except Exception as exc:  # noqa: BLE001 - a description, whatever the store says
+            queued = f"store unreadable ({type(exc).__name__})"
+        return (
+            f"no call in flight held by a process of ours within {KILL_WAIT_SECONDS:g} s "
+            f"({calls} gateway request(s) meanwhile; {queued})"
+        )
+
+    def _holder_mid_call(self) -> tuple[int, str, str] | None:
+        """(pid, worker, kind:subject) of the claim whose call is open at the gateway now."""
+        serve = self.stack.serve
+        if serve is None or serve.pid is None:
+            return None
+        open_calls = {
+            r.job
+            for r in self.stack.sim.stats().requests
+            if r.started is not None and r.ended is None and r.job
+        }
+        if not open_calls:
+            return None
+        rows = self.database.rows(
+            "SELECT kind, subject, worker FROM ai_jobs WHERE status = 'running'"
+        )
+        from deployments.serve import serve_worker
+
+        ours = serve_worker(self.settings)
+        for kind, subject, worker in rows:
+            label = f"{kind}:{subject}"
+            if label not in open_calls or not worker:
+                continue
+            if worker == ours:
+                return serve.pid, worker, label
+            pid = worker_pid(worker)
+            if pid is not None and process_group(pid) == serve.pid and pid != serve.pid:
+                return pid, worker, label
+        return None
 
     def do_outage(self) -> None:
         sim = self.stack.sim
-        if sim.stats().fault is not None:
+        if self.refusal is not None or sim.stats().fault is not None:
             self.record("outage", "skipped: one is already on")
             return
-        seconds = round(self.rng.uniform(2, 12), 1)
         kind = self.rng.choice(["refuse", "status", "hang"])
         if kind == "refuse":
-            sim.set_fault("refuse", seconds=seconds)
+            calls = self.rng.randint(1, 3)
+            baseline = self.store.gate_state().outages_in_a_row
+            sim.set_fault("refuse")
+            self.refusal = Refusal(calls, baseline, time.monotonic())
+            self.record("outage", f"refuse connections for {calls} refused call(s)")
         elif kind == "status":
-            sim.set_fault("status", status=503, seconds=seconds)
+            count = self.rng.randint(2, 6)
+            sim.set_fault("status", status=503, requests=count)
+            self.record("outage", f"503 for the next {count} calls")
         else:
-            sim.set_fault("hang", seconds=seconds)
-        self.record("outage", f"{kind} for {seconds} s")
+            hold = round(self.rng.uniform(2, 12), 1)
+            sim.set_fault("hang", requests=1, hold_seconds=hold)
+            self.record("outage", f"hang for the next call, {hold} s")
+
+    def _end_refusal(self, why: str) -> None:
+        refusal, self.refusal = self.refusal, None
+        assert refusal is not None
+        self.stack.sim.clear_fault()
+        self.record(
+            "outage",
+            f"listening again after {time.monotonic() - refusal.started:.1f} s ({why})",
+        )
 
     def do_prefect(self) -> None:
-        """Restart the Prefect server in the background: other events go on meanwhile."""
-        if self.restarter is not None and self.restarter.is_alive():
-            self.record("prefect", "skipped: a restart is under way")
+        """Stop the Prefect server; trigger a backfill while it is down; start it in 2-8 s."""
+        if not self.stack.prefect_up:
+            self.record("prefect", "skipped: the server is already down")
             return
         down = round(self.rng.uniform(2, 8), 1)
-
-        def restart() -> None:
-            self.record("prefect", f"server stopped for {down} s")
-            self.prefect_down = True
-            try:
-                took = self.stack.restart_prefect(down)
-            finally:
-                self.prefect_down = False
-            self.record("prefect", f"server back after {took:.1f} s")
-
-        self.restarter = threading.Thread(target=restart, name="prefect-restart", daemon=True)
-        self.restarter.start()
+        self.prefect_stopped_at = time.monotonic()
+        self.stack.stop_prefect()
+        self.record("prefect", f"server stopped, for {down} s")
+        self.do_backfill("while Prefect is down: ", new_user=True)
+        self.prefect_back_at = self.prefect_stopped_at + down
 
     # -- the end
 
     def settle(self, total: float) -> None:
         deadline = time.monotonic() + self.args.settle_timeout
         while time.monotonic() < deadline:
+            self.tick()
             with contextlib.suppress(Exception):
                 if self.store.pending_count() == 0 and all(
                     not t.is_alive() for t in self.screen_threads
@@ -569,12 +799,7 @@ class Soak:
         self.record("settled", f"{self.now() - total:.0f} s after the planned end")
 
     def missing_scopes(self) -> dict[str, int]:
-        """Backfilled users whose demo scopes are not all in the store, and how many lack.
-
-        A backfill's scopes are queued by its flow run: a run that never
-        started (Prefect down at the trigger) or crashed before its enqueue
-        (Prefect down while it started) queues nothing, and nothing retries it.
-        """
+        """Backfilled users whose demo scopes are not all in the store, and how many lack."""
         from flows.demo import demo_scopes
 
         missing = {}
@@ -585,9 +810,36 @@ class Soak:
                 missing[user] = len(lacking)
         return missing
 
-    def check(self) -> dict[str, Any]:
+    def slots(self) -> dict[str, Any]:
+        """The `gateway` slots Prefect counts, and those live holders hold.
+
+        Waits (up to `SLOT_RELEASE_SECONDS`) for the leases of killed holders
+        to lapse. Serve's consumer keeps its slot while idle: the leases it
+        holds are in `serve.json`.
+        """
+        from deployments.prefect_api import ServeState
         from flows.limits import repair_gateway_slots
 
+        deadline = time.monotonic() + SLOT_RELEASE_SECONDS
+        started = time.monotonic()
+        while True:
+            check = repair_gateway_slots(repair=False)
+            state = ServeState.read(self.settings)
+            serve_leases = len(state.leases) if state is not None else 0
+            held = serve_leases + check.live
+            if check.counted <= held or time.monotonic() >= deadline:
+                break
+            time.sleep(2)
+        return {
+            "limit": check.limit,
+            "counted": check.counted,
+            "held_by_serve": serve_leases,
+            "held_by_task_runs": check.live,
+            "leaked": max(0, check.counted - held),
+            "waited_seconds": round(time.monotonic() - started, 1),
+        }
+
+    def check(self) -> dict[str, Any]:
         stats = self.stack.sim.stats()
         jobs = self.database.rows(
             "SELECT id, user_id, kind, subject, status, attempts, error, holder FROM ai_jobs"
@@ -595,13 +847,8 @@ class Soak:
         done_log = self.database.rows(
             "SELECT job_id, holder, attempts, fingerprint, at FROM soak_done_log ORDER BY at"
         )
-
-        # 4. the gateway slot, once the killed consumers' leases expired
-        slot_deadline = time.monotonic() + SLOT_RELEASE_SECONDS
-        check = repair_gateway_slots(repair=False)
-        while check.counted and time.monotonic() < slot_deadline:
-            time.sleep(2)
-            check = repair_gateway_slots(repair=False)
+        slots = self.slots()
+        serve_alive = self.stack.serve is not None and self.stack.serve.alive()
 
         statuses = Counter(row.status for row in jobs)
         failed_without_reason = [r.id[:12] for r in jobs if r.status == "failed" and not r.error]
@@ -632,17 +879,20 @@ class Soak:
         stuck_screens = [
             f"{s.key[1]}:{s.key[2]} ({s.final})" for s in self.screens if s.waited is None
         ]
-        serve_alive = self.stack.serve is not None and self.stack.serve.poll() is None
         lost_backfills = self.missing_scopes()
         invariants = {
             "every job done or failed with a reason": not unfinished and not failed_without_reason,
             "never more than the limit in flight": max(stats.peak_in_flight, overlap)
             <= CONCURRENCY,
             "no job done twice in one round": not done_twice,
-            "no leaked gateway slot": check.counted <= check.live,
-            "no gateway slot still taken": check.counted == 0,
+            "no leaked gateway slot": slots["leaked"] == 0,
             "no stuck running rows": statuses.get("running", 0) == 0,
-            "serve survived": serve_alive,
+            "serve never exited on its own": not self.serve_exits_unasked,
+            "every killed serve was restarted and came back": (
+                self.serve_restarts >= self.serve_kills
+                and not self.stack.serve_start_failures
+                and serve_alive
+            ),
             "every screen got its job": not stuck_screens,
             "every backfilled user's scopes queued": not lost_backfills,
         }
@@ -664,7 +914,7 @@ class Soak:
             "unfinished": unfinished,
             "gateway_requests": len(stats.requests),
             "gateway_outcomes": dict(Counter(r.outcome for r in stats.requests)),
-            # Answers no result was recorded for: a consumer killed after its
+            # Answers no result was recorded for: a holder killed after its
             # call, or an answer that came back after its claim was taken over.
             "gateway_answers_unrecorded": answers - len(done_log),
             "peak_in_flight": stats.peak_in_flight,
@@ -672,8 +922,15 @@ class Soak:
             "done_twice": done_twice,
             "done_again_for_a_newer_fingerprint": new_rounds,
             "done_twice_gateway_requests": self.evidence,
-            "gateway_slot": dataclasses.asdict(check),
+            "gateway_slot": slots,
+            "serve_kills": self.serve_kills,
+            "serve_restarts": self.serve_restarts,
+            "serve_exits_unasked": self.serve_exits_unasked,
+            "serve_start_failures": self.stack.serve_start_failures,
+            "serve_pids": self.stack.serve_pids,
             "screens": len(self.screens),
+            "screen_wait_p50": percentile(waits, 50),
+            "screen_wait_p95": percentile(waits, 95),
             "screen_wait_max": max(waits) if waits else None,
             "screen_wait_median": statistics.median(waits) if waits else None,
             "screen_polls_with_error": sum(s.errors for s in self.screens),
@@ -683,15 +940,24 @@ class Soak:
         }
 
 
-def peak_from_records(records: Any) -> int:
-    """Most requests a simulator worker held at once, from their start and end times."""
-    edges = []
+def percentile(values: Sequence[float], pct: float) -> float | None:
+    """Nearest-rank percentile (None for no values)."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = max(1, -(-len(ordered) * pct // 100))  # ceil(n * pct / 100)
+    return ordered[int(rank) - 1]
+
+
+def peak_from_records(records: Sequence[RequestRecord]) -> int:
+    """Most requests the simulator's workers held at once, from their start and end times."""
+    edges: list[tuple[float, int]] = []
     for r in records:
         if r.started is not None:
             edges.append((r.started, 1))
             edges.append((r.ended if r.ended is not None else float("inf"), -1))
     peak = current = 0
-    for _, step in sorted(edges, key=lambda e: (e[0], e[1])):  # an end before a start at a tie
+    for _, step in sorted(edges):  # at a tie, an end (-1) sorts before a start
         current += step
         peak = max(peak, current)
     return peak
@@ -729,22 +995,22 @@ def print_summary(summary: dict[str, Any]) -> None:
     )
     print(f"gateway slot: {summary['gateway_slot']}")
     print(
-        f"screens: {summary['screens']}, max wait {summary['screen_wait_max']} s, median "
-        f"{summary['screen_wait_median']} s, polls answered with an error "
-        f"{summary['screen_polls_with_error']}"
+        f"serve: killed {summary['serve_kills']}, restarted {summary['serve_restarts']}, "
+        f"exited on its own {summary['serve_exits_unasked'] or 'never'}, failed starts "
+        f"{summary['serve_start_failures'] or 'none'}, pids {summary['serve_pids']}"
+    )
+    print(
+        f"screens: {summary['screens']}, waits p50 {summary['screen_wait_p50']} s, p95 "
+        f"{summary['screen_wait_p95']} s, max {summary['screen_wait_max']} s; polls answered "
+        f"with an error {summary['screen_polls_with_error']}"
     )
     for name, held in summary["invariants"].items():
         print(f"  [{'ok' if held else 'FAILED'}] {name}")
     print("soak passed" if summary["ok"] else "soak FAILED")
 
 
-def _interrupt(signum: int, frame: Any) -> None:
-    """SIGTERM (a test's timeout) unwinds like Ctrl-C, through every `finally`."""
-    raise KeyboardInterrupt
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--minutes", type=float, default=10.0, help="length of the run")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--postgres-url", default=None, help="run the store on this server")
@@ -762,35 +1028,43 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    signal.signal(signal.SIGTERM, _interrupt)
 
     database = Database(workdir, args.postgres_url)
-    stack = Stack(workdir, database.url, args.seed)
+    stack = Stack(workdir, database.url, args.seed, postgres=bool(args.postgres_url))
     summary: dict[str, Any] | None = None
-    try:
-        database.create()
-        stack.start()
-        soak = Soak(args, stack, database)
+    # SIGTERM (a test's timeout), SIGHUP and Ctrl-C unwind through every `finally`.
+    with processes.stop_signals():
         try:
-            soak.run()
-            summary = soak.check()
+            database.create()
+            stack.start()
+            soak = Soak(args, stack, database)
+            try:
+                soak.run()
+                summary = soak.check()
+            finally:
+                soak.stop_screens.set()
+                with contextlib.suppress(Exception):
+                    from deployments import triggers
+
+                    triggers.current().close()
+        except KeyboardInterrupt:
+            print("interrupted", file=sys.stderr)
+            return 130
         finally:
-            soak.stop_screens.set()
-            soak.store.close()
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
-    finally:
-        stack.stop()
-        if summary is not None and not summary["ok"] and database.created:
-            print(f"database {database.created} kept for inspection", file=sys.stderr)
-        else:
-            with contextlib.suppress(Exception):
-                database.drop()
-        if args.workdir is None and summary is not None and summary["ok"]:
-            shutil.rmtree(workdir, ignore_errors=True)
+            stack.stop()
+            database.close()
+            if summary is not None and not summary["ok"] and database.created:
+                print(f"database {database.created} kept for inspection", file=sys.stderr)
+            else:
+                with contextlib.suppress(Exception):
+                    database.drop()
+            if args.workdir is None and summary is not None and summary["ok"]:
+                shutil.rmtree(workdir, ignore_errors=True)
+    assert summary is not None
+    summary["serve_exit_at_the_end"] = stack.serve_exit
     print_summary(summary)
-    if summary["ok"] is False:
+    print(f"serve's exit code when stopped at the end: {stack.serve_exit}")
+    if not summary["ok"]:
         print(f"logs kept in {workdir}", file=sys.stderr)
     if args.json_out:
         args.json_out.write_text(json.dumps(summary, indent=2, default=str))

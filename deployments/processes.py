@@ -104,18 +104,26 @@ def _reap_group(pgid: int) -> None:
         os.killpg(pgid, signal.SIGKILL)
 
 
-def children(pid: int | None = None) -> list[int]:
-    """PIDs whose parent is `pid` (default: this process), from /proc."""
-    parent = os.getpid() if pid is None else pid
-    found = []
+def _processes() -> Iterator[tuple[int, int, int]]:
+    """(pid, parent pid, process group) of every process, from /proc."""
     for entry in Path("/proc").glob("[0-9]*/stat"):
         try:
+            # After the command name, which may hold spaces and parentheses.
             fields = entry.read_text().rsplit(")", 1)[1].split()
         except (OSError, IndexError):
             continue
-        if int(fields[1]) == parent:
-            found.append(int(entry.parent.name))
-    return found
+        yield int(entry.parent.name), int(fields[1]), int(fields[2])
+
+
+def children(pid: int | None = None) -> list[int]:
+    """PIDs whose parent is `pid` (default: this process), from /proc."""
+    parent = os.getpid() if pid is None else pid
+    return [found for found, ppid, _ in _processes() if ppid == parent]
+
+
+def group_members(pgid: int) -> list[int]:
+    """PIDs in the process group `pgid`, from /proc."""
+    return [found for found, _, group in _processes() if group == pgid]
 
 
 def stop_children(grace_seconds: float = STOP_GRACE_SECONDS) -> None:
