@@ -327,9 +327,7 @@ class Settings(BaseSettings):
     @property
     def call_timeout(self) -> float:
         """Seconds one gateway call may take in all, never longer than one attempt may last."""
-        return min(
-            self.gateway_read_timeout, self.claim_timeout_seconds - self.lease_margin
-        )
+        return min(self.gateway_read_timeout, self.claim_timeout_seconds - self.lease_margin)
 
     @property
     def plugin_modules(self) -> list[str]:
