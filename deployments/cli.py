@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import json
 import logging
+import os
 import sys
 from typing import Any
 
@@ -180,11 +181,19 @@ def serve_command(ctx: click.Context, prefect_port: int, upgrade: bool, no_ui: b
     """
     from deployments.serve import AlreadyServing, ServeOptions, serve
 
+    code = 0
     try:
         serve(settings_from(ctx), ServeOptions(prefect_port, upgrade, not no_ui))
     except AlreadyServing as exc:
         click.echo(f"error: {exc}", err=True)
-        sys.exit(1)
+        code = 1
+    # Everything serve started has stopped, its Prefect server included.
+    # Prefect's client services would still try to flush to that server at
+    # interpreter exit, retrying for as long as their retries last: leave now.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(code)
 
 
 @click.command("deploy")

@@ -142,6 +142,16 @@ def prepare(
         )
 
 
+def _flush_prefect_logs(timeout: float = 3.0) -> None:
+    """Ship the runs' last log lines while the Prefect server is still up, for a bounded time."""
+    try:
+        from prefect.logging.handlers import APILogWorker
+
+        APILogWorker.drain_all(timeout=timeout)
+    except Exception as exc:  # noqa: BLE001 - history only; stopping goes on
+        logger.warning("could not flush the run logs to Prefect: %s", exc)
+
+
 def _prefect_away(error: BaseException | None) -> bool:
     """Whether the runner failed because Prefect could not be reached (an outage, not a fault)."""
     import httpx
@@ -322,9 +332,11 @@ def _stop(
 ) -> None:
     """Stop in order: the call in flight, the runner's runs, the Prefect server."""
     if consumer_thread is not None:
+        logger.info("stopping: the consumer")
         consumer_thread.consumer.stop("serve is stopping")
         consumer_thread.join(STOP_CONSUMER_SECONDS)
     if runner_thread is not None:
+        logger.info("stopping: Prefect's runner and its runs")
         runner_thread.stop(STOP_RUNNER_SECONDS)
     # Whatever the runner could not stop (the Prefect server may be gone
     # already), and nothing else of ours, by PID.
@@ -335,8 +347,10 @@ def _stop(
                 os.kill(pid, 15)
     if state is not None:
         state.remove(settings)
+    _flush_prefect_logs()
     if server is not None:
         # Everything that wrote to it has stopped: it need not wait for clients.
+        logger.info("stopping: the Prefect server")
         server.stop(grace_seconds=STOP_SERVER_SECONDS)
     with contextlib.suppress(Exception):
         JobStore(settings.database_url, settings=settings).worker_gone(serve_worker(settings))
