@@ -189,6 +189,8 @@ def test_a_day_of_the_embedded_default_through_the_command_line(
         )
 
         recorder.wait_until(lambda s: s.in_flight == 1, 120, "the first backfill call")
+        # The recorder sees the connection before the simulator has read the body.
+        gateway.simulator.wait_for(lambda s: len(s.requests) >= 1, 30)
         first = served(gateway)[0]
         queue = cli_json("queue", "--json", env=env)
         assert not snake_case_keys(queue), snake_case_keys(queue)

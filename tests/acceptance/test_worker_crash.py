@@ -119,6 +119,7 @@ def stage_a_kill(
     wait_for(lambda: renewed(store, victim, attempt), 30, f"attempt {attempt}, renewed")
     workers.start("survivor")
     wait_for(lambda: standing_by(store, "survivor"), 30, "the survivor standing by")
+    gateway.simulator.wait_for(lambda s: any(r.job == label for r in s.requests), 30)
     open_calls = [r for r in calls_for(gateway, label) if r.ended is None]
     assert len(open_calls) == 1 and gateway.recorder.in_flight == 1, "raise CALL"
     killed_at = kill(workers, "doomed")
