@@ -22,7 +22,8 @@ import json
 import re
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,7 @@ from deployments.stack import ServeProcess
 from flows.demo import demo_scopes
 from flows.simulator import HUNG, OK
 from queue_store import JobStore, Settings
+from tests.support import waiting
 from tests.support.faults import Gateway
 from tests.support.services import ROOT, PrefectServer, run_cli
 
@@ -78,13 +80,8 @@ def stack_settings(tmp_path: Path, gateway: Gateway) -> Settings:
     )
 
 
-def wait_for(condition: Callable[[], object], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+# Conditions here ask Prefect's API; five times a second is enough.
+wait_for = partial(waiting.wait_for, every=0.2)
 
 
 def cli_json(*args: str, env: dict[str, str]) -> Any:
@@ -102,12 +99,6 @@ def snake_case_keys(value: Any) -> set[str]:
     if isinstance(value, list):
         return set().union(*(snake_case_keys(v) for v in value))
     return set()
-
-
-def served(gateway: Gateway) -> list[str]:
-    """The jobs the gateway received, in the order it received them."""
-    records = sorted(gateway.simulator.stats().requests, key=lambda r: r.received)
-    return [r.job or "" for r in records]
 
 
 def answered(gateway: Gateway) -> Counter[str]:
@@ -191,7 +182,7 @@ def test_a_day_of_the_embedded_default_through_the_command_line(
         recorder.wait_until(lambda s: s.in_flight == 1, 120, "the first backfill call")
         # The recorder sees the connection before the simulator has read the body.
         gateway.simulator.wait_for(lambda s: len(s.requests) >= 1, 30)
-        first = served(gateway)[0]
+        first = gateway.served()[0]
         queue = cli_json("queue", "--json", env=env)
         assert not snake_case_keys(queue), snake_case_keys(queue)
         assert [f"{e['kind']}:{e['subject']}" for e in queue["running"]] == [first]
@@ -254,7 +245,7 @@ def test_a_day_of_the_embedded_default_through_the_command_line(
         assert "28-day averages" in final["result"]["output"]["text"]
         assert all(p["flow_run_id"] is None and p["error"] is None for p in polls), polls
         # The screen's job was the very next call after the one in flight.
-        assert served(gateway)[:2] == [first, screen_label], served(gateway)
+        assert gateway.served()[:2] == [first, screen_label], gateway.served()
 
         def all_done() -> bool:
             return all(

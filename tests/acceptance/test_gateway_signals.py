@@ -67,6 +67,7 @@ from tests.support.race_worker import dump_tables
 from tests.support.secrets import exposures
 from tests.support.services import ROOT, run_cli, stop
 from tests.support.third_party import FakeLLM, header_value
+from tests.support.waiting import wait_for
 
 pytestmark = [pytest.mark.slow]
 
@@ -619,7 +620,7 @@ def test_a_refusal_spends_no_attempt_and_stops_claiming_with_one_operator_facing
     sim.set_fault(**fault)  # every call
 
     consumer = consumers(env, tmp_path / "consumer", log_level="DEBUG")
-    wait_until(lambda: queue.store.gate_state().paused, 60, "claiming to stop")
+    wait_for(lambda: queue.store.gate_state().paused, 60, "claiming to stop")
     gate = queue.store.gate_state()
     shown = {
         "settings": run_cli("settings", env=env).stdout,
@@ -730,15 +731,6 @@ def dump_store(url: str) -> str:
         engine.dispose()
 
 
-def wait_until(condition: Callable[[], object], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-
-
 # --- N2: an outage spends nothing and backs off, doubling and capped -----------------------------
 
 
@@ -761,7 +753,7 @@ def test_an_outage_spends_no_attempt_and_backs_off_doubling_to_the_cap(
         return sum(i.closed_by == UPSTREAM_REFUSED for i in recorder.intervals())
 
     # Switched on events, each while the consumer waits out a pause.
-    wait_until(lambda: refused() >= refused_calls, 60, "refused calls")
+    wait_for(lambda: refused() >= refused_calls, 60, "refused calls")
     sim.set_fault("status", status=503, requests=unavailable_calls)  # listening again
     run = consumer.finish()
 

@@ -17,6 +17,7 @@ import pytest
 from queue_store import JobStore, Settings, Status, migrate
 from tests.support.faults import Gateway, Workers
 from tests.support.pgcluster import ThrowawayPostgres
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -43,12 +44,7 @@ def _settings(database_url: str, gateway: Gateway, data_dir: Path, **more: objec
 
 
 def _wait_until_settled(store: JobStore, user: str, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if store.pending_count(user) == 0:
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"jobs of {user} still pending or running after {timeout:g} s")
+    wait_for(lambda: store.pending_count(user) == 0, timeout, f"every job of {user} to settle")
 
 
 @pytest.mark.parametrize("shift", ["+300s", "-300s"])

@@ -25,7 +25,6 @@ database while its answer did not.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
@@ -33,7 +32,8 @@ import subprocess
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +41,7 @@ import pytest
 
 from flows.simulator import HUNG, OK, GatewaySimulator
 from queue_store import JobStore, Settings, StoreError, migrate
+from tests.support import waiting
 from tests.support.faults import Gateway, Workers
 from tests.support.pgcluster import ThrowawayPostgres
 from tests.support.services import ROOT, cli, run_cli
@@ -126,15 +127,8 @@ class Screen:
             self._stop.wait(SCREEN_EVERY)
 
 
-def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None:
-    """Poll `condition` (a store that is down counts as "not yet")."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with contextlib.suppress(StoreError):
-            if condition():
-                return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+# A store that is down counts as "not yet".
+wait_for = partial(waiting.wait_for, tolerate=(StoreError,))
 
 
 def done_count(store: JobStore) -> int:
@@ -185,17 +179,17 @@ def test_postgres_restarted_under_load_loses_and_duplicates_nothing(
             workers.start("b")
             with Screen(env, [subject(n) for n in range(JOBS - 1, -1, -4)]) as screen:
                 # 1. Down while a (longer) call is in flight; up once it was answered.
-                wait_until(lambda: done_count(store) >= 5, DEADLINE, "five jobs done")
+                wait_for(lambda: done_count(store) >= 5, DEADLINE, "five jobs done")
                 gateway.simulator.set_latency(LONG_CALL_SECONDS)
                 changed = time.time()
-                wait_until(lambda: started_since(gateway.simulator, changed), 60, "a long call")
+                wait_for(lambda: started_since(gateway.simulator, changed), 60, "a long call")
                 cluster.stop()
-                wait_until(lambda: answered_since(gateway.simulator, changed), 60, "its answer")
+                wait_for(lambda: answered_since(gateway.simulator, changed), 60, "its answer")
                 gateway.simulator.set_latency(CALL_SECONDS)
                 cluster.start()
 
                 # 2. Down between calls: claims and polls meet it.
-                wait_until(lambda: done_count(store) >= 15, DEADLINE, "fifteen jobs done")
+                wait_for(lambda: done_count(store) >= 15, DEADLINE, "fifteen jobs done")
                 gateway.recorder.wait_until(lambda s: s.in_flight == 0, 60, "no call open")
                 cluster.stop()
                 outage_polls.append(poll(env, subject(0)))
@@ -203,8 +197,8 @@ def test_postgres_restarted_under_load_loses_and_duplicates_nothing(
                 outage_hook = {"code": hook.returncode, "out": hook.stdout, "err": hook.stderr}
                 cluster.start()
 
-                wait_until(lambda: done_count(store) == JOBS, DEADLINE, "every job done")
-                wait_until(lambda: not screen.subjects, 60, "the screen's jobs done")
+                wait_for(lambda: done_count(store) == JOBS, DEADLINE, "every job done")
+                wait_for(lambda: not screen.subjects, 60, "the screen's jobs done")
             alive = {name: p.poll() is None for name, p in workers.started.items()}
             summaries = workers.stop_all()
             logs = {name: workers.log(name).read_text(errors="replace") for name in ("a", "b")}

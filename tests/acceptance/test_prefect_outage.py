@@ -16,8 +16,7 @@
 from __future__ import annotations
 
 import json
-import time
-from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +28,7 @@ from deployments.processes import free_port
 from deployments.stack import ServeProcess
 from flows.limits import ensure_gateway_limit
 from queue_store import JobStore, Settings
+from tests.support import waiting
 from tests.support.faults import Gateway
 from tests.support.services import ROOT, PrefectServer, cli, client_env, run_cli, running
 
@@ -38,13 +38,8 @@ USER = "outage-user"
 GAP = 0.2
 
 
-def wait_for(condition: Callable[[], object], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+# Conditions here ask Prefect's API; five times a second is enough.
+wait_for = partial(waiting.wait_for, every=0.2)
 
 
 def outlasts_the_runner(serve: ServeProcess, log: Path) -> None:

@@ -17,10 +17,10 @@ which says how many calls were open at once, whatever ran them.
 from __future__ import annotations
 
 import json
-import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,7 @@ from deployments.processes import free_port
 from flows.demo import demo_scopes
 from flows.simulator import HUNG, OK
 from queue_store import JobStore, Settings
+from tests.support import waiting
 from tests.support.databases import POSTGRES_URL, PostgresDatabases
 from tests.support.faults import Gateway
 from tests.support.services import BIN, ROOT, PrefectServer, cli, client_env, run_cli, running
@@ -124,14 +125,8 @@ def worker(limit: int | None = None) -> list[str]:
     return args + (["--limit", str(limit)] if limit else [])
 
 
-def wait_for(condition: Callable[[], object], timeout: float, what: str, log: Path) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(0.5)
-    tail = log.read_text(errors="replace")[-3000:] if log.exists() else ""
-    raise AssertionError(f"timed out after {timeout:g} s waiting for {what}\n{tail}")
+# Conditions here ask Prefect's API or the store; twice a second is enough.
+wait_for = partial(waiting.wait_for, every=0.5)
 
 
 def all_done(store: JobStore, keys: list[tuple[str, str, str]]) -> Callable[[], bool]:
@@ -192,13 +187,13 @@ def test_a_worker_starts_the_screen_s_run_before_waiting_backfill_runs(
         JobStore(store_url, settings=Settings.from_env(env)) as store,
         running(worker(limit=1), env, log),
     ):
-        wait_for(all_done(store, keys), DEADLINE, "every job done", log)
+        wait_for(all_done(store, keys), DEADLINE, "every job done", log=log)
         ids = [asked["flow_run_id"], *(h["flow_run_id"] for h in hooks)]
         wait_for(
             lambda: all(final(r) for r in by_id(pg_prefect.api_url, ids).values()),
             120,
             "the three runs to end",
-            log,
+            log=log,
         )
     runs = by_id(pg_prefect.api_url, ids)
     screen_run, *backfills = (runs[i] for i in ids)
@@ -239,7 +234,7 @@ def test_with_a_warm_consumer_beside_the_workers_the_runs_follow_and_it_calls(
         running(cli("consume"), env, consumer_log) as consumer,
         running(worker(), env, worker_log),
     ):
-        wait_for(store.consumer_standing_by, 60, "the consumer standing by", consumer_log)
+        wait_for(store.consumer_standing_by, 60, "the consumer standing by", log=consumer_log)
         hooks = [json.loads(run_cli("trigger-backfill", user, env=env).stdout) for user in users]
         assert all(h["flow_run_id"] for h in hooks), hooks
         recorder.wait_until(lambda s: s.in_flight == 1, 120, "the first call")
@@ -249,13 +244,13 @@ def test_with_a_warm_consumer_beside_the_workers_the_runs_follow_and_it_calls(
         # The consumer stands by (and is mid-call): no run is started for the screen.
         assert asked["status"] == "pending" and asked["flow_run_id"] is None, asked
         gateway.simulator.clear_fault()
-        wait_for(all_done(store, keys), DEADLINE, "every job done", worker_log)
+        wait_for(all_done(store, keys), DEADLINE, "every job done", log=worker_log)
         ids = [h["flow_run_id"] for h in hooks]
         wait_for(
             lambda: all(final(r) for r in by_id(pg_prefect.api_url, ids).values()),
             120,
             "the backfill runs to end",
-            worker_log,
+            log=worker_log,
         )
         consumer.send_signal(15)
         assert consumer.wait(30) == 0, consumer_log.read_text(errors="replace")[-3000:]

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,6 +25,7 @@ import pytest
 from flows.simulator import OK, RequestRecord
 from queue_store import INTERACTIVE, Job, JobStore, Settings
 from tests.support.faults import Gateway, Workers
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -67,16 +68,6 @@ def settings(database_url: str, gateway: Gateway, tmp_path: Path) -> Settings:
 def store(settings: Settings) -> Iterator[JobStore]:
     with JobStore(settings.database_url, settings=settings) as opened:
         yield opened
-
-
-def wait_for(condition: Callable[[], object], timeout: float, what: str) -> float:
-    """Poll every 50 ms; returns the wall-clock time the condition was seen to hold."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return time.time()
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
 
 
 def calls_for(gateway: Gateway, label: str) -> list[RequestRecord]:

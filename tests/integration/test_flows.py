@@ -22,9 +22,9 @@ import asyncio
 import datetime as dt
 import json
 import re
-import time
 import uuid
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Coroutine, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
@@ -40,7 +40,7 @@ from flows.limits import ensure_gateway_limit
 from flows.registry import Registry, Scope
 from flows.simulator import HUNG, OK
 from queue_store import INTERACTIVE, JobStore, Redactor, Settings, Status
-from tests.support import plugins
+from tests.support import plugins, waiting
 from tests.support.faults import Gateway, Workers
 from tests.support.services import ROOT, PrefectServer, cli, run_cli, running
 
@@ -177,19 +177,7 @@ def run_id_of(state: State[Any]) -> str:
     return str(run_id)
 
 
-def wait_for(condition: Callable[[], object], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
-
-
-def served(gateway: Gateway) -> list[str]:
-    """The jobs the gateway received, in the order it received them."""
-    records = sorted(gateway.simulator.stats().requests, key=lambda r: r.received)
-    return [r.job or "" for r in records]
+wait_for = partial(waiting.wait_for, every=0.1)
 
 
 def answers(gateway: Gateway, label: str) -> int:
@@ -228,7 +216,7 @@ def test_a_backfill_with_no_consumer_drains_its_scopes_itself_and_reports_them(
         dt.timedelta(microseconds=n) for n in range(len(scopes))
     ]
     # It drained them itself, one call at a time, each answered once.
-    assert sorted(served(gateway)) == sorted(f"{s.kind}:{s.subject}" for s in scopes)
+    assert sorted(gateway.served()) == sorted(f"{s.kind}:{s.subject}" for s in scopes)
     assert all(answers(gateway, f"{s.kind}:{s.subject}") == 1 for s in scopes)
     gateway.assert_kept(concurrency=1, gap=GAP)
 
@@ -285,7 +273,7 @@ def test_a_backfill_with_a_broken_scope_fails_naming_it_and_its_attempts_fail_ho
     assert broken.error is not None and "no data for day-8" in broken.error
     # Its prompt could never be built: the gateway never heard of it.
     assert gateway.calls_for("broken:day-8") == 0
-    assert len(served(gateway)) == 7
+    assert len(gateway.served()) == 7
 
     rows = table_rows(prefect.artifacts(run_id_of(state))[f"backfill-{user}-scopes"])
     failed = [r for r in rows if r["status"] == "failed"]
@@ -365,7 +353,7 @@ def test_a_screen_s_job_is_the_next_call_while_a_backfill_drains(
 
     filled, screen = run_flow(rt, both())
     assert filled.type.value == "COMPLETED" and screen.type.value == "COMPLETED"
-    order = served(gateway)
+    order = gateway.served()
     assert order[1] == f"{target.kind}:{target.subject}", order
     assert all(answers(gateway, f"{s.kind}:{s.subject}") == 1 for s in scopes)
     gateway.assert_kept(concurrency=1, gap=GAP)
@@ -394,7 +382,7 @@ def test_with_a_consumer_standing_by_the_flows_only_follow(
     assert prefect.runs_tagged("generation", f"user:{user}") == []
     rows = table_rows(prefect.artifacts(run_id_of(filled))[f"backfill-{user}-scopes"])
     assert [r["status"] for r in rows] == ["done"] * 8
-    assert len(served(gateway)) == 9
+    assert len(gateway.served()) == 9
     gateway.assert_kept(concurrency=1, gap=GAP)
 
 
@@ -444,7 +432,7 @@ def test_three_drains_at_once_never_overlap_at_the_gateway(
             run_cli("drain", env=env, timeout=180)
         jobs = [store.job(f"user-{n % 4}", "ok", f"s{n:02d}") for n in range(12)]
     assert all(j is not None and (j.status, j.attempts) == (Status.DONE, 1) for j in jobs), jobs
-    assert sorted(served(gateway)) == sorted(f"ok:s{n:02d}" for n in range(12))
+    assert sorted(gateway.served()) == sorted(f"ok:s{n:02d}" for n in range(12))
     seen = gateway.assert_kept(concurrency=1, gap=GAP)
     assert seen.count == 12
 

@@ -68,6 +68,11 @@ class Gateway:
             assert seen.min_gap >= gap - GAP_SLACK_SECONDS, f"gap of {seen.min_gap:.3f} s"
         return seen
 
+    def served(self) -> list[str]:
+        """The jobs the gateway received, in the order it received them."""
+        records = sorted(self.simulator.stats().requests, key=lambda r: r.received)
+        return [r.job or "" for r in records]
+
     def calls_for(self, job: str) -> int:
         """Calls the gateway received for a job (answered or not)."""
         return sum(1 for r in self.simulator.stats().requests if r.job == job)
