@@ -56,7 +56,6 @@ import dataclasses
 import datetime as dt
 import multiprocessing
 import os
-import statistics
 import sys
 import tempfile
 import threading
@@ -80,6 +79,7 @@ from queue_store.engine import normalise_url
 
 if not __package__:  # run as a script: the store benchmark's helpers are a sibling module
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.figures import percentile
 from benchmarks.store import (
     WriteCounter,
     postgres_database,
@@ -108,14 +108,6 @@ def loadavg() -> str:
         return " ".join(Path("/proc/loadavg").read_text().split()[:3])
     except OSError:
         return "?"
-
-
-def percentile(samples: Sequence[float], fraction: float) -> float:
-    if not samples:
-        return float("nan")
-    if len(samples) == 1:
-        return samples[0]
-    return statistics.quantiles(samples, n=100, method="inclusive")[round(fraction * 100) - 1]
 
 
 # -- the screens ------------------------------------------------------------------------------

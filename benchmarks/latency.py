@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -41,16 +40,13 @@ from flows.recorder import GatewayRecorder, RecorderSnapshot
 from flows.simulator import GatewaySimulator
 from queue_store import JobStore, Settings
 
+if not __package__:  # run as a script: the shared helpers are in this folder's package
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.figures import percentile
+
 ROOT = Path(__file__).resolve().parent.parent
 RUNNER_POLL_SECONDS = "1"  # what `serve` uses too
 BASELINE_DEPLOYMENT = "baseline-call/baseline"
-
-
-def _percentiles(values: list[float]) -> tuple[float, float, float]:
-    ordered = sorted(values)
-    p50 = statistics.median(ordered)
-    p95 = statistics.quantiles(ordered, n=20, method="inclusive")[18] if len(ordered) > 1 else p50
-    return p50, p95, ordered[-1]
 
 
 def _new_call(recorder: GatewayRecorder, count_before: int, timeout: float = 60) -> float:
@@ -196,7 +192,7 @@ def main() -> int:
     ]
     print(f"{'case':<72} {'n':>3} {'p50 s':>7} {'p95 s':>7} {'max s':>7}")
     for name, values in rows:
-        p50, p95, worst = _percentiles(values)
+        p50, p95, worst = percentile(values, 0.5), percentile(values, 0.95), max(values)
         print(f"{name:<72} {len(values):>3} {p50:>7.3f} {p95:>7.3f} {worst:>7.3f}")
     print(f"peak calls in flight at the gateway (recorder): {peak}")
     print(f"load average at start {load_start[0]:.2f}, at end {load_end[0]:.2f} (2 cores)")

@@ -89,6 +89,10 @@ from queue_store import (
 )
 from queue_store.engine import create_store_engine
 
+if not __package__:  # run as a script: the shared helpers are in this folder's package
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.figures import percentile
+
 DEFAULT_POSTGRES_URL = "postgresql://postgres@127.0.0.1:5432/test"
 KIND = "load"
 INTERACTIVE_EVERY = 10  # every 10th job is a screen's
@@ -454,13 +458,6 @@ def _drop_schema(admin: Any, schema_name: str) -> None:
 # ---------------------------------------------------------------------------
 
 
-def _percentile(values: Sequence[float], fraction: float) -> float:
-    ordered = sorted(values)
-    if not ordered:
-        return float("nan")
-    return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
-
-
 def check(result: LoadResult) -> list[str]:
     """What went wrong, if anything: the run's correctness, beside its speed."""
     problems = list(result.errors)
@@ -517,8 +514,8 @@ def describe(result: LoadResult) -> str:
     if result.concurrency == 1:
         idle_ms = [s * 1000 for s in result.idle_between_calls]
         idle = (
-            f"  idle p50 {_percentile(idle_ms, 0.5):5.1f} ms"
-            f"  p95 {_percentile(idle_ms, 0.95):5.1f} ms"
+            f"  idle p50 {percentile(idle_ms, 0.5):5.1f} ms"
+            f"  p95 {percentile(idle_ms, 0.95):5.1f} ms"
         )
     call_ms = statistics.median(result.call_seconds) * 1000 if result.call_seconds else 0.0
     per_consumer = sorted(len(r.records) for r in result.reports)

@@ -111,7 +111,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from deployments import processes, table  # noqa: E402 - after the path is set
+from benchmarks.figures import percentile  # noqa: E402 - after the path is set
+from deployments import processes, table  # noqa: E402
 from deployments.stack import PrefectServer, ServeProcess, client_env  # noqa: E402
 from flows.simulator import GatewaySimulator, RequestRecord  # noqa: E402
 from queue_store import JobStore, Settings  # noqa: E402
@@ -929,8 +930,8 @@ class Soak:
             "serve_start_failures": self.stack.serve_start_failures,
             "serve_pids": self.stack.serve_pids,
             "screens": len(self.screens),
-            "screen_wait_p50": percentile(waits, 50),
-            "screen_wait_p95": percentile(waits, 95),
+            "screen_wait_p50": percentile(waits, 0.5) if waits else None,
+            "screen_wait_p95": percentile(waits, 0.95) if waits else None,
             "screen_wait_max": max(waits) if waits else None,
             "screen_wait_median": statistics.median(waits) if waits else None,
             "screen_polls_with_error": sum(s.errors for s in self.screens),
@@ -938,15 +939,6 @@ class Soak:
             "invariants": invariants,
             "ok": all(invariants.values()),
         }
-
-
-def percentile(values: Sequence[float], pct: float) -> float | None:
-    """Nearest-rank percentile (None for no values)."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    rank = max(1, -(-len(ordered) * pct // 100))  # ceil(n * pct / 100)
-    return ordered[int(rank) - 1]
 
 
 def peak_from_records(records: Sequence[RequestRecord]) -> int:

@@ -88,6 +88,10 @@ from queue_store.models import INTERACTIVE, PREFETCH, EnqueueRequest, Status, jo
 from queue_store.settings import Settings
 from queue_store.store import JobStore
 
+if not __package__:  # run as a script: the shared helpers are in this folder's package
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.figures import percentile
+
 DEFAULT_POSTGRES_URL = "postgresql://postgres@127.0.0.1:5432/test"
 
 USERS = 1000
@@ -163,12 +167,6 @@ class BulkRow:
 
 def median(samples: Sequence[float]) -> float:
     return statistics.median(samples)
-
-
-def p95(samples: Sequence[float]) -> float:
-    if len(samples) < 2:
-        return samples[0]
-    return statistics.quantiles(samples, n=20, method="inclusive")[18]
 
 
 def timed(call: Callable[[], Any]) -> tuple[float, Any]:
@@ -951,7 +949,7 @@ def log(line: str) -> None:
 
 
 def ms(samples: Sequence[float], digits: int = 2) -> str:
-    return f"{median(samples):.{digits}f} / {p95(samples):.{digits}f}"
+    return f"{median(samples):.{digits}f} / {percentile(samples, 0.95):.{digits}f}"
 
 
 BACKLOG_HEADER = (
@@ -980,7 +978,7 @@ def format_bulk(step: BulkStep) -> str:
 
 
 def verdict(samples: Sequence[float], target: float) -> str:
-    value = p95(samples)
+    value = percentile(samples, 0.95)
     return f"p95 {value:.2f} ms {'MET' if value < target else 'MISSED'}"
 
 
