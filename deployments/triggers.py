@@ -276,9 +276,14 @@ def current() -> Triggers:
         return _process
 
 
-def use(triggers: Triggers) -> contextvars.Token[Triggers | None]:
-    """Install `triggers` for the current context; undo with `_installed.reset(token)`."""
-    return _installed.set(triggers)
+@contextlib.contextmanager
+def use(triggers: Triggers) -> Iterator[Triggers]:
+    """Install `triggers` for the current context (as `flows.runtime.use` does a runtime)."""
+    token = _installed.set(triggers)
+    try:
+        yield triggers
+    finally:
+        _installed.reset(token)
 
 
 @contextlib.contextmanager

@@ -5,8 +5,10 @@ scopes (with the plugin modules loaded), and the redactor. A process makes one
 (`Runtime.from_env()`), and code that needs it calls `current()`, which
 returns the runtime in force: the one installed with `use(...)` for the
 current context (tests build their own and install it), else the process's
-own, made on first use. Nothing else in `flows` or `deployments` keeps state
-at module level.
+own, made on first use. `deployments.triggers` keeps the app side's
+`Triggers` (a runtime and a client for Prefect's API) the same way, with its
+own `use(...)`. Nothing else in `flows` or `deployments` keeps state at
+module level.
 
 What each consumer needs per run (a gateway client, the run history, the
 gateway slot) is made from the runtime by `consumer(...)`.

@@ -29,6 +29,7 @@ from sqlalchemy import create_engine, select, text
 from sqlalchemy.engine import make_url
 
 from deployments import api as api_module
+from deployments import triggers as triggers_module
 from deployments.api import ApiConfigError, ApiServer, StrictPaths, create_app, insights_router
 from deployments.processes import free_port
 from deployments.triggers import NO_SERVER, InsightState, Triggers
@@ -534,6 +535,17 @@ def test_loopback_is_told_apart() -> None:
         assert api_module.is_loopback(host), host
     for host in ("0.0.0.0", "::", "192.168.1.20", "10.0.0.1", "example.com", ""):
         assert not api_module.is_loopback(host), host
+
+
+def test_the_module_level_calls_use_the_triggers_installed_for_the_context(
+    runtime: Runtime, closed_prefect: str
+) -> None:
+    installed = Triggers(runtime, prefect_url=closed_prefect)
+    with triggers_module.use(installed) as in_force:
+        assert triggers_module.current() is in_force is installed
+        state = triggers_module.request_insight(USER, "sleep", DAY)
+        assert state.status == "pending" and state.error is None
+    assert runtime.store.job(USER, "sleep", DAY) is not None
 
 
 def test_off_loopback_the_app_refuses_to_start_without_a_token(runtime: Runtime) -> None:
