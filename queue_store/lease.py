@@ -326,7 +326,10 @@ def settle_failure(
         )
         _refund(connection, row, now, error)
         _ended_call(connection, now)
-        pause(connection, now, seconds, PauseKind.RATE_LIMIT, error)
+        # Asked to slow down again and again without a time to wait: each
+        # pause is longer than the last. A named wait is the gateway's answer.
+        more = {"outages_in_a_row": streak + 1} if retry_after is None else {}
+        pause(connection, now, seconds, PauseKind.RATE_LIMIT, error, **more)
         return Settlement(
             Status.PENDING, False, seconds, f"rate limited; claiming paused {seconds:g} s"
         )

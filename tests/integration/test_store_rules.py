@@ -13,6 +13,7 @@ from queue_store import (
     Blocked,
     ClaimLost,
     DatabaseError,
+    Failure,
     InvalidArgument,
     JobStore,
     Renewal,
@@ -637,6 +638,38 @@ def test_outage_pauses_every_worker_with_growing_capped_backoff(
     other.finish(job.id, job.holder or "", result="ok")
     assert store.gate_state().outages_in_a_row == 0
     assert store.report_outage("again") == 10
+
+
+def test_rate_limits_that_name_no_wait_back_off_further_each_time(
+    make_store: StoreFactory, clock: FakeClock
+) -> None:
+    store = make_store(backoff_seconds=10, backoff_max_seconds=35)
+    store.enqueue(U, "a", "1")
+
+    def limited(retry_after: float | None = None) -> float | None:
+        job = store.claim_next("w").job
+        assert job is not None and job.attempts == 1
+        settled = store.fail(
+            job.id, job.holder or "", Failure.RATE_LIMITED, "HTTP 429", retry_after=retry_after
+        )
+        assert (settled.status, settled.attempt_spent) == (Status.PENDING, False)
+        assert store.claim_next("w").blocked == Blocked.PAUSED
+        assert settled.pause_seconds is not None
+        clock.advance(settled.pause_seconds + 0.001)
+        return settled.pause_seconds
+
+    assert [limited() for _ in range(4)] == [10, 20, 35, 35]
+    # A wait the gateway names is the wait taken, and grows nothing.
+    assert limited(retry_after=3) == 3
+    assert store.gate_state().outages_in_a_row == 4
+    # An answer ends the streak.
+    job = store.claim_next("w").job
+    assert job is not None
+    store.finish(job.id, job.holder or "", result="ok")
+    store.enqueue(U, "b", "1")
+    assert limited() == 10
+    row = _row(store, "b", "1")
+    assert (row["status"], row["attempts"]) == ("pending", 0)
 
 
 def test_pause_and_resume(store: JobStore) -> None:
