@@ -19,7 +19,6 @@ functions use the process's own (`current()`), made on first use.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import logging
 import threading
@@ -257,33 +256,19 @@ class Triggers:
         return BackfillState(user_id, len(scopes), run_id, note, error)
 
 
-_installed: contextvars.ContextVar[Triggers | None] = contextvars.ContextVar(
-    "insight_queue_triggers", default=None
+_triggers: runtimes.InForce[Triggers] = runtimes.InForce(
+    "insight_queue_triggers", lambda: Triggers(runtimes.current())
 )
-_process: Triggers | None = None
-_process_lock = threading.Lock()
 
 
 def current() -> Triggers:
     """The triggers in force: installed with `use`, else this process's own."""
-    installed = _installed.get()
-    if installed is not None:
-        return installed
-    global _process
-    with _process_lock:
-        if _process is None:
-            _process = Triggers(runtimes.current())
-        return _process
+    return _triggers.current()
 
 
-@contextlib.contextmanager
-def use(triggers: Triggers) -> Iterator[Triggers]:
+def use(triggers: Triggers) -> contextlib.AbstractContextManager[Triggers]:
     """Install `triggers` for the current context (as `flows.runtime.use` does a runtime)."""
-    token = _installed.set(triggers)
-    try:
-        yield triggers
-    finally:
-        _installed.reset(token)
+    return _triggers.use(triggers)
 
 
 @contextlib.contextmanager

@@ -6,8 +6,8 @@ scopes (with the plugin modules loaded), and the redactor. A process makes one
 returns the runtime in force: the one installed with `use(...)` for the
 current context (tests build their own and install it), else the process's
 own, made on first use. `deployments.triggers` keeps the app side's
-`Triggers` (a runtime and a client for Prefect's API) the same way, with its
-own `use(...)`. Nothing else in `flows` or `deployments` keeps state at
+`Triggers` (a runtime and a client for Prefect's API) the same way, through
+the same `InForce`. Nothing else in `flows` or `deployments` keeps state at
 module level.
 
 What each consumer needs per run (a gateway client, the run history, the
@@ -21,7 +21,8 @@ import contextvars
 import dataclasses
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Generic, TypeVar
 
 from flows.consumer import Consumer, worker_name
 from flows.gateway import GatewayClient
@@ -33,6 +34,8 @@ from queue_store import JobStore, Redactor, Settings
 from queue_store.redact import install_log_redaction
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 @dataclasses.dataclass
@@ -103,30 +106,48 @@ class Runtime:
         self.store.close()
 
 
-_installed: contextvars.ContextVar[Runtime | None] = contextvars.ContextVar(
-    "insight_queue_runtime", default=None
-)
-_process: Runtime | None = None
-_process_lock = threading.Lock()
+class InForce(Generic[T]):
+    """The object in force: the one a context installed with `use`, else the process's own.
+
+    The process's own is made by `make` on first use, once, under a lock.
+    What a context installs is seen by the tasks and threads it starts.
+    """
+
+    def __init__(self, name: str, make: Callable[[], T]) -> None:
+        self._installed: contextvars.ContextVar[T | None] = contextvars.ContextVar(
+            name, default=None
+        )
+        self._make = make
+        self._process: T | None = None
+        self._lock = threading.Lock()
+
+    def current(self) -> T:
+        installed = self._installed.get()
+        if installed is not None:
+            return installed
+        with self._lock:
+            if self._process is None:
+                self._process = self._make()
+            return self._process
+
+    @contextlib.contextmanager
+    def use(self, value: T) -> Iterator[T]:
+        """Install `value` for the current context, until the block ends."""
+        token = self._installed.set(value)
+        try:
+            yield value
+        finally:
+            self._installed.reset(token)
+
+
+_runtime: InForce[Runtime] = InForce("insight_queue_runtime", Runtime.from_env)
 
 
 def current() -> Runtime:
     """The runtime in force: the one installed with `use`, else this process's own."""
-    installed = _installed.get()
-    if installed is not None:
-        return installed
-    global _process
-    with _process_lock:
-        if _process is None:
-            _process = Runtime.from_env()
-        return _process
+    return _runtime.current()
 
 
-@contextlib.contextmanager
-def use(runtime: Runtime) -> Iterator[Runtime]:
+def use(runtime: Runtime) -> contextlib.AbstractContextManager[Runtime]:
     """Install `runtime` for the current context (and the tasks and threads it starts)."""
-    token = _installed.set(runtime)
-    try:
-        yield runtime
-    finally:
-        _installed.reset(token)
+    return _runtime.use(runtime)
