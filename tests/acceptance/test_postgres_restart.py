@@ -131,6 +131,11 @@ class Screen:
 wait_for = partial(waiting.wait_for, tolerate=(StoreError,))
 
 
+def resumed(store: JobStore) -> bool:
+    store.resume()
+    return True
+
+
 def done_count(store: JobStore) -> int:
     return sum(
         1
@@ -189,13 +194,19 @@ def test_postgres_restarted_under_load_loses_and_duplicates_nothing(
                 cluster.start()
 
                 # 2. Down between calls: claims and polls meet it.
+                # Claiming is paused first, so "no call open" is a state, not a
+                # moment: a claim made just before the stop would start a call
+                # whose answer the outage (longer than the lease) then strands.
                 wait_for(lambda: done_count(store) >= 15, DEADLINE, "fifteen jobs done")
+                store.pause(DEADLINE, "between calls, for the second outage")
+                wait_for(lambda: not store.queue_view().running, 60, "no job running")
                 gateway.recorder.wait_until(lambda s: s.in_flight == 0, 60, "no call open")
                 cluster.stop()
                 outage_polls.append(poll(env, subject(0)))
                 hook = run_cli("trigger-backfill", "hook-user", env=env, check=False, timeout=120)
                 outage_hook = {"code": hook.returncode, "out": hook.stdout, "err": hook.stderr}
                 cluster.start()
+                wait_for(lambda: resumed(store), 60, "claiming resumed")
 
                 wait_for(lambda: done_count(store) == JOBS, DEADLINE, "every job done")
                 wait_for(lambda: not screen.subjects, 60, "the screen's jobs done")
