@@ -66,10 +66,12 @@ def test_claims_from_many_processes_respect_concurrency_and_take_each_job_once(
     ready = SPAWN.Queue()
     out = SPAWN.Queue()
     start = SPAWN.Event()
+    # With room for more than one, the first holders wait for each other.
+    meet = (SPAWN.Value("i", 0), SPAWN.Event(), concurrency) if concurrency > 1 else None
     processes = [
         SPAWN.Process(
             target=claim_loop,
-            args=(database_url, settings, f"w{i}", ready, start, out, HOLD_SECONDS, 60.0),
+            args=(database_url, settings, f"w{i}", ready, start, out, HOLD_SECONDS, 60.0, meet),
             daemon=True,
         )
         for i in range(WORKERS)

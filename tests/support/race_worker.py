@@ -37,8 +37,14 @@ def claim_loop(
     out: Any,
     hold_seconds: float,
     give_up_after: float,
+    meet: tuple[Any, Any, int] | None = None,
 ) -> None:
     """Claim, hold, finish until the queue is empty; report every claim made.
+
+    `meet` (a shared holder count, an event and a number): until the event
+    is set, a worker holding a claim waits (up to 30 s) for that many
+    workers to hold one at once, so "two ran side by side" is an event the
+    test waits for rather than a timing it hopes for.
 
     A record is taken *after* `claim_next` returned (the claim is committed)
     and *before* `finish` is called (it is not yet released), so the recorded
@@ -62,6 +68,15 @@ def claim_loop(
                 time.sleep(0.003)
                 continue
             claimed = time.monotonic()
+            if meet is not None and not meet[1].is_set():
+                holders, met, wanted = meet
+                with holders.get_lock():
+                    holders.value += 1
+                    if holders.value >= wanted:
+                        met.set()
+                met.wait(30)
+                with holders.get_lock():
+                    holders.value -= 1
             time.sleep(hold_seconds)
             finishing = time.monotonic()
             status = store.finish(claim.job.id, claim.job.holder or "", result={"by": name})
