@@ -46,14 +46,13 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
-from types import TracebackType
-from typing import Any, Self
+from typing import Any
+
+from flows.listener import ThreadedListener
 
 logger = logging.getLogger(__name__)
 
 CHUNK_BYTES = 64 * 1024  # bytes read from a side at a time
-START_TIMEOUT = 10.0  # seconds to wait for the recorder's thread to listen
-STOP_JOIN_TIMEOUT = 10.0  # seconds to wait for the recorder's thread when stopping
 LISTEN_BACKLOG = 128
 
 # Why a connection ended: which side ended first, and how.
@@ -131,12 +130,14 @@ class _Pair:
     upstream: asyncio.StreamWriter | None = None
 
 
-class GatewayRecorder:
+class GatewayRecorder(ThreadedListener):
     """A recording TCP proxy in front of `upstream_host:upstream_port`.
 
     Start with `start()` or a `with` block; `stop()` closes every connection
     and joins the one thread it started.
     """
+
+    what = "gateway recorder"
 
     def __init__(
         self,
@@ -147,10 +148,8 @@ class GatewayRecorder:
         port: int = 0,
         half_close: bool = False,
     ) -> None:
+        super().__init__(host, port)
         self._upstream = (upstream_host, upstream_port)
-        self._host = host
-        self._port = port
-        self._family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._half_close = half_close
 
         self._lock = threading.Lock()
@@ -161,103 +160,20 @@ class GatewayRecorder:
         self._peak = 0
         self._count = 0
 
-        self._thread: threading.Thread | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._stop_requested: asyncio.Event | None = None
-        self._ready = threading.Event()
-        self._failure: BaseException | None = None
         self._pairs: dict[int, _Pair] = {}
         self._tasks: set[asyncio.Task[None]] = set()
-        self._started = False
 
     # --- lifecycle ---------------------------------------------------------
 
-    @property
-    def url(self) -> str:
-        """Base URL for a client, in place of the server's."""
-        if not self._started:
-            raise RuntimeError("the gateway recorder is not started")
-        host = f"[{self._host}]" if self._family == socket.AF_INET6 else self._host
-        return f"http://{host}:{self._port}"
-
-    @property
-    def host(self) -> str:
-        return self._host
-
-    @property
-    def port(self) -> int:
-        return self._port
-
-    def start(self) -> Self:
-        """Listen, forwarding from a background thread; OSError if the port is taken."""
-        if self._started:
-            raise RuntimeError("the gateway recorder was already started")
-        sock = socket.socket(self._family, socket.SOCK_STREAM)
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((self._host, self._port))
-        except OSError:
-            sock.close()
-            raise
-        self._port = int(sock.getsockname()[1])
-        self._started = True
-        self._thread = threading.Thread(
-            target=self._run, args=(sock,), name=f"gateway-recorder-{self._port}"
-        )
-        self._thread.start()
-        if not self._ready.wait(START_TIMEOUT) or self._failure is not None:
-            self.stop()
-            raise RuntimeError("the gateway recorder did not start") from self._failure
-        return self
-
-    def stop(self) -> None:
-        """Stop listening, close every open connection and join the thread."""
-        thread, loop, requested = self._thread, self._loop, self._stop_requested
-        if thread is None:
-            return
-        if loop is not None and requested is not None:
-            with contextlib.suppress(RuntimeError):  # the loop already ended
-                loop.call_soon_threadsafe(requested.set)
-        thread.join(STOP_JOIN_TIMEOUT)
-        if thread.is_alive():
-            raise RuntimeError("the gateway recorder's thread did not stop")
-        self._thread = None
-
-    def __enter__(self) -> Self:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        self.stop()
-
-    def _run(self, sock: socket.socket) -> None:
-        loop = asyncio.new_event_loop()
-        asyncio.set_event_loop(loop)
-        try:
-            loop.run_until_complete(self._serve(sock))
-        except BaseException as exc:  # handed to start(), or logged
-            self._failure = exc
-            logger.exception("gateway recorder: failed")
-        finally:
-            self._ready.set()
-            pending = asyncio.all_tasks(loop)
-            for task in pending:
-                task.cancel()
-            if pending:
-                loop.run_until_complete(asyncio.wait(pending))
-            loop.close()
-            asyncio.set_event_loop(None)
-            sock.close()
+    def _request_stop(self) -> None:
+        if self._stop_requested is not None:
+            self._stop_requested.set()
 
     async def _serve(self, sock: socket.socket) -> None:
-        self._loop = asyncio.get_running_loop()
         self._stop_requested = asyncio.Event()
         server = await asyncio.start_server(self._accepted, sock=sock, backlog=LISTEN_BACKLOG)
-        self._ready.set()
+        self._mark_ready()
         await self._stop_requested.wait()
         server.close()
         tasks = list(self._tasks)

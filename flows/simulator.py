@@ -96,7 +96,7 @@ import time
 import urllib.parse
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
-from types import FrameType, TracebackType
+from types import FrameType
 from typing import Any, Literal, Self, TypeVar, cast, get_args
 
 import click
@@ -108,6 +108,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from flows.listener import ThreadedListener
 
 logger = logging.getLogger(__name__)
 
@@ -131,9 +133,7 @@ MAX_BODY_BYTES = 10 * 1024 * 1024  # bytes; a chat request is a few kilobytes
 MAX_RECORDS = 10_000  # requests kept; older ones are forgotten first
 JOB_LABEL_CHARS = 200  # characters of a job hint or user message recorded
 CONTENT_PREVIEW_CHARS = 80  # characters of the user message echoed in an answer
-START_TIMEOUT = 10.0  # seconds to wait for the server thread to listen
 CALL_TIMEOUT = 10.0  # seconds to wait for the server thread to apply a change
-STOP_JOIN_TIMEOUT = 10.0  # seconds to wait for the server thread when stopping
 GRACEFUL_SHUTDOWN_SECONDS = 5  # then uvicorn cancels what is still running
 CLOSE_NOTICE_TIMEOUT = 5.0  # seconds to wait for a connection we closed to be gone
 TICK_SECONDS = 0.1  # uvicorn's housekeeping tick (its date header)
@@ -611,7 +611,7 @@ class _Exchange:
     status_sent: int | None = None
 
 
-class GatewaySimulator:
+class GatewaySimulator(ThreadedListener):
     """A local stand-in for the LLM gateway, for development and tests only.
 
     `latency` is seconds per answer: a number, or a (minimum, maximum) range
@@ -619,6 +619,8 @@ class GatewaySimulator:
     Start with `start()` or a `with` block; `stop()` ends the one thread it
     started.
     """
+
+    what = "gateway simulator"
 
     def __init__(
         self,
@@ -635,10 +637,8 @@ class GatewaySimulator:
             raise ValueError("workers: expected at least 1")
         if not path.startswith("/") or path.startswith("/_sim/") or "{" in path:
             raise ValueError("path: expected an absolute path outside /_sim/")
+        super().__init__(host, port)
         self._latency = _latency_range(latency)
-        self._host = host
-        self._port = port
-        self._family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._workers = workers
         self._path = path
         self._token = token
@@ -658,25 +658,9 @@ class GatewaySimulator:
         self._connections: dict[tuple[str, int], _Connection] = {}
         self._app = self._build_app()
         self._server: _Server | None = None
-        self._thread: threading.Thread | None = None
-        self._ready = threading.Event()
-        self._failure: BaseException | None = None
         self._state: _LoopState | None = None
-        self._started = False
 
     # --- lifecycle ---------------------------------------------------------
-
-    @property
-    def url(self) -> str:
-        """Base URL to give a client as `AI_GATEWAY_URL`."""
-        if not self._started:
-            raise RuntimeError("the gateway simulator is not started")
-        host = f"[{self._host}]" if self._family == socket.AF_INET6 else self._host
-        return f"http://{host}:{self._port}"
-
-    @property
-    def port(self) -> int:
-        return self._port
 
     @property
     def workers(self) -> int:
@@ -684,10 +668,22 @@ class GatewaySimulator:
 
     def start(self) -> Self:
         """Listen, serving from a background thread; OSError if the port is taken."""
-        if self._started:
-            raise RuntimeError("the gateway simulator was already started")
-        sock = self._bind()
-        self._port = int(sock.getsockname()[1])
+        super().start()
+        if not _is_loopback(self._host):
+            logger.warning(
+                "gateway simulator bound to %s: anyone who can reach it can inject faults",
+                self._host,
+            )
+        logger.info(
+            "gateway simulator (a development tool, not a gateway) listening on %s "
+            "with %d workers, latency %s-%s s",
+            self.url,
+            self._workers,
+            *self._latency,
+        )
+        return self
+
+    async def _serve(self, sock: socket.socket) -> None:
         config = _Config(
             self._app,
             self._connections,
@@ -704,82 +700,7 @@ class GatewaySimulator:
             backlog=LISTEN_BACKLOG,
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
         )
-        self._server = _Server(config, on_started=self._ready.set)
-        self._started = True
-        self._thread = threading.Thread(
-            target=self._run, args=(self._server, sock), name=f"gateway-simulator-{self._port}"
-        )
-        self._thread.start()
-        if not self._ready.wait(START_TIMEOUT) or self._failure is not None:
-            self.stop()
-            raise RuntimeError("the gateway simulator did not start") from self._failure
-        if not _is_loopback(self._host):
-            logger.warning(
-                "gateway simulator bound to %s: anyone who can reach it can inject faults",
-                self._host,
-            )
-        logger.info(
-            "gateway simulator (a development tool, not a gateway) listening on %s "
-            "with %d workers, latency %s-%s s",
-            self.url,
-            self._workers,
-            *self._latency,
-        )
-        return self
-
-    def stop(self) -> None:
-        """Close held and waiting requests without an answer, stop listening,
-        and join the server thread."""
-        thread, state = self._thread, self._state
-        if thread is None:
-            return
-        if state is not None:
-            with contextlib.suppress(RuntimeError):  # the loop already ended
-                state.loop.call_soon_threadsafe(self._begin_stop)
-        thread.join(STOP_JOIN_TIMEOUT)
-        if thread.is_alive():
-            raise RuntimeError("the gateway simulator's thread did not stop")
-        self._thread = None
-
-    def __enter__(self) -> Self:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        self.stop()
-
-    def _bind(self) -> socket.socket:
-        sock = socket.socket(self._family, socket.SOCK_STREAM)
-        try:
-            # Take the port back at once after a refusal; two listeners on
-            # one port are still refused.
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((self._host, self._port))
-        except OSError:
-            sock.close()
-            raise
-        return sock
-
-    def _run(self, server: _Server, sock: socket.socket) -> None:
-        loop = asyncio.new_event_loop()
-        try:
-            loop.run_until_complete(self._serve(server, sock))
-        except BaseException as exc:  # handed to start(), or logged
-            self._failure = exc
-            logger.exception("gateway simulator: the server failed")
-        finally:
-            self._ready.set()
-            with self._lock:
-                self._listening = False
-                self._changed.notify_all()
-            _close_loop(loop)
-            sock.close()
-
-    async def _serve(self, server: _Server, sock: socket.socket) -> None:
+        self._server = _Server(config, on_started=self._mark_ready)
         self._state = _LoopState(
             loop=asyncio.get_running_loop(),
             stopping=asyncio.Event(),
@@ -788,11 +709,17 @@ class GatewaySimulator:
         )
         with self._lock:
             self._listening = True
-        await server.serve(sockets=[sock])
+        await self._server.serve(sockets=[sock])
 
-    def _begin_stop(self) -> None:
+    def _served(self) -> None:
+        with self._lock:
+            self._listening = False
+            self._changed.notify_all()
+
+    def _request_stop(self) -> None:
         state, server = self._state, self._server
-        assert state is not None and server is not None
+        if state is None or server is None:
+            return
         state.stopping.set()
         if state.refusal_timer is not None:
             state.refusal_timer.cancel()
@@ -1520,20 +1447,6 @@ class GatewaySimulator:
         record = self._records.get(record_id)
         if record is not None:
             self._records[record_id] = dataclasses.replace(record, **changes)
-
-
-def _close_loop(loop: asyncio.AbstractEventLoop) -> None:
-    """Cancel what still runs on a loop whose main coroutine ended, and close it."""
-    pending = asyncio.all_tasks(loop)
-    for task in pending:
-        task.cancel()
-
-    async def settle() -> None:
-        await asyncio.gather(*pending, return_exceptions=True)
-        await loop.shutdown_asyncgens()
-
-    loop.run_until_complete(settle())
-    loop.close()
 
 
 class _CompletionEndpoint:
