@@ -40,7 +40,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -158,20 +158,6 @@ class ConsumerProcess:
         return f"{self.out.read_text()[-3000:]}\n{self.err.read_text()[-5000:]}"
 
 
-@pytest.fixture
-def consumers() -> Iterator[Callable[..., ConsumerProcess]]:
-    started: list[ConsumerProcess] = []
-
-    def start(env: dict[str, str], directory: Path, log_level: str = "INFO") -> ConsumerProcess:
-        consumer = ConsumerProcess(env, directory, log_level)
-        started.append(consumer)
-        return consumer
-
-    yield start
-    for consumer in started:
-        consumer.stop()
-
-
 # --- the gateway side ----------------------------------------------------------------------------
 
 
@@ -254,21 +240,60 @@ class Queue:
         return {subject: self.job(subject) for subject in self.subjects}
 
 
-@pytest.fixture
-def queue_factory() -> Iterator[Callable[[dict[str, str], list[str]], Queue]]:
-    opened: list[JobStore] = []
+class Scenario:
+    """What one scenario starts on the store's side: its queue, and consumers over it.
 
-    def make(env: dict[str, str], subjects: list[str]) -> Queue:
+    Each scenario queues jobs for USER in a store of its own, with the
+    settings of `env_for`, and runs consumer processes against it; the
+    fixture closes the stores and stops the consumers, by PID, at the end.
+    """
+
+    def __init__(self, directory: Path, database_url: str) -> None:
+        self.directory = directory
+        self.database_url = database_url
+        self.started: list[ConsumerProcess] = []
+        self.opened: list[JobStore] = []
+
+    def queue(
+        self,
+        gateway_url: str,
+        subjects: list[str],
+        *,
+        database_url: str | None = None,
+        **more: Any,
+    ) -> tuple[dict[str, str], Queue]:
+        """The environment of this scenario's processes, and its queue of `subjects`."""
+        url = database_url or self.database_url
+        env = env_for(url, gateway_url, self.directory / "data", **more)
         settings = Settings.from_env(env)
         store = JobStore(settings.database_url, settings=settings)
-        opened.append(store)
+        self.opened.append(store)
         for subject in subjects:  # in this order: the oldest is claimed first
             store.enqueue(USER, "ok", subject)
-        return Queue(store, subjects)
+        return env, Queue(store, subjects)
 
-    yield make
-    for store in opened:
-        store.close()
+    def consumer(
+        self, env: dict[str, str], name: str = "consumer", log_level: str = "INFO"
+    ) -> ConsumerProcess:
+        consumer = ConsumerProcess(env, self.directory / name, log_level)
+        self.started.append(consumer)
+        return consumer
+
+    def close(self) -> None:
+        for consumer in self.started:
+            consumer.stop()
+        for store in self.opened:
+            store.close()
+
+
+@pytest.fixture
+def scenario(tmp_path: Path, sqlite_url: str) -> Iterator[Scenario]:
+    """A scenario on SQLite, unless its queue is asked for on another database."""
+    made = Scenario(tmp_path, sqlite_url)
+    try:
+        yield made
+    finally:
+        made.close()
 
 
 def answered(records: Sequence[RequestRecord], job: str) -> list[RequestRecord]:
@@ -297,23 +322,22 @@ RETRY_FORMS = [
 
 
 def run_rate_limit(
-    database_url: str,
-    headers: dict[str, str],
-    pause: float,
-    tmp_path: Path,
+    scenario: Scenario,
     sim: GatewaySimulator,
     recorder: GatewayRecorder,
-    consumers: Callable[..., ConsumerProcess],
-    queue_factory: Callable[[dict[str, str], list[str]], Queue],
+    headers: dict[str, str],
+    pause: float,
+    database_url: str | None = None,
 ) -> None:
-    env = env_for(database_url, recorder.url, tmp_path / "data")
-    queue = queue_factory(env, ["limited", "b", "c", "d", "e"])
+    env, queue = scenario.queue(
+        recorder.url, ["limited", "b", "c", "d", "e"], database_url=database_url
+    )
     if headers.get("Retry-After") == FAR_DATE:
         headers = {"Retry-After": email.utils.formatdate(time.time() + 3600, usegmt=True)}
     sim.set_fault("status", status=429, headers=headers, job="ok:limited", requests=1)
 
     # Two consumer processes share the deployment: the pause must hold for both.
-    started = [consumers(env, tmp_path / f"consumer-{n}") for n in (1, 2)]
+    started = [scenario.consumer(env, f"consumer-{n}") for n in (1, 2)]
     runs = [consumer.finish() for consumer in started]
 
     reports = [report for run in runs for report in run.summary["reports"]]
@@ -340,7 +364,7 @@ def run_rate_limit(
     assert pause - GAP_SLACK <= waited < pause + LATE, waited
     peak, gap = guarded(recorder)
     figures(
-        f"rate-limit {headers or 'none'} ({database_url.split(':')[0]})",
+        f"rate-limit {headers or 'none'} ({env['AI_JOB_DATABASE_URL'].split(':')[0]})",
         pause_chosen=limited[0]["pause_seconds"],
         next_call_after_s=round(waited, 3),
         attempts=[j.attempts for j in queue.jobs().values()],
@@ -359,14 +383,11 @@ def run_rate_limit(
 def test_a_rate_limit_pauses_everyone_for_the_time_asked_and_spends_nothing(
     headers: dict[str, str],
     pause: float,
-    sqlite_url: str,
-    tmp_path: Path,
     sim: GatewaySimulator,
     recorder: GatewayRecorder,
-    consumers: Callable[..., ConsumerProcess],
-    queue_factory: Callable[[dict[str, str], list[str]], Queue],
+    scenario: Scenario,
 ) -> None:
-    run_rate_limit(sqlite_url, headers, pause, tmp_path, sim, recorder, consumers, queue_factory)
+    run_rate_limit(scenario, sim, recorder, headers, pause)
 
 
 @pytest.fixture
@@ -380,37 +401,30 @@ def postgres_url(postgres: PostgresDatabases) -> Iterator[str]:
 
 def test_a_rate_limit_on_postgresql_too(
     postgres_url: str,
-    tmp_path: Path,
     sim: GatewaySimulator,
     recorder: GatewayRecorder,
-    consumers: Callable[..., ConsumerProcess],
-    queue_factory: Callable[[dict[str, str], list[str]], Queue],
+    scenario: Scenario,
 ) -> None:
-    run_rate_limit(
-        postgres_url, {"Retry-After": "1"}, 1.0, tmp_path, sim, recorder, consumers, queue_factory
-    )
+    run_rate_limit(scenario, sim, recorder, {"Retry-After": "1"}, 1.0, postgres_url)
 
 
 # --- G2: one job the gateway keeps failing, while it answers the others --------------------------
 
 
 def run_poisoned(
-    database_url: str,
+    scenario: Scenario,
+    sim: GatewaySimulator,
+    recorder: GatewayRecorder,
     fault: dict[str, Any],
     words: str,
     outcome: str,
-    tmp_path: Path,
-    sim: GatewaySimulator,
-    recorder: GatewayRecorder,
-    consumers: Callable[..., ConsumerProcess],
-    queue_factory: Callable[[dict[str, str], list[str]], Queue],
+    database_url: str | None = None,
 ) -> None:
-    env = env_for(database_url, recorder.url, tmp_path / "data")
     others = [f"after-{n}" for n in range(6)]
-    queue = queue_factory(env, ["poisoned", *others])
+    env, queue = scenario.queue(recorder.url, ["poisoned", *others], database_url=database_url)
     sim.set_fault(job="ok:poisoned", **fault)  # every call of that job, and no other
 
-    run = consumers(env, tmp_path / "consumer").finish()
+    run = scenario.consumer(env).finish()
 
     records = sim.stats().requests
     poisoned = queue.job("poisoned")
@@ -434,7 +448,8 @@ def run_poisoned(
         assert [r.outcome for r in answered(records, f"ok:{subject}")] == [OK], subject
     peak, quiet = guarded(recorder)
     figures(
-        f"poisoned job {fault['kind']} {fault.get('status', '')} ({database_url.split(':')[0]})",
+        f"poisoned job {fault['kind']} {fault.get('status', '')} "
+        f"({env['AI_JOB_DATABASE_URL'].split(':')[0]})",
         calls_to_it=len(calls),
         spent=[r["attempt_spent"] for r in reports],
         pauses=[r["pause_seconds"] for r in reports],
@@ -447,43 +462,33 @@ def run_poisoned(
 
 def test_a_504_for_one_job_fails_that_job_and_the_queue_behind_drains(
     database_url: str,
-    tmp_path: Path,
     sim: GatewaySimulator,
     recorder: GatewayRecorder,
-    consumers: Callable[..., ConsumerProcess],
-    queue_factory: Callable[[dict[str, str], list[str]], Queue],
+    scenario: Scenario,
 ) -> None:
     run_poisoned(
-        database_url,
+        scenario,
+        sim,
+        recorder,
         {"kind": "status", "status": 504},
         "gateway unavailable (HTTP 504)",
         INJECTED_STATUS,
-        tmp_path,
-        sim,
-        recorder,
-        consumers,
-        queue_factory,
+        database_url,
     )
 
 
 def test_a_connection_cut_mid_body_for_one_job_fails_that_job_and_the_queue_drains(
-    sqlite_url: str,
-    tmp_path: Path,
     sim: GatewaySimulator,
     recorder: GatewayRecorder,
-    consumers: Callable[..., ConsumerProcess],
-    queue_factory: Callable[[dict[str, str], list[str]], Queue],
+    scenario: Scenario,
 ) -> None:
     run_poisoned(
-        sqlite_url,
+        scenario,
+        sim,
+        recorder,
         {"kind": "close_mid_body"},
         "connection closed mid-answer (HTTP 200, ",
         CLOSED_MID_BODY,
-        tmp_path,
-        sim,
-        recorder,
-        consumers,
-        queue_factory,
     )
 
 
@@ -491,19 +496,15 @@ def test_a_connection_cut_mid_body_for_one_job_fails_that_job_and_the_queue_drai
 
 
 def test_a_trickle_ends_as_a_gateway_timeout_naming_the_bytes_received(
-    sqlite_url: str,
-    tmp_path: Path,
     sim: GatewaySimulator,
     recorder: GatewayRecorder,
-    consumers: Callable[..., ConsumerProcess],
-    queue_factory: Callable[[dict[str, str], list[str]], Queue],
+    scenario: Scenario,
 ) -> None:
-    env = env_for(sqlite_url, recorder.url, tmp_path / "data")
-    queue = queue_factory(env, ["trickled", "b", "c"])
+    env, queue = scenario.queue(recorder.url, ["trickled", "b", "c"])
     # A byte every 0.2 s: each read is short, the whole answer would take a minute.
     sim.set_fault("trickle", interval=0.2, job="ok:trickled")
 
-    run = consumers(env, tmp_path / "consumer").finish()
+    run = scenario.consumer(env).finish()
 
     job = queue.job("trickled")
     assert (job.status, job.attempts) == (Status.FAILED, MAX_ATTEMPTS)
@@ -542,18 +543,14 @@ def test_a_trickle_ends_as_a_gateway_timeout_naming_the_bytes_received(
 @pytest.mark.parametrize("kind", ["huge", "huge_raw"])
 def test_a_50_mb_answer_is_cut_off_and_the_consumer_stays_small(
     kind: str,
-    sqlite_url: str,
-    tmp_path: Path,
     sim: GatewaySimulator,
     recorder: GatewayRecorder,
-    consumers: Callable[..., ConsumerProcess],
-    queue_factory: Callable[[dict[str, str], list[str]], Queue],
+    scenario: Scenario,
 ) -> None:
-    env = env_for(sqlite_url, recorder.url, tmp_path / "data")
-    queue = queue_factory(env, ["huge", "b", "c"])
+    env, queue = scenario.queue(recorder.url, ["huge", "b", "c"])
     sim.set_fault(kind, size=HUGE_BYTES, job="ok:huge")  # type: ignore[arg-type]
 
-    run = consumers(env, tmp_path / "consumer").finish()
+    run = scenario.consumer(env).finish()
 
     job = queue.job("huge")
     assert (job.status, job.attempts) == (Status.FAILED, MAX_ATTEMPTS)
@@ -600,26 +597,21 @@ REFUSALS: dict[str, tuple[dict[str, Any], str, str]] = {
 @pytest.mark.parametrize("case", list(REFUSALS))
 def test_a_refusal_spends_no_attempt_and_stops_claiming_with_one_operator_facing_error(
     case: str,
-    sqlite_url: str,
-    tmp_path: Path,
     sim: GatewaySimulator,
     recorder: GatewayRecorder,
-    consumers: Callable[..., ConsumerProcess],
-    queue_factory: Callable[[dict[str, str], list[str]], Queue],
+    scenario: Scenario,
 ) -> None:
     fault, words, outcome = REFUSALS[case]
     # A long backoff, so the stop is still in force while the commands look.
-    env = env_for(
-        sqlite_url,
+    env, queue = scenario.queue(
         recorder.url,
-        tmp_path / "data",
+        ["first", "second", "third"],
         AI_JOB_BACKOFF_SECONDS=60,
         AI_JOB_BACKOFF_MAX_SECONDS=120,
     )
-    queue = queue_factory(env, ["first", "second", "third"])
     sim.set_fault(**fault)  # every call
 
-    consumer = consumers(env, tmp_path / "consumer", log_level="DEBUG")
+    consumer = scenario.consumer(env, log_level="DEBUG")
     wait_for(lambda: queue.store.gate_state().paused, 60, "claiming to stop")
     gate = queue.store.gate_state()
     shown = {
@@ -657,7 +649,9 @@ def test_a_refusal_spends_no_attempt_and_stops_claiming_with_one_operator_facing
         assert "claiming: PAUSED (refused)" in shown[table], shown[table]
         assert words in shown[table]
     assert words in run.stderr  # and in the consumer's log
-    everything = "\n".join([*shown.values(), run.stdout, run.stderr, dump_store(sqlite_url)])
+    everything = "\n".join(
+        [*shown.values(), run.stdout, run.stderr, dump_store(scenario.database_url)]
+    )
     assert exposures(everything, TOKEN) == []
     if case.startswith("401"):
         assert "[redacted]" in reason  # the echoed token was there, and went
@@ -673,21 +667,17 @@ def test_a_refusal_spends_no_attempt_and_stops_claiming_with_one_operator_facing
 
 
 def test_a_token_echoed_in_every_form_appears_nowhere(
-    sqlite_url: str,
-    tmp_path: Path,
     sim: GatewaySimulator,
     recorder: GatewayRecorder,
-    consumers: Callable[..., ConsumerProcess],
-    queue_factory: Callable[[dict[str, str], list[str]], Queue],
+    scenario: Scenario,
 ) -> None:
     marker = f"marker-{secrets.token_hex(6)}"
-    env = env_for(sqlite_url, recorder.url, tmp_path / "data")
-    queue = queue_factory(env, [f"echo-{marker}", f"fine-{marker}"])
+    env, queue = scenario.queue(recorder.url, [f"echo-{marker}", f"fine-{marker}"])
     # A 500 quoting the token plain, JSON-escaped, \u-escaped, URL-encoded and
     # in base64 (alone and as user:token), and in a response header.
     sim.set_fault("echo_token", status=500, job=f"ok:echo-{marker}")
 
-    run = consumers(env, tmp_path / "consumer", log_level="DEBUG").finish()
+    run = scenario.consumer(env, log_level="DEBUG").finish()
 
     echoed = queue.job(f"echo-{marker}")
     assert (echoed.status, echoed.attempts) == (Status.FAILED, MAX_ATTEMPTS)
@@ -698,7 +688,7 @@ def test_a_token_echoed_in_every_form_appears_nowhere(
     ] * MAX_ATTEMPTS
     shown = {
         "consumer output": run.stdout + run.stderr,
-        "store": dump_store(sqlite_url),
+        "store": dump_store(scenario.database_url),
         "settings": run_cli("settings", env=env).stdout,
         "settings --json": run_cli("settings", "--json", env=env).stdout,
         "jobs": run_cli("jobs", "--user", USER, env=env).stdout,
@@ -735,19 +725,15 @@ def dump_store(url: str) -> str:
 
 
 def test_an_outage_spends_no_attempt_and_backs_off_doubling_to_the_cap(
-    sqlite_url: str,
-    tmp_path: Path,
     sim: GatewaySimulator,
     recorder: GatewayRecorder,
-    consumers: Callable[..., ConsumerProcess],
-    queue_factory: Callable[[dict[str, str], list[str]], Queue],
+    scenario: Scenario,
 ) -> None:
     refused_calls, unavailable_calls = 4, 2
-    env = env_for(sqlite_url, recorder.url, tmp_path / "data")
-    queue = queue_factory(env, ["a", "b", "c", "d"])
+    env, queue = scenario.queue(recorder.url, ["a", "b", "c", "d"])
     sim.set_fault("refuse")  # nothing listens behind the recorder
 
-    consumer = consumers(env, tmp_path / "consumer")
+    consumer = scenario.consumer(env)
 
     def refused() -> int:
         return sum(i.closed_by == UPSTREAM_REFUSED for i in recorder.intervals())
@@ -819,16 +805,12 @@ def fakellm(tmp_path: Path) -> Iterator[FakeLLM]:
 
 
 def test_against_a_third_party_server_the_happy_path(
-    sqlite_url: str,
-    tmp_path: Path,
     fakellm: FakeLLM,
-    consumers: Callable[..., ConsumerProcess],
-    queue_factory: Callable[[dict[str, str], list[str]], Queue],
+    scenario: Scenario,
 ) -> None:
     with GatewayRecorder(fakellm.host, fakellm.port) as recorder:
-        env = env_for(sqlite_url, recorder.url, tmp_path / "data")
-        queue = queue_factory(env, ["a", "b", "c", "d"])
-        run = consumers(env, tmp_path / "consumer").finish()
+        env, queue = scenario.queue(recorder.url, ["a", "b", "c", "d"])
+        run = scenario.consumer(env).finish()
         for subject, job in queue.jobs().items():
             assert (job.status, job.attempts) == (Status.DONE, 1), subject
             result = queue.store.result_of(USER, "ok", subject)
@@ -846,16 +828,12 @@ def test_against_a_third_party_server_the_happy_path(
 
 
 def test_against_a_third_party_server_a_429_and_a_500_for_one_job_each(
-    sqlite_url: str,
-    tmp_path: Path,
     fakellm: FakeLLM,
-    consumers: Callable[..., ConsumerProcess],
-    queue_factory: Callable[[dict[str, str], list[str]], Queue],
+    scenario: Scenario,
 ) -> None:
     with GatewayRecorder(fakellm.host, fakellm.port) as recorder:
-        env = env_for(sqlite_url, recorder.url, tmp_path / "data")
-        queue = queue_factory(env, ["a", "limited", "b", "broken", "c"])
-        run = consumers(env, tmp_path / "consumer").finish()
+        env, queue = scenario.queue(recorder.url, ["a", "limited", "b", "broken", "c"])
+        run = scenario.consumer(env).finish()
 
         limited = run.reports("ok:limited")
         assert [r["outcome"] for r in limited] == ["released", "released", "done"]
