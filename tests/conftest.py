@@ -19,8 +19,13 @@ from typing import Any
 
 import pytest
 
-from queue_store import JobStore, Settings, migrate
-from tests.support.databases import POSTGRES_URL, FakeClock, PostgresDatabases
+from queue_store import JobStore, Settings
+from tests.support.databases import (
+    POSTGRES_URL,
+    FakeClock,
+    PostgresDatabases,
+    migrated_database,
+)
 from tests.support.services import PrefectServer
 
 TIERS = ("unit", "integration", "acceptance")
@@ -90,17 +95,8 @@ def empty_database_url(
 @pytest.fixture
 def database_url(backend: str, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[str]:
     """A database at the current schema, on the backend under test."""
-    if backend == "sqlite":
-        url = f"sqlite:///{tmp_path / 'queue.db'}"
-        migrate.upgrade(url)
+    with migrated_database(backend, tmp_path / "queue.db", request) as url:
         yield url
-        return
-    databases: PostgresDatabases = request.getfixturevalue("postgres")
-    url = databases.migrated()
-    try:
-        yield url
-    finally:
-        databases.drop(url)
 
 
 @pytest.fixture

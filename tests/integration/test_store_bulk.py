@@ -23,12 +23,11 @@ from queue_store import (
     Status,
     bulk,
     job_id,
-    migrate,
 )
 from queue_store import store as store_module
 from queue_store.store import BULK_CHUNK, RECENT_FAILURES
 from tests.conftest import StoreFactory
-from tests.support.databases import FakeClock, PostgresDatabases
+from tests.support.databases import FakeClock, migrated_database
 
 U, V, W = "user-u", "user-v", "user-w"
 SETTINGS: dict[str, Any] = {
@@ -99,17 +98,8 @@ def _waiting_order(store: JobStore) -> list[str]:
 @pytest.fixture
 def twin_url(backend: str, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[str]:
     """A second database at the current schema, on the backend under test."""
-    if backend == "sqlite":
-        url = f"sqlite:///{tmp_path / 'twin.db'}"
-        migrate.upgrade(url)
+    with migrated_database(backend, tmp_path / "twin.db", request) as url:
         yield url
-        return
-    databases: PostgresDatabases = request.getfixturevalue("postgres")
-    url = databases.migrated()
-    try:
-        yield url
-    finally:
-        databases.drop(url)
 
 
 # -- enqueue_many is a sequence of enqueue calls ------------------------------------

@@ -8,11 +8,15 @@ empty for the migration tests. Databases are dropped at the end.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import os
 import threading
 import uuid
+from collections.abc import Iterator
+from pathlib import Path
 
+import pytest
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 
@@ -95,3 +99,23 @@ class PostgresDatabases:
             with self._admin.connect() as connection:
                 connection.execute(text(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
         self._admin.dispose()
+
+
+@contextlib.contextmanager
+def migrated_database(backend: str, path: Path, request: pytest.FixtureRequest) -> Iterator[str]:
+    """A database at the current schema on `backend`, for one test.
+
+    SQLite: a file at `path`. PostgreSQL: a database cloned from the template
+    by the `postgres` fixture (asked for only then), dropped at the end.
+    """
+    if backend == "sqlite":
+        url = f"sqlite:///{path}"
+        migrate.upgrade(url)
+        yield url
+        return
+    databases: PostgresDatabases = request.getfixturevalue("postgres")
+    url = databases.migrated()
+    try:
+        yield url
+    finally:
+        databases.drop(url)
