@@ -24,7 +24,7 @@ from tests.support.databases import (
     POSTGRES_URL,
     FakeClock,
     PostgresDatabases,
-    migrated_database,
+    per_test_database,
 )
 from tests.support.services import PrefectServer
 
@@ -81,21 +81,14 @@ def empty_database_url(
     backend: str, tmp_path: Path, request: pytest.FixtureRequest
 ) -> Iterator[str]:
     """A database with nothing in it, on the backend under test."""
-    if backend == "sqlite":
-        yield f"sqlite:///{tmp_path / 'queue.db'}"
-        return
-    databases: PostgresDatabases = request.getfixturevalue("postgres")
-    url = databases.empty()
-    try:
+    with per_test_database(backend, tmp_path / "queue.db", request, migrated=False) as url:
         yield url
-    finally:
-        databases.drop(url)
 
 
 @pytest.fixture
 def database_url(backend: str, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[str]:
     """A database at the current schema, on the backend under test."""
-    with migrated_database(backend, tmp_path / "queue.db", request) as url:
+    with per_test_database(backend, tmp_path / "queue.db", request) as url:
         yield url
 
 

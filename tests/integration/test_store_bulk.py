@@ -27,7 +27,7 @@ from queue_store import (
 from queue_store import store as store_module
 from queue_store.store import BULK_CHUNK, RECENT_FAILURES
 from tests.conftest import StoreFactory
-from tests.support.databases import FakeClock, migrated_database
+from tests.support.databases import FakeClock, per_test_database
 
 U, V, W = "user-u", "user-v", "user-w"
 SETTINGS: dict[str, Any] = {
@@ -98,7 +98,7 @@ def _waiting_order(store: JobStore) -> list[str]:
 @pytest.fixture
 def twin_url(backend: str, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[str]:
     """A second database at the current schema, on the backend under test."""
-    with migrated_database(backend, tmp_path / "twin.db", request) as url:
+    with per_test_database(backend, tmp_path / "twin.db", request) as url:
         yield url
 
 

@@ -102,19 +102,23 @@ class PostgresDatabases:
 
 
 @contextlib.contextmanager
-def migrated_database(backend: str, path: Path, request: pytest.FixtureRequest) -> Iterator[str]:
-    """A database at the current schema on `backend`, for one test.
+def per_test_database(
+    backend: str, path: Path, request: pytest.FixtureRequest, *, migrated: bool = True
+) -> Iterator[str]:
+    """A database of one test on `backend`: at the current schema, or with nothing in it.
 
-    SQLite: a file at `path`. PostgreSQL: a database cloned from the template
-    by the `postgres` fixture (asked for only then), dropped at the end.
+    SQLite: a file at `path`. PostgreSQL: a database made by the `postgres`
+    fixture (asked for only then; cloned from the template when migrated),
+    dropped at the end.
     """
     if backend == "sqlite":
         url = f"sqlite:///{path}"
-        migrate.upgrade(url)
+        if migrated:
+            migrate.upgrade(url)
         yield url
         return
     databases: PostgresDatabases = request.getfixturevalue("postgres")
-    url = databases.migrated()
+    url = databases.migrated() if migrated else databases.empty()
     try:
         yield url
     finally:
