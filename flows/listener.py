@@ -139,11 +139,11 @@ class ThreadedListener:
         finally:
             self._ready.set()
             self._served()
-            close_loop(loop)
+            _close_loop(loop)
             sock.close()
 
 
-def close_loop(loop: asyncio.AbstractEventLoop) -> None:
+def _close_loop(loop: asyncio.AbstractEventLoop) -> None:
     """Cancel what still runs on a loop whose main coroutine ended, and close it."""
     pending = asyncio.all_tasks(loop)
     for task in pending:

@@ -590,7 +590,6 @@ class _Server(uvicorn.Server):
 class _LoopState:
     """What lives on the server's event loop; touched only from it."""
 
-    loop: asyncio.AbstractEventLoop
     stopping: asyncio.Event
     release: asyncio.Event  # set, and replaced, at every fault change
     backlog: collections.deque[tuple[asyncio.Future[None], int]]
@@ -702,7 +701,6 @@ class GatewaySimulator(ThreadedListener):
         )
         self._server = _Server(config, on_started=self._mark_ready)
         self._state = _LoopState(
-            loop=asyncio.get_running_loop(),
             stopping=asyncio.Event(),
             release=asyncio.Event(),
             backlog=collections.deque(),
@@ -727,15 +725,15 @@ class GatewaySimulator(ThreadedListener):
 
     def _call_in_loop(self, make: Callable[[], Awaitable[_T]]) -> _T:
         """Run a coroutine on the server's loop from another thread and wait for it."""
-        state = self._state
-        assert state is not None
+        loop = self._loop
+        assert loop is not None and self._state is not None
         if threading.current_thread() is self._thread:
             raise RuntimeError("call the simulator's control methods from another thread")
 
         async def call() -> _T:
             return await make()
 
-        return asyncio.run_coroutine_threadsafe(call(), state.loop).result(CALL_TIMEOUT)
+        return asyncio.run_coroutine_threadsafe(call(), loop).result(CALL_TIMEOUT)
 
     def _running(self) -> bool:
         return self._thread is not None and self._state is not None and self._ready.is_set()
@@ -862,7 +860,7 @@ class GatewaySimulator(ThreadedListener):
         if fault is not None and fault.kind == "refuse":
             self._stop_listening()
             if fault.until is not None:
-                state.refusal_timer = state.loop.call_later(
+                state.refusal_timer = asyncio.get_running_loop().call_later(
                     max(0.0, fault.until - time.monotonic()), self._refusal_over, fault
                 )
         else:
@@ -923,7 +921,7 @@ class GatewaySimulator(ThreadedListener):
                     )
                     return
                 await asyncio.sleep(RELISTEN_BIND_PAUSE)
-        listener = await state.loop.create_server(
+        listener = await asyncio.get_running_loop().create_server(
             server.protocol_factory, sock=sock, backlog=LISTEN_BACKLOG
         )
         server.servers.append(listener)  # closed by uvicorn's shutdown
@@ -940,7 +938,7 @@ class GatewaySimulator(ThreadedListener):
             if self._fault is fault:
                 self._fault = None
             self._changed.notify_all()
-        task = state.loop.create_task(self._listen_again())
+        task = asyncio.get_running_loop().create_task(self._listen_again())
         state.background.add(task)
         task.add_done_callback(state.background.discard)
 
@@ -1342,7 +1340,7 @@ class GatewaySimulator(ThreadedListener):
                 self._changed.notify_all()
                 exchange.holds_worker = True
                 return True
-            slot: asyncio.Future[None] = state.loop.create_future()
+            slot: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             state.backlog.append((slot, exchange.record_id))
             self._waiting += 1
             self._changed.notify_all()

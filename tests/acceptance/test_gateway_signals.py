@@ -280,10 +280,12 @@ class Scenario:
         return consumer
 
     def close(self) -> None:
-        for consumer in self.started:
-            consumer.stop()
-        for store in self.opened:
-            store.close()
+        try:
+            for consumer in self.started:
+                consumer.stop()
+        finally:
+            for store in self.opened:
+                store.close()
 
 
 @pytest.fixture
