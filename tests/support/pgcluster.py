@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 from deployments.processes import free_port
@@ -20,13 +21,17 @@ from deployments.processes import free_port
 BIN_CANDIDATES = sorted(Path("/usr/lib/postgresql").glob("*/bin"), reverse=True)
 
 
-def _binary(name: str) -> str:
-    for directory in BIN_CANDIDATES:
+# Where runuser lives on Debian; a user's PATH often leaves out the sbin directories.
+SBIN_CANDIDATES = (Path("/usr/sbin"), Path("/sbin"))
+
+
+def _binary(name: str, candidates: Sequence[Path] = BIN_CANDIDATES, package: str = "") -> str:
+    for directory in candidates:
         if (directory / name).exists():
             return str(directory / name)
     found = shutil.which(name)
     if found is None:
-        raise RuntimeError(f"{name} not found: install PostgreSQL's server binaries")
+        raise RuntimeError(f"{name} not found: install {package or 'PostgreSQL server binaries'}")
     return found
 
 
@@ -47,7 +52,8 @@ class ThrowawayPostgres:
     def _run(self, *args: str) -> None:
         command = list(args)
         if self._as_postgres:
-            command = ["runuser", "-u", "postgres", "--", *command]
+            runuser = _binary("runuser", SBIN_CANDIDATES, "util-linux")
+            command = [runuser, "-u", "postgres", "--", *command]
         subprocess.run(command, check=True, capture_output=True, timeout=120)
 
     def create(self) -> ThrowawayPostgres:
