@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml requirements.lock
 setup: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/insight-queue demo
+	$(BIN)/python -m devtools.demo $(ARGS)
 
 serve: $(STAMP)
 	$(BIN)/insight-queue serve

@@ -70,10 +70,10 @@ from sqlalchemy import create_engine, text
 
 from deployments import processes
 from deployments.stack import executable
+from devtools.recorder import GatewayRecorder
+from devtools.simulator import GatewaySimulator
 from flows.consumer import Consumer
-from flows.recorder import GatewayRecorder
 from flows.runtime import Runtime
-from flows.simulator import GatewaySimulator
 from queue_store import PREFETCH, JobStore, Settings, job_id, migrate
 from queue_store.engine import normalise_url
 

@@ -35,9 +35,10 @@ from pathlib import Path
 
 from deployments import processes
 from deployments.prefect_api import PrefectApi
-from deployments.stack import PrefectServer, ServeProcess, client_env
-from flows.recorder import GatewayRecorder, RecorderSnapshot
-from flows.simulator import GatewaySimulator
+from deployments.stack import PrefectServer, client_env
+from devtools.recorder import GatewayRecorder, RecorderSnapshot
+from devtools.simulator import GatewaySimulator
+from devtools.stack import ServeProcess
 from queue_store import JobStore, Settings
 
 if not __package__:  # run as a script: the shared helpers are in this folder's package

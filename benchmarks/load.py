@@ -73,10 +73,10 @@ import httpx
 from sqlalchemy import create_engine, select, text
 from sqlalchemy.exc import OperationalError
 
+from devtools.simulator import GatewaySimulator
 from flows import registry
 from flows.gateway import GatewayClient
 from flows.runner import JobRunner
-from flows.simulator import GatewaySimulator
 from queue_store import (
     INTERACTIVE,
     PREFETCH,

@@ -6,7 +6,7 @@ got when starting it:
 
 - a Prefect server (`deployments.stack.PrefectServer`: file-backed
   concurrency leases, no UI) on a free 127.0.0.1 port with its own home;
-- the gateway simulator (`flows.simulator.GatewaySimulator`) in this process,
+- the gateway simulator (`devtools.simulator.GatewaySimulator`) in this process,
   4 workers, 0.3-1.0 s per answer;
 - the store: a SQLite file (default) or, with `--postgres-url`, a database
   of its own (`insight_queue_soak_<hex>`) created on that server and dropped
@@ -113,8 +113,9 @@ if str(ROOT) not in sys.path:
 
 from benchmarks.figures import percentile  # noqa: E402 - after the path is set
 from deployments import processes, table  # noqa: E402
-from deployments.stack import PrefectServer, ServeProcess, client_env  # noqa: E402
-from flows.simulator import GatewaySimulator, RequestRecord  # noqa: E402
+from deployments.stack import PrefectServer, client_env  # noqa: E402
+from devtools.simulator import GatewaySimulator, RequestRecord  # noqa: E402
+from devtools.stack import ServeProcess  # noqa: E402
 from queue_store import JobStore, Settings  # noqa: E402
 
 CONCURRENCY = 1

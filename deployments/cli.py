@@ -1,7 +1,7 @@
 """The `insight-queue` command: the store's verbs, serving, the triggers and tools.
 
 Commands are imported when they run, not when the command starts: the
-store's verbs never pay for Prefect, uvicorn or the simulator, and `--help`
+store's verbs never pay for Prefect or uvicorn, and `--help`
 lists everything from the table below.
 """
 
@@ -27,11 +27,6 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "deployments.cli",
         "serve_command",
         "Run the embedded default: Prefect, the consumer, the deployments.",
-    ),
-    "demo": (
-        "deployments.demo",
-        "demo_command",
-        "Show the whole path on this machine: hook, screen, store, gateway.",
     ),
     "api": (
         "deployments.api",
@@ -63,11 +58,6 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "flows.cli",
         "setup_limit_command",
         "Create or update the `gateway` tag limit.",
-    ),
-    "gateway-sim": (
-        "flows.simulator",
-        "gateway_sim_command",
-        "The gateway simulator (a development tool).",
     ),
     "db": ("queue_store.cli", "db_group", "The store's schema: `db upgrade`, `db status`."),
     "enqueue": ("queue_store.cli", "enqueue_command", "Queue one generation, or promote it."),

@@ -1,14 +1,13 @@
 """The local stack: a Prefect server, `insight-queue serve`, waiting until they are ready.
 
-One helper for everything that runs the stack on this machine: `serve` (the
-embedded Prefect server), the demo, the tests and the benchmarks.
+One helper for everything that runs a Prefect server on this machine: `serve`
+(the embedded default), the demo, the tests and the benchmarks.
 
 `PrefectServer` is a `prefect server start` subprocess with its own home under
 the data directory, bound to 127.0.0.1, its concurrency leases in files (with
 the in-memory default a restart forgets who holds the `gateway` slots but not
-that they are taken). `ServeProcess` is `insight-queue serve` as a subprocess,
-ready once its deployments are registered and its consumer says it is alive.
-Both stop what they started, by PID, on `stop()` or at the end of a `with`.
+that they are taken). It stops what it started, by PID, on `stop()` or at the
+end of a `with`.
 """
 
 from __future__ import annotations
@@ -18,22 +17,18 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Self
 
 import httpx
 
-from deployments import processes, table
-from deployments.prefect_api import PrefectApi, PrefectUnavailable
-from queue_store import JobStore, Settings, StoreError
+from deployments import processes
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_PORT = 4200
 STARTUP_TIMEOUT_SECONDS = 120.0
-SERVE_READY_SECONDS = 180.0
 FILE_LEASES = "prefect.server.concurrency.lease_storage.filesystem"
 BIN = Path(sys.executable).parent
 
@@ -161,94 +156,6 @@ class PrefectServer:
         process, self.process = self.process, None
         if process is not None:
             processes.stop_group(process, grace_seconds=grace_seconds)
-
-    def __enter__(self) -> Self:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        self.stop()
-
-
-class ServeProcess:
-    """`insight-queue serve` as a subprocess, ready when its deployments and consumer are."""
-
-    def __init__(
-        self,
-        settings: Settings,
-        api_url: str,
-        *,
-        env: Mapping[str, str] | None = None,
-        log: Path | None = None,
-        args: tuple[str, ...] = (),
-    ) -> None:
-        self.settings = settings
-        self.api_url = api_url
-        self.env = dict(env or {})
-        self.log = log or settings.data_dir / "serve.log"
-        self.args = args
-        self.process: subprocess.Popen[bytes] | None = None
-
-    @property
-    def pid(self) -> int | None:
-        return self.process.pid if self.process else None
-
-    def start(self, *, wait: bool = True) -> Self:
-        env = {
-            **os.environ,
-            **self.settings.to_env(),
-            **client_env(self.api_url, self.settings.data_dir / "prefect"),
-            **self.env,
-        }
-        self.process = processes.start(
-            [executable("insight-queue"), "serve", *self.args], env=env, log=self.log
-        )
-        if wait:
-            self.wait_ready()
-        return self
-
-    def alive(self) -> bool:
-        return self.process is not None and self.process.poll() is None
-
-    def wait_ready(self, timeout: float = SERVE_READY_SECONDS) -> None:
-        api = PrefectApi(self.api_url)
-        store = JobStore(self.settings.database_url, settings=self.settings, check_schema=False)
-
-        def ready() -> bool:
-            # This serve's own consumer: after a crash, the dead one's row
-            # (same stable name) still looks alive for a lease.
-            try:
-                for deployment in table.DEPLOYMENTS:
-                    api.deployment_id(deployment.name)
-                return any(
-                    w.alive and w.role == "consumer" and w.pid == self.pid for w in store.workers()
-                )
-            except (PrefectUnavailable, StoreError):
-                return False
-
-        try:
-            processes.wait_for(
-                ready,
-                timeout=timeout,
-                what=f"serve (log: {self.log})",
-                interval=0.3,
-                alive=self.alive,
-            )
-        finally:
-            api.close()
-            store.close()
-
-    def stop(self, grace_seconds: float = 20.0) -> int | None:
-        """Stop serve (SIGTERM to its group, SIGKILL after the grace); returns its exit code."""
-        process, self.process = self.process, None
-        if process is None:
-            return None
-        processes.stop_group(process, grace_seconds)
-        return process.returncode
 
     def __enter__(self) -> Self:
         return self.start()

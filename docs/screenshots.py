@@ -313,10 +313,11 @@ def prefect_ui(out_dir: Path) -> list[Path]:
 
     from deployments import table
     from deployments.prefect_api import PrefectApi
-    from deployments.stack import PrefectServer, ServeProcess
+    from deployments.stack import PrefectServer
+    from devtools.recorder import GatewayRecorder
+    from devtools.simulator import GatewaySimulator
+    from devtools.stack import ServeProcess
     from flows.demo import demo_scopes
-    from flows.recorder import GatewayRecorder
-    from flows.simulator import GatewaySimulator
 
     user = "ada"
     refused = next(s for s in demo_scopes(user) if s.kind == "steps")

@@ -107,7 +107,12 @@ def test_demo_stops_everything_it_started_on_a_signal(tmp_path: Path, sig: signa
     if not processes.port_is_free(DEFAULT_PORT):
         pytest.skip(f"port {DEFAULT_PORT} is busy on this machine")
     log = tmp_path / "demo.log"
-    demo = _start(["demo", "--keep-running"], _isolated_env(tmp_path), log)
+    demo = processes.start(
+        [str(BIN / "python"), "-m", "devtools.demo", "--keep-running"],
+        env=_isolated_env(tmp_path),
+        log=log,
+        cwd=ROOT,
+    )
     try:
         text = _wait_for_line(log, r"gateway call 2:", demo, timeout=240)
         ports = [int(p) for p in re.findall(r"127\.0\.0\.1:(\d+)", text)]

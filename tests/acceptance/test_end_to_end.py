@@ -32,9 +32,9 @@ import pytest
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from deployments.processes import free_port
-from deployments.stack import ServeProcess
+from devtools.simulator import HUNG, OK
+from devtools.stack import ServeProcess
 from flows.demo import demo_scopes
-from flows.simulator import HUNG, OK
 from queue_store import JobStore, Settings
 from tests.support import waiting
 from tests.support.faults import Gateway

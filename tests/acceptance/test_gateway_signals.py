@@ -1,7 +1,7 @@
 """The gateway's signals, read by a real consumer process, measured at the gateway (G1-G5, N2).
 
 Each scenario queues a few jobs in a real store (SQLite; PostgreSQL where it
-costs little), puts the independent recorder (`flows.recorder`, a TCP proxy)
+costs little), puts the independent recorder (`devtools.recorder`, a TCP proxy)
 in front of the gateway simulator or of fakellm (a third-party
 OpenAI-compatible server), and runs `tests.support.worker` in a
 process of its own until the queue is empty (or, for a refusal, until the
@@ -47,8 +47,8 @@ from typing import Any
 import pytest
 from sqlalchemy import create_engine
 
-from flows.recorder import UPSTREAM_REFUSED, ConnectionInterval, GatewayRecorder
-from flows.simulator import (
+from devtools.recorder import UPSTREAM_REFUSED, ConnectionInterval, GatewayRecorder
+from devtools.simulator import (
     CLIENT_GONE,
     CLOSED_MID_BODY,
     ECHOED_TOKEN,

@@ -39,7 +39,7 @@ from typing import Any
 
 import pytest
 
-from flows.simulator import HUNG, OK, GatewaySimulator
+from devtools.simulator import HUNG, OK, GatewaySimulator
 from queue_store import JobStore, Settings, StoreError, migrate
 from tests.support import waiting
 from tests.support.faults import Gateway, Workers

@@ -25,7 +25,7 @@ import pytest
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from deployments.processes import free_port
-from deployments.stack import ServeProcess
+from devtools.stack import ServeProcess
 from flows.limits import ensure_gateway_limit
 from queue_store import JobStore, Settings
 from tests.support import waiting

@@ -19,7 +19,7 @@ import pytest
 
 from deployments import table
 from deployments.prefect_api import PrefectApi
-from deployments.stack import ServeProcess
+from devtools.stack import ServeProcess
 from queue_store import JobStore, Settings, Status
 from tests.support.faults import Gateway
 from tests.support.services import ROOT, PrefectServer

@@ -30,8 +30,8 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 
 from deployments.processes import free_port
+from devtools.simulator import HUNG, OK
 from flows.demo import demo_scopes
-from flows.simulator import HUNG, OK
 from queue_store import JobStore, Settings
 from tests.support import waiting
 from tests.support.databases import POSTGRES_URL, PostgresDatabases

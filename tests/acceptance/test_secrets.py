@@ -40,8 +40,8 @@ import pytest
 from prefect.settings import PREFECT_API_URL, temporary_settings
 from sqlalchemy import create_engine, text
 
+from devtools.simulator import GatewaySimulator
 from flows.gateway import EXCERPT_CHARS, JOB_HEADER
-from flows.simulator import GatewaySimulator
 from queue_store import INTERACTIVE, JobStore, Settings, StoreError, migrate
 from queue_store.engine import normalise_url
 from queue_store.redact import REDACTED

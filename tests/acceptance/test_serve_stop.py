@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from deployments import processes
-from deployments.stack import ServeProcess
+from devtools.stack import ServeProcess
 from queue_store import JobStore, Settings, Status
 from tests.support.faults import Gateway
 from tests.support.services import PrefectServer

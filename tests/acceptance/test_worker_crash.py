@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from flows.simulator import OK, RequestRecord
+from devtools.simulator import OK, RequestRecord
 from queue_store import INTERACTIVE, Job, JobStore, Settings
 from tests.support.faults import Gateway, Workers
 from tests.support.waiting import wait_for

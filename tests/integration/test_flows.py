@@ -33,12 +33,12 @@ import pytest
 from prefect.client.schemas.objects import State
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
+from devtools.simulator import HUNG, OK
 from flows import runtime as runtimes
 from flows.demo import demo_scopes
 from flows.flows import backfill, drain, interactive
 from flows.limits import ensure_gateway_limit
 from flows.registry import Registry, Scope
-from flows.simulator import HUNG, OK
 from queue_store import INTERACTIVE, JobStore, Redactor, Settings, Status
 from tests.support import plugins, waiting
 from tests.support.faults import Gateway, Workers

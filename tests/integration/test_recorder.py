@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from flows.recorder import (
+from devtools.recorder import (
     CLIENT,
     STOPPED,
     UPSTREAM,
@@ -27,7 +27,7 @@ from flows.recorder import (
     GatewayRecorder,
     gaps,
 )
-from flows.simulator import GatewaySimulator
+from devtools.simulator import GatewaySimulator
 from tests.support.third_party import (
     BROKEN_JOB,
     DEFAULT_CONTENT,

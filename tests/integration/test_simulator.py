@@ -26,7 +26,7 @@ import pytest
 from click.testing import CliRunner
 
 from deployments.processes import stop_group as stop_process_group
-from flows.simulator import (
+from devtools.simulator import (
     DEFAULT_HUGE_BYTES,
     DEFAULT_PORT,
     GatewaySimulator,
@@ -39,7 +39,7 @@ from flows.simulator import (
 WAIT_LIMIT = 5.0  # seconds a test waits for something that should take far less
 NOTICE_LIMIT = 0.1  # seconds within which a client's close must be noticed
 PATH = "/v1/chat/completions"
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
 
 def body(text: str = "sleep for user 42", **extra: Any) -> dict[str, Any]:
@@ -791,7 +791,7 @@ def test_command_reports_a_taken_port() -> None:
 
 def start_command(*args: str) -> tuple[subprocess.Popen[str], str]:
     """`gateway-sim` in its own session; returns it and the URL it announced."""
-    code = "import sys; from flows.simulator import main; sys.exit(main(sys.argv[1:]))"
+    code = "import sys; from devtools.simulator import main; sys.exit(main(sys.argv[1:]))"
     process = subprocess.Popen(
         [sys.executable, "-c", code, *args],
         cwd=PROJECT_ROOT,
@@ -839,7 +839,7 @@ def test_command_listens_on_8765_when_it_is_free() -> None:
         assert url == f"http://127.0.0.1:{DEFAULT_PORT}"
         # A second one says the port is taken.
         second = subprocess.run(
-            [sys.executable, "-c", "from flows.simulator import main; raise SystemExit(main())"],
+            [sys.executable, "-c", "from devtools.simulator import main; raise SystemExit(main())"],
             cwd=PROJECT_ROOT,
             capture_output=True,
             text=True,

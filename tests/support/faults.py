@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 
 from deployments import processes
-from flows.recorder import GatewayRecorder, RecorderSnapshot
-from flows.simulator import OK, GatewaySimulator
+from devtools.recorder import GatewayRecorder, RecorderSnapshot
+from devtools.simulator import OK, GatewaySimulator
 from queue_store import Settings
 from tests.support.services import ROOT
 

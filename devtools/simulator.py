@@ -109,7 +109,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from flows.listener import ThreadedListener
+from devtools.listener import ThreadedListener
 
 logger = logging.getLogger(__name__)
 

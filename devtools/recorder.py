@@ -48,7 +48,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from flows.listener import ThreadedListener
+from devtools.listener import ThreadedListener
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""`insight-queue demo`: the whole path, on one machine, with nothing else running.
+"""`make demo`: the whole path, on one machine, with nothing else running.
 
 Starts the gateway simulator (a development tool that stands in for the LLM
 gateway) behind an independent recorder, a local Prefect server and
@@ -23,10 +23,11 @@ from pathlib import Path
 import click
 
 from deployments import processes
-from deployments.stack import DEFAULT_PORT, PrefectServer, ServeProcess
-from flows.recorder import GatewayRecorder
-from flows.simulator import DEFAULT_PORT as SIMULATOR_PORT
-from flows.simulator import GatewaySimulator
+from deployments.stack import DEFAULT_PORT, PrefectServer
+from devtools.recorder import GatewayRecorder
+from devtools.simulator import DEFAULT_PORT as SIMULATOR_PORT
+from devtools.simulator import GatewaySimulator
+from devtools.stack import ServeProcess
 from queue_store import Settings
 
 DEMO_USER = "demo-user"
@@ -215,7 +216,7 @@ def demo_command(keep_running: bool, latency: float, gap: float) -> None:
                     time.sleep(1)
             elif code == 0:
                 click.echo(
-                    "\n(`insight-queue demo --keep-running` leaves the Prefect UI up "
+                    "\n(`make demo ARGS=--keep-running` leaves the Prefect UI up "
                     "to browse the runs)"
                 )
     except KeyboardInterrupt:
@@ -224,3 +225,7 @@ def demo_command(keep_running: bool, latency: float, gap: float) -> None:
         click.echo("stopping everything the demo started ...")
         demo.stop()
     sys.exit(code)
+
+
+if __name__ == "__main__":
+    demo_command(prog_name="make demo")

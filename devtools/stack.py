@@ -1,0 +1,110 @@
+"""`insight-queue serve` as a subprocess, for the demo, the tests and the benchmarks.
+
+Ready once its deployments are registered and its consumer says it is alive;
+stopped by its PID (with its process group) on `stop()` or at the end of a
+`with` block.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Mapping
+from pathlib import Path
+from types import TracebackType
+from typing import Self
+
+from deployments import processes, table
+from deployments.prefect_api import PrefectApi, PrefectUnavailable
+from deployments.stack import client_env, executable
+from queue_store import JobStore, Settings, StoreError
+
+SERVE_READY_SECONDS = 180.0
+
+
+class ServeProcess:
+    """`insight-queue serve` as a subprocess, ready when its deployments and consumer are."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        api_url: str,
+        *,
+        env: Mapping[str, str] | None = None,
+        log: Path | None = None,
+        args: tuple[str, ...] = (),
+    ) -> None:
+        self.settings = settings
+        self.api_url = api_url
+        self.env = dict(env or {})
+        self.log = log or settings.data_dir / "serve.log"
+        self.args = args
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process else None
+
+    def start(self, *, wait: bool = True) -> Self:
+        env = {
+            **os.environ,
+            **self.settings.to_env(),
+            **client_env(self.api_url, self.settings.data_dir / "prefect"),
+            **self.env,
+        }
+        self.process = processes.start(
+            [executable("insight-queue"), "serve", *self.args], env=env, log=self.log
+        )
+        if wait:
+            self.wait_ready()
+        return self
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def wait_ready(self, timeout: float = SERVE_READY_SECONDS) -> None:
+        api = PrefectApi(self.api_url)
+        store = JobStore(self.settings.database_url, settings=self.settings, check_schema=False)
+
+        def ready() -> bool:
+            # This serve's own consumer: after a crash, the dead one's row
+            # (same stable name) still looks alive for a lease.
+            try:
+                for deployment in table.DEPLOYMENTS:
+                    api.deployment_id(deployment.name)
+                return any(
+                    w.alive and w.role == "consumer" and w.pid == self.pid for w in store.workers()
+                )
+            except (PrefectUnavailable, StoreError):
+                return False
+
+        try:
+            processes.wait_for(
+                ready,
+                timeout=timeout,
+                what=f"serve (log: {self.log})",
+                interval=0.3,
+                alive=self.alive,
+            )
+        finally:
+            api.close()
+            store.close()
+
+    def stop(self, grace_seconds: float = 20.0) -> int | None:
+        """Stop serve (SIGTERM to its group, SIGKILL after the grace); returns its exit code."""
+        process, self.process = self.process, None
+        if process is None:
+            return None
+        processes.stop_group(process, grace_seconds)
+        return process.returncode
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.stop()
