@@ -450,7 +450,7 @@ class Result:
 
 def finish_results(url: str, settings: Settings, screens: Sequence[Screen]) -> None:
     """The results the "result" and "switching" screens show: already made before the run."""
-    store = JobStore(url, settings=settings.replace(gap_seconds=0.0))
+    store = JobStore(url, settings=Settings(**{**settings.model_dump(), "gap_seconds": 0.0}))
     try:
         for screen in screens:
             if screen.role == "waiting":
@@ -473,13 +473,12 @@ def run_backend(backend: str, url: str, args: argparse.Namespace) -> Result:
         GatewaySimulator(workers=4, latency=args.call_seconds) as simulator,
         GatewayRecorder("127.0.0.1", simulator.port) as recorder,
     ):
-        settings = Settings.from_env(
-            {},
+        settings = Settings(
             database_url=url,
             data_dir=Path(directory),
             concurrency=args.concurrency,
             gap_seconds=args.gap_seconds,
-            gateway_url=recorder.url,
+            gateway={"url": recorder.url},
         )
         finish_results(url, settings, screens)
         env = {

@@ -170,13 +170,12 @@ def main() -> int:
         server = PrefectServer(home / "prefect", processes.free_port(), ui=False, reuse=False)
         try:
             server.start()
-            settings = Settings.from_env(
-                {},
+            settings = Settings(
                 data_dir=home / "data",
-                gateway_url=recorder.url,
                 gap_seconds=options.gap,
                 default_duration_seconds=0.3,
                 plugins="flows.demo",
+                gateway={"url": recorder.url},
             )
             standby = measure_standby(settings, server, recorder, sim, options.requests)
             baseline = measure_baseline(server, recorder, home, options.requests)

@@ -289,7 +289,7 @@ def consumer_settings(url: str, gateway_url: str, concurrency: int) -> dict[str,
         "database_url": url,
         "concurrency": concurrency,
         "gap_seconds": 0.0,
-        "gateway_url": gateway_url,
+        "gateway": {"url": gateway_url},
     }
 
 

@@ -200,11 +200,9 @@ class Stack:
 
     def start(self) -> None:
         self.sim.start()
-        self.settings = Settings.from_env(
-            {},
+        self.settings = Settings(
             database_url=self.database_url,
             data_dir=self.workdir / "data",
-            gateway_url=self.sim.url,
             concurrency=CONCURRENCY,
             gap_seconds=GAP_SECONDS,
             heartbeat_seconds=HEARTBEAT_SECONDS,
@@ -213,6 +211,7 @@ class Stack:
             backoff_seconds=BACKOFF_SECONDS,
             backoff_max_seconds=BACKOFF_MAX_SECONDS,
             plugins="flows.demo",
+            gateway={"url": self.sim.url},
         )
         # This process calls the triggers as the app would, and reads the
         # `gateway` limit: both from the environment, set before Prefect loads.

@@ -224,8 +224,8 @@ def fresh_database(backend: str, args: argparse.Namespace) -> Any:
 
 def settings_for(url: str) -> Settings:
     # gap 0 and concurrency 1: every claim can succeed once the previous job is handed back.
-    return Settings.from_env(
-        {}, database_url=url, data_dir=Path(tempfile.gettempdir()), gap_seconds=0.0, concurrency=1
+    return Settings(
+        database_url=url, data_dir=Path(tempfile.gettempdir()), gap_seconds=0.0, concurrency=1
     )
 
 

@@ -54,12 +54,11 @@ def measure(database_url: str, workdir: Path) -> dict[str, float]:
     with Gateway(latency=CALL_SECONDS) as gateway:
         recorder = gateway.recorder
         assert recorder is not None
-        settings = Settings.from_env(
-            {},
+        settings = Settings(
             database_url=database_url,
             data_dir=workdir / "data",
-            gateway_url=gateway.url,
             plugins="tests.support.plugins",
+            gateway={"url": gateway.url},
         )
         store = JobStore(database_url, settings=settings)
         key = ("takeover", "ok", "victim")

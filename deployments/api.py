@@ -675,7 +675,7 @@ def create_app(
     page's links (default: `deployments.prefect_api.ui_url`).
     """
     settings = triggers.runtime.settings
-    token = settings.api_token if token is None else token
+    token = settings.api.token if token is None else token
     access = Access(token, everywhere=require_token or not is_loopback(host))
     check_exposure(host, access)
     operator = _Operator(triggers, access, ui_url or (lambda: prefect_api.ui_url(settings)))
@@ -896,7 +896,7 @@ def api_command(ctx: click.Context, host: str, port: int, require_token: bool) -
 
     settings = settings_from(ctx)
     check_exposure(
-        host, Access(settings.api_token, everywhere=require_token or not is_loopback(host))
+        host, Access(settings.api.token, everywhere=require_token or not is_loopback(host))
     )
     runtime = Runtime.from_env(settings)
     try:
@@ -910,7 +910,7 @@ def api_command(ctx: click.Context, host: str, port: int, require_token: bool) -
             sys.exit(1)
         operator = (
             ""
-            if settings.api_token.get_secret_value()
+            if settings.api.token.get_secret_value()
             else " (operator routes off: no AI_API_TOKEN)"
         )
         click.echo(f"insight-queue API at {server.url}; queue page {server.url}/queue{operator}")

@@ -19,7 +19,7 @@ import click
 from queue_store import Redactor, Settings, SettingsError
 from queue_store.cli import EXIT_BAD_INPUT, fails_cleanly, settings_from
 from queue_store.redact import install_log_redaction
-from queue_store.settings import settings_help
+from queue_store.settings import variables
 
 # name -> (module, attribute, one-line help); kept here so `--help` imports nothing.
 COMMANDS: dict[str, tuple[str, str, str]] = {
@@ -113,7 +113,7 @@ def _check_kind(kind: str) -> None:
     from flows.registry import default
     from queue_store import InvalidArgument
 
-    default.load(Settings.from_env().plugin_modules)
+    default.load(Settings().plugin_modules)
     if default.kinds and not default.knows(kind):
         raise InvalidArgument(
             "kind", f"no generator is registered for {kind!r} (known: {', '.join(default.kinds)})"
@@ -123,7 +123,8 @@ def _check_kind(kind: str) -> None:
 @click.group(
     cls=LazyGroup,
     context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110},
-    epilog="\b\nSettings (environment variables):\n" + settings_help(),
+    epilog="\b\nSettings (environment variables):\n"
+    + "\n".join(f"  {name:<30} {text}" for name, text in variables().items()),
 )
 @click.option(
     "--database-url",
@@ -140,8 +141,7 @@ def main(ctx: click.Context, database_url: str | None, verbose: bool) -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:
-        overrides = {"database_url": database_url} if database_url else {}
-        settings = Settings.from_env(None, **overrides)
+        settings = Settings(database_url=database_url) if database_url else Settings()
     except SettingsError as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(EXIT_BAD_INPUT)

@@ -71,7 +71,7 @@ def deploy(
     from flows import flows
 
     ensure_pool(pool)
-    ensure_gateway_limit(Settings.from_env().concurrency)
+    ensure_gateway_limit(Settings().concurrency)
     ids: dict[str, str] = {}
     for entry in table.DEPLOYMENTS:
         flow_object = getattr(flows, entry.function)

@@ -41,7 +41,7 @@ class Demo:
     latency: float
     gap: float
     say: Callable[[str], None]
-    base: Settings = dataclasses.field(default_factory=Settings.from_env)
+    base: Settings = dataclasses.field(default_factory=Settings)
 
     def __post_init__(self) -> None:
         self.dir: Path = self.base.data_dir / "demo"
@@ -52,11 +52,10 @@ class Demo:
 
     def settings(self) -> Settings:
         assert self.recorder is not None
-        return Settings.from_env(
-            {},
+        return Settings(
             data_dir=self.dir,
             database_url=f"sqlite:///{self.dir / 'queue.db'}",
-            gateway_url=self.recorder.url,
+            gateway={"url": self.recorder.url},
             gap_seconds=self.gap,
             default_duration_seconds=self.latency,
             plugins="flows.demo",

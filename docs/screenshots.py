@@ -86,7 +86,7 @@ def _claim(store: JobStore) -> tuple[str, str]:
 
 def build_queue(url: str, clock: Clock) -> None:
     """A backfill draining, a screen waiting at the front, two failures, one consumer."""
-    settings = Settings.from_env({}, database_url=url, gap_seconds=0.0, max_attempts=3)
+    settings = Settings(database_url=url, gap_seconds=0.0, max_attempts=3)
     store = JobStore(url, settings=settings, clock=clock)
     try:
         # Yesterday's calls, which the ETAs are made from.
@@ -278,8 +278,8 @@ def queue_page(out_dir: Path) -> list[Path]:
     with tempfile.TemporaryDirectory(prefix="insight-queue-screens-") as directory:
         url = f"sqlite:///{Path(directory) / 'queue.db'}"
         build_queue(url, Clock())
-        settings = Settings.from_env(
-            {}, database_url=url, data_dir=Path(directory), api_token=SecretStr(TOKEN)
+        settings = Settings(
+            database_url=url, data_dir=Path(directory), api={"token": SecretStr(TOKEN)}
         )
         registry = Registry()
         runtime = Runtime(
@@ -330,13 +330,12 @@ def prefect_ui(out_dir: Path) -> list[Path]:
         server = PrefectServer(home / "prefect", processes.free_port(), ui=True, reuse=False)
         try:
             server.start()
-            settings = Settings.from_env(
-                {},
+            settings = Settings(
                 data_dir=home / "data",
-                gateway_url=recorder.url,
                 gap_seconds=0.5,
                 max_attempts=2,
                 plugins="flows.demo",
+                gateway={"url": recorder.url},
             )
             api = PrefectApi(server.api_url, timeout=10)
             with ServeProcess(settings, server.api_url, log=home / "serve.log"):

@@ -263,8 +263,8 @@ class GatewayClient:
         transport: httpx.AsyncBaseTransport | None = None,
         redactor: Redactor | None = None,
     ) -> None:
-        parts = urllib.parse.urlsplit(settings.gateway_url)
-        token = settings.gateway_token.get_secret_value()
+        parts = urllib.parse.urlsplit(settings.gateway.url)
+        token = settings.gateway.token.get_secret_value()
         if not _TOKEN_CHARACTERS.fullmatch(token):
             # A control character would make httpx fail with the header, and
             # so the token, in its message.
@@ -275,19 +275,19 @@ class GatewayClient:
         if parts.port is not None:
             netloc += f":{parts.port}"
         base = urllib.parse.urlunsplit((parts.scheme, netloc, parts.path.rstrip("/"), "", ""))
-        self._url = base + settings.gateway_path
+        self._url = base + settings.gateway.path
         self._auth: httpx.Auth | None = None
         if parts.username is not None and not token:
             self._auth = httpx.BasicAuth(
                 urllib.parse.unquote(parts.username), urllib.parse.unquote(parts.password or "")
             )
         self._token = token
-        self._model = settings.gateway_model
+        self._model = settings.gateway.model
         self._transport = _Borrowed(transport) if transport is not None else None
         self._redact = redactor or Redactor.for_settings(settings)
-        self._max_bytes = settings.gateway_max_answer_bytes
+        self._max_bytes = settings.gateway.max_answer_bytes
         self._call_timeout = settings.call_timeout
-        short = settings.gateway_connect_timeout
+        short = settings.gateway.connect_timeout
         self._timeout = httpx.Timeout(
             connect=short, write=short, pool=short, read=self._call_timeout
         )

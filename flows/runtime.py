@@ -58,7 +58,7 @@ class Runtime:
         The store's schema is checked as it is opened, which needs the
         database; `check_schema=False` opens it without touching the database.
         """
-        settings = settings or Settings.from_env()
+        settings = settings or Settings()
         redactor = Redactor.for_settings(settings)
         install_log_redaction(redactor, ("", "prefect", "httpx"))
         registry = registry or default

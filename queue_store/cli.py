@@ -24,7 +24,8 @@ import click
 from queue_store import migrate
 from queue_store.errors import InvalidArgument, SettingsError, StoreError
 from queue_store.models import INTERACTIVE, PREFETCH, GateState, QueueView, iso
-from queue_store.settings import Settings, redact_url, variables
+from queue_store.redact import mask_url
+from queue_store.settings import Settings
 from queue_store.store import JobStore
 
 P = ParamSpec("P")
@@ -60,7 +61,7 @@ def fails_cleanly(command: Callable[P, R]) -> Callable[P, R]:
 
 def settings_from(ctx: click.Context) -> Settings:
     url = ctx.find_root().params.get("database_url")
-    return Settings.from_env(**({"database_url": url} if url else {}))
+    return Settings(database_url=url) if url else Settings()
 
 
 @contextmanager
@@ -113,7 +114,7 @@ def db_upgrade(ctx: click.Context) -> None:
     """Create the schema, or upgrade it (an original ai_jobs table is adopted in place)."""
     settings = settings_from(ctx)
     revision = migrate.upgrade(settings.database_url)
-    click.echo(f"{redact_url(settings.database_url)} is at schema revision {revision}")
+    click.echo(f"{mask_url(settings.database_url)} is at schema revision {revision}")
 
 
 @db_group.command("status")
@@ -126,7 +127,7 @@ def db_status(ctx: click.Context) -> None:
         settings.database_url, settings=settings, check_schema=False, create=False
     ) as store:
         store.check_schema()
-    click.echo(f"{redact_url(settings.database_url)}: schema is current")
+    click.echo(f"{mask_url(settings.database_url)}: schema is current")
 
 
 @click.command("enqueue")
@@ -434,9 +435,7 @@ def result_command(ctx: click.Context, user_id: str, kind: str, subject: str) ->
 def settings_command(ctx: click.Context, as_json: bool) -> None:
     """Every setting with its environment variable and value (secrets masked), and claiming."""
     settings = settings_from(ctx)
-    shown = settings.public()
-    names = {field: name for name, field in variables().items()}
-    by_variable = {names[field]: shown[key] for key, field in Settings.model_fields.items()}
+    by_variable = settings.public()
     gate: GateState | None = None
     try:
         with JobStore(settings.database_url, settings=settings, create=False) as store:

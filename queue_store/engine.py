@@ -11,7 +11,6 @@ costs one failed call, not a pool of dead connections.
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +19,7 @@ from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 
 from queue_store.errors import DatabaseError, SettingsError
+from queue_store.redact import mask_url
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 POSTGRES_CONNECT_TIMEOUT_SECONDS = 10
@@ -83,31 +83,19 @@ def _sqlite_engine(url: URL, **kwargs: Any) -> Engine:
     return engine
 
 
-_PASSWORD_IN_URL = re.compile(r"(://[^:/@\s]*:)[^@\s]*@")
-_PASSWORD_IN_QUERY = re.compile(r"([?&]password=)[^&\s]*", re.IGNORECASE)
-
-
-def _passwords(url: URL) -> list[str]:
-    """The URL's password and any libpq `password=` query parameter."""
-    found = [str(url.password)] if url.password else []
-    query = url.query.get("password")
-    found += [query] if isinstance(query, str) else list(query or ())
-    return [p for p in found if p]
-
-
 def shown_url(url: URL) -> str:
-    """The URL for people: its password and any `password=` parameter masked."""
-    if "password" in url.query:
-        url = url.update_query_dict({"password": "***"})
-    return url.render_as_string(hide_password=True)
+    """The URL for people: its credentials and any `password=` parameter masked."""
+    return mask_url(url.render_as_string(hide_password=False))
 
 
 def scrub(message: str, url: URL | None = None) -> str:
     """The message without any database password it might quote."""
-    for password in _passwords(url) if url is not None else []:
-        message = message.replace(password, "***")
-    message = _PASSWORD_IN_URL.sub(r"\1***@", message)
-    return _PASSWORD_IN_QUERY.sub(r"\1***", message)
+    secrets = [str(url.password)] if url is not None and url.password else []
+    query = url.query.get("password") if url is not None else None
+    secrets += [query] if isinstance(query, str) else list(query or ())
+    for secret in filter(None, secrets):
+        message = message.replace(secret, "***")
+    return mask_url(message)
 
 
 def wrap_database_error(

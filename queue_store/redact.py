@@ -19,8 +19,10 @@ import logging
 import re
 import urllib.parse
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
-from queue_store.settings import Settings
+if TYPE_CHECKING:
+    from queue_store.settings import Settings
 
 REDACTED = "[redacted]"
 # Secrets shorter than this are not searched for: redacting "ab" would mangle
@@ -35,6 +37,9 @@ MAX_ESCAPE_BACKSLASHES = 8
 _CREDENTIALS_IN_URL = re.compile(r"(?<=://)[^/@\s\"']*@")
 # URL query parameters that carry a password (libpq reads `password`).
 _PASSWORD_PARAMETERS = frozenset({"password", "passwd", "pwd", "sslpassword"})
+_PASSWORD_IN_QUERY = re.compile(
+    r"(?i)([?&](?:" + "|".join(sorted(_PASSWORD_PARAMETERS)) + r")=)[^&\s\"']*"
+)
 # Characters with a short escape of their own in JSON or a Python repr.
 _SHORT_ESCAPES = {
     '"': '"',
@@ -125,6 +130,11 @@ def forms_of(secret: str) -> set[str]:
     return {secret} | _base64_cores(secret.encode())
 
 
+def mask_url(url: str) -> str:
+    """A URL (or a text holding URLs) with user names, passwords and `password=` masked."""
+    return _PASSWORD_IN_QUERY.sub(r"\1***", _CREDENTIALS_IN_URL.sub("***@", url))
+
+
 class Redactor:
     """Removes given secrets, in all their forms, and URL credentials from text."""
 
@@ -139,8 +149,8 @@ class Redactor:
 
     @classmethod
     def for_settings(cls, settings: Settings) -> Redactor:
-        secrets = [settings.gateway_token.get_secret_value(), settings.api_token.get_secret_value()]
-        for url in (settings.gateway_url, settings.database_url):
+        secrets = [settings.gateway.token.get_secret_value(), settings.api.token.get_secret_value()]
+        for url in (settings.gateway.url, settings.database_url):
             parts = urllib.parse.urlsplit(url) if "://" in url else None
             if parts is None:
                 continue

@@ -112,7 +112,7 @@ class JobStore:
         check_schema: bool = True,
         create: bool = True,
     ) -> None:
-        self._settings = settings or Settings.from_env()
+        self._settings = settings or Settings()
         target = url or self._settings.database_url
         self._is_sqlite = make_url(target).get_backend_name() == "sqlite"
         if self._is_sqlite and not create:

@@ -108,7 +108,7 @@ def make_store(database_url: str, clock: FakeClock) -> Iterator[StoreFactory]:
     def factory(**overrides: Any) -> JobStore:
         values: dict[str, Any] = {"gap_seconds": 0.0, "database_url": database_url}
         values.update(overrides)
-        store = JobStore(database_url, settings=Settings.from_env({}, **values), clock=clock)
+        store = JobStore(database_url, settings=Settings(**values), clock=clock)
         made.append(store)
         return store
 
@@ -120,3 +120,13 @@ def make_store(database_url: str, clock: FakeClock) -> Iterator[StoreFactory]:
 @pytest.fixture
 def store(make_store: StoreFactory) -> JobStore:
     return make_store()
+
+
+@pytest.fixture(autouse=True)
+def _no_settings_from_the_shell(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Settings come from each test, never from the environment it was started in."""
+    for name in list(os.environ):
+        if name.startswith(("AI_JOB", "AI_GATEWAY_", "AI_API_")) and not name.startswith(
+            "AI_JOB_TEST_"
+        ):
+            monkeypatch.delenv(name)

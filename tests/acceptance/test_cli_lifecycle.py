@@ -133,9 +133,7 @@ def test_serve_stops_with_its_prefect_server_on_a_signal(
     serve = _start(["serve", "--prefect-port", str(port), "--no-ui"], env, log)
     try:
         _wait_for_line(log, r"insight-queue serving", serve, timeout=240)
-        state = ServeState.read(
-            Settings.from_env({}, data_dir=tmp_path / ".local/share/insight-queue")
-        )
+        state = ServeState.read(Settings(data_dir=tmp_path / ".local/share/insight-queue"))
         assert state is not None and state.pid == serve.pid
         took = _stop_and_check(serve, sig, [port])
     finally:

@@ -66,10 +66,8 @@ def gateway() -> Iterator[Gateway]:
 
 
 def stack_settings(tmp_path: Path, gateway: Gateway) -> Settings:
-    return Settings.from_env(
-        {},
+    return Settings(
         data_dir=tmp_path / "data",
-        gateway_url=gateway.url,
         gap_seconds=GAP,
         lease_seconds=5.0,
         heartbeat_seconds=0.5,
@@ -77,6 +75,7 @@ def stack_settings(tmp_path: Path, gateway: Gateway) -> Settings:
         backoff_seconds=1.0,
         backoff_max_seconds=4.0,
         plugins="flows.demo,tests.support.plugins",
+        gateway={"url": gateway.url},
     )
 
 

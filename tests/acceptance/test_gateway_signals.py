@@ -60,12 +60,13 @@ from devtools.simulator import (
     GatewaySimulator,
     RequestRecord,
 )
-from queue_store import Job, JobStore, Settings, Status
+from queue_store import Job, JobStore, Status
 from queue_store.engine import normalise_url
 from tests.support.databases import PostgresDatabases
 from tests.support.race_worker import dump_tables
 from tests.support.secrets import exposures
 from tests.support.services import ROOT, run_cli, stop
+from tests.support.settings import settings_from
 from tests.support.third_party import FakeLLM, header_value
 from tests.support.waiting import wait_for
 
@@ -265,7 +266,7 @@ class Scenario:
         """The environment of this scenario's processes, and its queue of `subjects`."""
         url = database_url or self.database_url
         env = env_for(url, gateway_url, self.directory / "data", **more)
-        settings = Settings.from_env(env)
+        settings = settings_from(env)
         store = JobStore(settings.database_url, settings=settings)
         self.opened.append(store)
         for subject in subjects:  # in this order: the oldest is claimed first

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -26,21 +27,20 @@ LEASE = 3.0
 HEARTBEAT = 0.5
 
 
-def _settings(database_url: str, gateway: Gateway, data_dir: Path, **more: object) -> Settings:
-    values: dict[str, object] = {
+def _settings(database_url: str, gateway: Gateway, data_dir: Path, **more: Any) -> Settings:
+    values: dict[str, Any] = {
         "database_url": database_url,
         "data_dir": data_dir,
-        "gateway_url": gateway.url,
+        "gateway": {"url": gateway.url, "read_timeout": 30.0},
         "gap_seconds": GAP,
         "lease_seconds": LEASE,
         "heartbeat_seconds": HEARTBEAT,
         "backoff_seconds": 0.5,
         "backoff_max_seconds": 2.0,
-        "gateway_read_timeout": 30.0,
         "plugins": "tests.support.plugins",
         **more,
     }
-    return Settings.from_env({}, **values)
+    return Settings(**values)
 
 
 def _wait_until_settled(store: JobStore, user: str, timeout: float) -> None:

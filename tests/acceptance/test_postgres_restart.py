@@ -157,11 +157,9 @@ def test_postgres_restarted_under_load_loses_and_duplicates_nothing(
 ) -> None:
     with Gateway(latency=CALL_SECONDS) as gateway:
         assert gateway.recorder is not None
-        settings = Settings.from_env(
-            {},
+        settings = Settings(
             database_url=cluster.url,
             data_dir=tmp_path / "data",
-            gateway_url=gateway.url,
             gap_seconds=GAP,
             lease_seconds=LEASE,
             heartbeat_seconds=0.5,
@@ -169,6 +167,7 @@ def test_postgres_restarted_under_load_loses_and_duplicates_nothing(
             backoff_seconds=1.0,
             backoff_max_seconds=2.0,
             plugins="flows.demo,tests.support.plugins",
+            gateway={"url": gateway.url},
         )
         # The app side: no Prefect server here (consumers stand by, so a
         # poll needs no run; an outage never reaches Prefect either).

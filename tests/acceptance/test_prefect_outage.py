@@ -63,14 +63,13 @@ def test_serve_starts_another_runner_when_prefect_s_gives_up_and_serves_again(
     tmp_path: Path,
 ) -> None:
     with Gateway(latency=0.2) as gateway:
-        settings = Settings.from_env(
-            {},
+        settings = Settings(
             data_dir=tmp_path / "data",
-            gateway_url=gateway.url,
             gap_seconds=GAP,
             lease_seconds=5.0,
             heartbeat_seconds=0.5,
             poll_seconds=0.5,
+            gateway={"url": gateway.url},
         )
         server = PrefectServer(tmp_path / "prefect-server", free_port(), ui=False, reuse=False)
         log = tmp_path / "serve.log"
@@ -123,7 +122,7 @@ def test_serve_rides_out_prefect_going_away_before_its_deployments_were_register
 ) -> None:
     """The window between serve saying where it is and its runner registering the deployments."""
     with Gateway(latency=0.2) as gateway:
-        settings = Settings.from_env({}, data_dir=tmp_path / "data", gateway_url=gateway.url)
+        settings = Settings(data_dir=tmp_path / "data", gateway={"url": gateway.url})
         server = PrefectServer(tmp_path / "prefect-server", free_port(), ui=False, reuse=False)
         log = tmp_path / "serve.log"
         serve = ServeProcess(
@@ -159,14 +158,13 @@ def test_consume_waits_for_a_gateway_slot_while_prefect_is_away_and_calls_once_i
     with Gateway(latency=0.2) as gateway:
         recorder = gateway.recorder
         assert recorder is not None
-        settings = Settings.from_env(
-            {},
+        settings = Settings(
             data_dir=tmp_path / "data",
-            gateway_url=gateway.url,
             gap_seconds=GAP,
             lease_seconds=5.0,
             heartbeat_seconds=0.5,
             poll_seconds=0.5,
+            gateway={"url": gateway.url},
         )
         server = PrefectServer(tmp_path / "prefect-server", free_port(), ui=False, reuse=False)
         env = {**settings.to_env(), **client_env(server.api_url, tmp_path / "client")}

@@ -74,13 +74,12 @@ def fill(store: JobStore) -> None:
 
 @contextlib.contextmanager
 def served_page(database_url: str, tmp_path: Path) -> Iterator[str]:
-    settings = Settings.from_env(
-        {},
+    settings = Settings(
         database_url=database_url,
         data_dir=tmp_path / "data",
         gap_seconds=0.0,
         max_attempts=1,
-        api_token=SecretStr(TOKEN),
+        api={"token": SecretStr(TOKEN)},
     )
     registry = Registry()
     for kind in ("sleep", "hrv", "steps", "trends"):

@@ -81,13 +81,12 @@ def test_the_history_tells_what_was_generated_for_whom_and_how_it_ended(
 ) -> None:
     history = History(prefect_server.api_url)
     with Gateway(latency=0.5) as gateway:
-        settings = Settings.from_env(
-            {},
+        settings = Settings(
             data_dir=tmp_path / "data",
-            gateway_url=gateway.url,
             gap_seconds=0.2,
             max_attempts=2,
             plugins="tests.support.plugins",
+            gateway={"url": gateway.url},
         )
         serve = ServeProcess(
             settings,

@@ -48,6 +48,7 @@ from queue_store.redact import REDACTED
 from tests.support.databases import POSTGRES_URL
 from tests.support.race_worker import dump_tables
 from tests.support.services import ROOT, PrefectServer, client_env, run_cli
+from tests.support.settings import settings_from
 
 pytestmark = [pytest.mark.slow, pytest.mark.prefect, pytest.mark.postgres]
 
@@ -432,7 +433,7 @@ def test_a_password_given_as_a_query_parameter_is_masked_too(tmp_path: Path, rol
 
 
 def test_the_settings_object_repr_hides_the_database_password() -> None:
-    settings = Settings.from_env(
+    settings = settings_from(
         {
             "AI_JOB_DATABASE_URL": f"postgresql://u:{DB_PASSWORD}@127.0.0.1:1/x",
             "AI_GATEWAY_TOKEN": TOKEN,

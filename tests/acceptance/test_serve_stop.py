@@ -45,12 +45,11 @@ def test_stopping_serve_mid_call_hands_the_job_back_and_a_restart_finishes_it(
 ) -> None:
     with Gateway(latency=6.0) as gateway:
         assert gateway.recorder is not None
-        settings = Settings.from_env(
-            {},
+        settings = Settings(
             data_dir=tmp_path / "data",
-            gateway_url=gateway.url,
             gap_seconds=0.2,
             plugins="tests.support.plugins",
+            gateway={"url": gateway.url},
         )
         store = JobStore(settings.database_url, settings=settings)
         subject = f"stop-{sig.name}"

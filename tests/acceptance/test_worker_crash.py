@@ -47,11 +47,9 @@ def gateway() -> Iterator[Gateway]:
 
 @pytest.fixture
 def settings(database_url: str, gateway: Gateway, tmp_path: Path) -> Settings:
-    return Settings.from_env(
-        {},
+    return Settings(
         database_url=database_url,
         data_dir=tmp_path / "data",
-        gateway_url=gateway.url,
         gap_seconds=GAP,
         lease_seconds=LEASE,
         heartbeat_seconds=HEARTBEAT,
@@ -59,8 +57,8 @@ def settings(database_url: str, gateway: Gateway, tmp_path: Path) -> Settings:
         max_attempts=3,
         backoff_seconds=1.0,
         backoff_max_seconds=4.0,
-        gateway_read_timeout=30.0,
         plugins="tests.support.plugins",
+        gateway={"url": gateway.url, "read_timeout": 30.0},
     )
 
 

@@ -90,13 +90,12 @@ def closed_prefect() -> str:
 
 @pytest.fixture
 def settings(database_url: str, tmp_path: Path) -> Settings:
-    return Settings.from_env(
-        {},
+    return Settings(
         database_url=database_url,
         data_dir=tmp_path / "data",
         gap_seconds=0.0,
         max_attempts=1,
-        api_token=SecretStr(TOKEN),
+        api={"token": SecretStr(TOKEN)},
     )
 
 

@@ -58,10 +58,8 @@ def gateway() -> Iterator[Gateway]:
 
 @pytest.fixture
 def settings(tmp_path: Path, gateway: Gateway) -> Settings:
-    return Settings.from_env(
-        {},
+    return Settings(
         data_dir=tmp_path / "data",
-        gateway_url=gateway.url,
         gap_seconds=GAP,
         lease_seconds=10.0,
         heartbeat_seconds=0.5,
@@ -69,6 +67,7 @@ def settings(tmp_path: Path, gateway: Gateway) -> Settings:
         backoff_seconds=0.5,
         backoff_max_seconds=2.0,
         plugins="flows.demo,tests.support.plugins",
+        gateway={"url": gateway.url},
     )
 
 

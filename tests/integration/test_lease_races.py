@@ -95,7 +95,7 @@ def test_a_lapsed_claim_found_by_a_screen_is_taken_back_and_restarts_the_gap(
 @pytest.mark.timeout(120)
 def test_a_renewal_waits_for_a_claim_that_holds_the_gate(database_url: str) -> None:
     """The gate lock serialises them: a heartbeat cannot land between a count and a reap."""
-    settings = Settings.from_env({}, database_url=database_url, gap_seconds=0.0)
+    settings = Settings(database_url=database_url, gap_seconds=0.0)
     store = JobStore(database_url, settings=settings)
     store.enqueue(U, "k", "a")
     held = store.claim_next("w1").job

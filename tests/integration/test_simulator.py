@@ -862,9 +862,7 @@ def test_a_transport_lent_to_the_client_survives_its_calls(simulator: GatewaySim
 
     async def both() -> list[Completion]:
         transport = httpx.AsyncHTTPTransport()
-        client = GatewayClient(
-            Settings.from_env({}, gateway_url=simulator.url), transport=transport
-        )
+        client = GatewayClient(Settings(gateway={"url": simulator.url}), transport=transport)
         messages = [{"role": "user", "content": "sleep for user 42"}]
         try:
             return list(

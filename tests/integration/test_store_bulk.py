@@ -192,12 +192,12 @@ def test_enqueue_many_does_what_the_same_enqueue_calls_do(
     twin_clock = FakeClock(clock.now)
     bulk_store = JobStore(
         database_url,
-        settings=Settings.from_env({}, database_url=database_url, **SETTINGS),
+        settings=Settings(database_url=database_url, **SETTINGS),
         clock=clock,
     )
     calls = JobStore(
         twin_url,
-        settings=Settings.from_env({}, database_url=twin_url, **SETTINGS),
+        settings=Settings(database_url=twin_url, **SETTINGS),
         clock=twin_clock,
     )
     try:

@@ -58,13 +58,15 @@ def run(coroutine: Coroutine[Any, Any, T]) -> T:
 
 
 def settings(**overrides: Any) -> Settings:
-    values: dict[str, Any] = {
-        "gateway_url": "http://gateway.test",
-        "gateway_token": SecretStr(TOKEN),
-        "gateway_model": "test-model",
+    """Settings for these tests; `gateway_<name>` overrides the gateway's `<name>`."""
+    gateway: dict[str, Any] = {
+        "url": "http://gateway.test",
+        "token": SecretStr(TOKEN),
+        "model": "test-model",
     }
-    values.update(overrides)
-    return Settings.from_env({}, **values)
+    for name in [n for n in overrides if n.startswith("gateway_")]:
+        gateway[name.removeprefix("gateway_")] = overrides.pop(name)
+    return Settings(gateway=gateway, **overrides)
 
 
 def answer(content: Any = "an insight", **extra: Any) -> dict[str, Any]:

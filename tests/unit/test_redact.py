@@ -117,12 +117,10 @@ def test_the_longest_secret_goes_whole() -> None:
 
 def test_the_secrets_of_the_settings_are_known() -> None:
     quoted = urllib.parse.quote(PASSWORD, safe="")
-    settings = Settings.from_env(
-        {},
-        gateway_token=SecretStr(TOKEN),
-        api_token=SecretStr("api-token-0123456789"),
-        gateway_url="http://gw-user:gw-p%40ss-word@gateway.test/",
+    settings = Settings(
         database_url=f"postgresql://db-role:{quoted}@127.0.0.1:5432/q",
+        gateway={"token": SecretStr(TOKEN), "url": "http://gw-user:gw-p%40ss-word@gateway.test/"},
+        api={"token": SecretStr("api-token-0123456789")},
     )
     redact = Redactor.for_settings(settings)
     secrets = [
@@ -140,9 +138,8 @@ def test_the_secrets_of_the_settings_are_known() -> None:
 
 
 def test_a_password_given_as_a_url_query_parameter_is_known_too() -> None:
-    settings = Settings.from_env(
-        {},
-        database_url="postgresql://db-role@127.0.0.1:5432/q?sslmode=disable&password=pw-in-query-42",
+    settings = Settings(
+        database_url="postgresql://db-role@127.0.0.1:5432/q?sslmode=disable&password=pw-in-query-42"
     )
     redact = Redactor.for_settings(settings)
     for form in echo_forms("pw-in-query-42").values():

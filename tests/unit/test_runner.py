@@ -171,12 +171,10 @@ def make_settings(tmp_path: Path, **overrides: Any) -> Settings:
         "backoff_max_seconds": 120.0,
         "max_attempts": 3,
         "max_result_bytes": MAX_RESULT,
-        "gateway_url": "http://gateway.test",
-        "gateway_token": SecretStr(TOKEN),
-        "gateway_read_timeout": 60.0,
+        "gateway": {"url": "http://gateway.test", "token": SecretStr(TOKEN), "read_timeout": 60.0},
     }
     values.update(overrides)
-    return Settings.from_env({}, **values)
+    return Settings(**values)
 
 
 class Bench:
@@ -313,7 +311,9 @@ def test_the_last_allowed_attempt_fails_the_job_with_its_own_error(bench: Bench)
 
 
 def test_a_timeout_spends_the_attempt_and_pauses(tmp_path: Path) -> None:
-    settings = make_settings(tmp_path, gateway_read_timeout=0.5)
+    settings = make_settings(
+        tmp_path, gateway={"url": "http://gateway.test", "token": TOKEN, "read_timeout": 0.5}
+    )
     with opened(settings) as store:
         bench = Bench(settings, store)
 

@@ -6,9 +6,12 @@ import re
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 
+from deployments.cli import main
 from queue_store import Settings, SettingsError
-from queue_store.settings import settings_help, variables
+from queue_store.settings import variables
+from tests.support.settings import settings_from
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -36,41 +39,43 @@ ROOT = Path(__file__).resolve().parents[2]
 )
 def test_a_bad_value_is_one_line_naming_the_variable(env: dict[str, str], message: str) -> None:
     with pytest.raises(SettingsError) as refused:
-        Settings.from_env(env)
+        settings_from(env)
     text = str(refused.value)
     assert text.startswith(message), text
     assert "\n" not in text and "secret" not in text
 
 
 def test_unset_or_empty_means_the_default_and_the_margin_follows_the_lease() -> None:
-    settings = Settings.from_env({"AI_JOB_GAP_SECONDS": "", "AI_JOB_LEASE_SECONDS": "30"})
+    settings = settings_from({"AI_JOB_GAP_SECONDS": "", "AI_JOB_LEASE_SECONDS": "30"})
     assert settings.gap_seconds == 20.0
     assert settings.lease_margin == 5.0
-    assert settings.replace(lease_seconds=60).lease_margin == 10.0
-    assert Settings.from_env({"AI_JOB_LEASE_MARGIN_SECONDS": "3"}).lease_margin == 3.0
+    assert Settings(lease_seconds=60).lease_margin == 10.0
+    assert settings_from({"AI_JOB_LEASE_MARGIN_SECONDS": "3"}).lease_margin == 3.0
 
 
 def test_to_env_reproduces_the_settings_in_another_process() -> None:
-    settings = Settings(concurrency=2, gap_seconds=1.5, gateway_token="t0ken-value", enabled=False)
-    assert Settings.from_env(settings.to_env()) == settings
+    settings = Settings(
+        concurrency=2, gap_seconds=1.5, enabled=False, gateway={"token": "t0ken-value"}
+    )
+    assert settings_from(settings.to_env()) == settings
 
 
 def test_secrets_and_url_credentials_are_never_shown() -> None:
     settings = Settings(
-        gateway_token="sk-very-secret",
-        api_token="api-very-secret",
-        gateway_url="http://gw-user:gw-pass@gateway.internal:8080",
         database_url="postgresql://db-user:db-pass@db.internal/insights",
+        gateway={"token": "sk-very-secret", "url": "http://gw-user:gw-pass@gateway.internal:8080"},
+        api={"token": "api-very-secret"},
     )
     shown = " ".join([repr(settings), str(settings), str(settings.public())])
     for secret in ("sk-very-secret", "api-very-secret", "gw-pass", "db-pass", "gw-user:"):
         assert secret not in shown
-    assert settings.public()["gateway_token"] == "(set)"
+    assert settings.public()["AI_GATEWAY_TOKEN"] == "(set)"
 
 
 def test_every_setting_is_in_help_and_in_the_readme() -> None:
     readme = (ROOT / "README.md").read_text()
     table = {m.group(1) for m in re.finditer(r"^\| `(AI_[A-Z_]+)` \|", readme, re.M)}
     assert table == set(variables()), "README's configuration table and the settings differ"
+    shown = CliRunner().invoke(main, ["--help"]).output
     for name in variables():
-        assert name in settings_help()
+        assert name in shown
