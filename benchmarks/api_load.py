@@ -555,7 +555,7 @@ def measure(
         cpu_after = (cpu_seconds([api.process.pid]), cpu_seconds({*backends, *now_serving}))
         rows_after_quiet = row_versions(url, [*watched, probe])
 
-        runtime = Runtime.from_env(settings)
+        runtime = Runtime.open(settings)
         consumer = ConsumerThread(runtime)
         consumer.start()
         busy_from = time.monotonic()

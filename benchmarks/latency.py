@@ -79,7 +79,7 @@ def measure_standby(
 
     results: dict[str, list[float]] = {"idle": [], "busy": []}
     with ServeProcess(settings, server.api_url, env={"PREFECT_LOGGING_LEVEL": "WARNING"}):
-        runtime = Runtime.from_env(settings)
+        runtime = Runtime.open(settings)
         triggers = Triggers(runtime, prefect_url=server.api_url)
         store = runtime.store
         for n in range(requests):

@@ -24,7 +24,7 @@ the gateway, so four of them would not stay to compete. A consumer that finds
 the gateway busy polls again after `--poll-ms`.
 
 `--client per-job` (the default) is what the flows do: one `GatewayClient`
-per process (`Runtime.client()`), which opens a new `httpx.AsyncClient`, and
+per process (`Runtime.consumer()`), which opens a new `httpx.AsyncClient`, and
 so a new connection, per call, on the process's one cached SSL context.
 `--client shared-tls` gives that client one `httpx.AsyncHTTPTransport` made
 from one SSL context per process (it still opens an `AsyncClient` per call,
@@ -74,8 +74,8 @@ from sqlalchemy import create_engine, select, text
 from sqlalchemy.exc import OperationalError
 
 from devtools.simulator import GatewaySimulator
-from flows import registry
 from flows.gateway import GatewayClient
+from flows.registry import Registry
 from flows.runner import JobRunner
 from queue_store import (
     INTERACTIVE,
@@ -111,8 +111,9 @@ def _messages(user_id: str, subject: str) -> list[dict[str, str]]:
     return [{"role": "user", "content": f"load {user_id}/{subject}"}]
 
 
-# Registered on import, so every spawned consumer has the kind too.
-registry.register_generator(KIND, _messages)
+# Made on import, so every spawned consumer has the kind too.
+REGISTRY = Registry()
+REGISTRY.register_generator(KIND, _messages)
 
 
 def job_keys(jobs: int, users: int) -> list[tuple[str, str, str, int]]:
@@ -147,7 +148,7 @@ class ConsumerReport:
 
 
 def runner_for(store: JobStore, settings: Settings, client: str) -> JobRunner:
-    """The flows' runner, as `Runtime.runner()` builds it but without run history.
+    """The flows' runner, as `Runtime.consumer()` builds it but without run history.
 
     "per-job": the flows' gateway client; "shared-tls": a gateway client whose
     calls all go through one transport made from one SSL context.
@@ -161,7 +162,7 @@ def runner_for(store: JobStore, settings: Settings, client: str) -> JobRunner:
         gateway = GatewayClient(settings, transport=httpx.AsyncHTTPTransport(verify=context))
     else:
         raise ValueError(f"client: expected one of {CLIENTS}, got {client!r}")
-    return JobRunner(store, settings, registry.default, gateway)
+    return JobRunner(store, settings, REGISTRY, gateway)
 
 
 def consume(

@@ -114,6 +114,7 @@ if str(ROOT) not in sys.path:
 from benchmarks.figures import percentile  # noqa: E402 - after the path is set
 from deployments import processes, table  # noqa: E402
 from deployments.stack import PrefectServer, client_env  # noqa: E402
+from deployments.triggers import Triggers  # noqa: E402
 from devtools.simulator import GatewaySimulator, RequestRecord  # noqa: E402
 from devtools.stack import ServeProcess  # noqa: E402
 from queue_store import JobStore, Settings  # noqa: E402
@@ -490,6 +491,7 @@ class Soak:
         self.prefect_stopped_at: float | None = None
         self.serve_killed_at: float | None = None  # serve is down, to be started again
         self.refusal: Refusal | None = None
+        self.triggers = Triggers.open(self.settings)
         self.serve_kills = 0
         self.serve_restarts = 0
         self.serve_exits_unasked: list[str] = []
@@ -592,8 +594,6 @@ class Soak:
     # -- the events
 
     def do_backfill(self, why: str = "", *, new_user: bool = False) -> None:
-        from deployments.triggers import trigger_backfill
-
         # A known user's scopes are done already (same data): only a new
         # user's queue new work.
         if new_user or not self.users or self.rng.random() < 0.6:
@@ -602,7 +602,7 @@ class Soak:
         else:
             user = self.rng.choice(self.users)
         self.backfills += 1
-        state = trigger_backfill(user, sync_id=f"sync-{self.backfills}")
+        state = self.triggers.trigger_backfill(user, sync_id=f"sync-{self.backfills}")
         if state.flow_run_id is None:
             self.unstarted_backfills.append(user)
         run = state.flow_run_id or f"no run ({state.run_note})"
@@ -636,11 +636,9 @@ class Soak:
         self.record("screen", f"{user} {key[0]}:{key[1]}")
 
     def _screen(self, wait: ScreenWait) -> None:
-        from deployments.triggers import request_insight
-
         started = time.monotonic()
         while not self.stop_screens.is_set():
-            state = request_insight(*wait.key, wait.fingerprint)
+            state = self.triggers.request_insight(*wait.key, wait.fingerprint)
             wait.polls += 1
             wait.errors += state.error is not None
             wait.final = state.status
@@ -1036,9 +1034,7 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 soak.stop_screens.set()
                 with contextlib.suppress(Exception):
-                    from deployments import triggers
-
-                    triggers.current().close()
+                    soak.triggers.close()
         except KeyboardInterrupt:
             print("interrupted", file=sys.stderr)
             return 130

@@ -82,7 +82,7 @@ from typing import Any, NamedTuple
 from sqlalchemy import Engine, create_engine, event, insert, select, text, update
 from sqlalchemy.engine import make_url
 
-from queue_store import migrate, schema
+from queue_store import Failure, migrate, schema
 from queue_store.engine import create_store_engine, normalise_url
 from queue_store.models import INTERACTIVE, PREFETCH, EnqueueRequest, Status, job_id
 from queue_store.settings import Settings
@@ -488,12 +488,17 @@ def measure_claims(url: str, calls: int) -> list[float]:
             if claim.job is None:
                 raise RuntimeError(f"claim_next handed out nothing: {claim.blocked}")
             # Untimed: hand it back to its old place (attempt not spent).
-            store.release(claim.job.id, claim.job.holder)
+            store.fail(claim.job.id, claim.job.holder, Failure.STOPPED, "handed back")
             if n >= WARMUP_CALLS:
                 times.append(elapsed)
     finally:
         store.close()
     return times
+
+
+def _position(store: JobStore, key: Key) -> Any:
+    state = store.state(key.user_id, key.kind, key.subject)
+    return state.position if state else None
 
 
 def measure_positions(url: str, ordered: Sequence[Key], calls: int) -> list[float]:
@@ -508,7 +513,7 @@ def measure_positions(url: str, ordered: Sequence[Key], calls: int) -> list[floa
 
         def ask() -> tuple[int, Any]:
             place, key = next(picks)
-            return place, store.position(key.user_id, key.kind, key.subject)
+            return place, _position(store, key)
 
         def check(value: tuple[int, Any]) -> None:
             place, position = value
@@ -551,7 +556,7 @@ def measure_queue_view(url: str, size: int, calls: int) -> list[float]:
                 raise RuntimeError("queue_view did not show the queue")
 
         times = sample_times(lambda: store.queue_view(limit=50), calls, check)
-        store.release(running.job.id, running.job.holder or "")
+        store.fail(running.job.id, running.job.holder or "", Failure.STOPPED, "handed back")
         return times
     finally:
         store.close()
@@ -895,7 +900,7 @@ def explain_operations(url: str, ordered: Sequence[Key]) -> None:
     operations: dict[str, Callable[[], Any]] = {
         "no-op poll": lambda: poll(store, middle),
         "claim_next": claim_and_release,
-        "position (last in line)": lambda: store.position(last.user_id, last.kind, last.subject),
+        "position (last in line)": lambda: _position(store, last),
         "list_jobs": lambda: store.list_jobs(LIST_USER),
         "queue_view": lambda: store.queue_view(limit=50),
     }
@@ -907,7 +912,7 @@ def explain_operations(url: str, ordered: Sequence[Key]) -> None:
                 elapsed, value = timed(operation)
                 shown = list(captured)
                 if name == "claim_next":  # untimed: free the gateway slot again
-                    store.release(value.job.id, value.job.holder)
+                    store.fail(value.job.id, value.job.holder, Failure.STOPPED, "handed back")
             print(f"\n--- {name}: {elapsed:.2f} ms in all, {len(shown)} statements:")
             for statement, _parameters, ms in shown:
                 print(f"  {ms:6.2f} ms  {' '.join(statement.split())[:110]}")

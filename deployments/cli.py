@@ -12,14 +12,17 @@ import json
 import logging
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
-from queue_store import Redactor, Settings, SettingsError
+from queue_store import DatabaseError, Redactor, Settings, SettingsError
 from queue_store.cli import EXIT_BAD_INPUT, fails_cleanly, settings_from
 from queue_store.redact import install_log_redaction
 from queue_store.settings import variables
+
+if TYPE_CHECKING:
+    from deployments.triggers import Triggers
 
 # name -> (module, attribute, one-line help); kept here so `--help` imports nothing.
 COMMANDS: dict[str, tuple[str, str, str]] = {
@@ -49,13 +52,13 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "Scale-out: register the flows on a process work pool.",
     ),
     "consume": (
-        "flows.cli",
+        "deployments.consumers",
         "consume_command",
         "Stand by and run queued jobs (beside Prefect workers).",
     ),
-    "drain": ("flows.cli", "drain_command", "Run what is runnable now, then stop."),
+    "drain": ("deployments.consumers", "drain_command", "Run what is runnable now, then stop."),
     "setup-limit": (
-        "flows.cli",
+        "deployments.consumers",
         "setup_limit_command",
         "Create or update the `gateway` tag limit.",
     ),
@@ -110,14 +113,9 @@ class LazyGroup(click.Group):
 
 def _check_kind(kind: str) -> None:
     """Refuse a kind no generator is registered for (the plugins of AI_JOB_PLUGINS)."""
-    from flows.registry import default
-    from queue_store import InvalidArgument
+    from flows.registry import Registry
 
-    default.load(Settings().plugin_modules)
-    if default.kinds and not default.knows(kind):
-        raise InvalidArgument(
-            "kind", f"no generator is registered for {kind!r} (known: {', '.join(default.kinds)})"
-        )
+    Registry.from_plugins(Settings().plugin_modules).check_kind(kind)
 
 
 @click.group(
@@ -212,15 +210,27 @@ def _echo(value: dict[str, Any]) -> None:
     click.echo(json.dumps(value, indent=2, ensure_ascii=False))
 
 
+def _triggers(ctx: click.Context) -> Triggers:
+    """The triggers for one command; with the store unreachable, ones whose calls say so."""
+    from deployments.triggers import Triggers
+    from flows.runtime import Runtime
+
+    settings = settings_from(ctx)
+    try:
+        return Triggers.open(settings)
+    except DatabaseError:
+        return Triggers(Runtime.open(settings, check_schema=False))
+
+
 @click.command("trigger-backfill")
 @click.argument("user_id")
 @click.option("--sync-id", default=None, help="the sync this follows; one run per sync")
+@click.pass_context
 @fails_cleanly
-def trigger_backfill_command(user_id: str, sync_id: str | None) -> None:
+def trigger_backfill_command(ctx: click.Context, user_id: str, sync_id: str | None) -> None:
     """What the post-sync hook calls: queue the user's scopes, start the backfill run (JSON)."""
-    from deployments.triggers import trigger_backfill
-
-    _echo(trigger_backfill(user_id, sync_id).as_dict())
+    with _triggers(ctx) as triggers:
+        _echo(triggers.trigger_backfill(user_id, sync_id).as_dict())
 
 
 @click.command("request-insight")
@@ -228,9 +238,11 @@ def trigger_backfill_command(user_id: str, sync_id: str | None) -> None:
 @click.argument("kind")
 @click.argument("subject")
 @click.option("--fingerprint", default=None, help="hash of the data the insight is made from")
+@click.pass_context
 @fails_cleanly
-def request_insight_command(user_id: str, kind: str, subject: str, fingerprint: str | None) -> None:
+def request_insight_command(
+    ctx: click.Context, user_id: str, kind: str, subject: str, fingerprint: str | None
+) -> None:
     """What a screen calls on every poll: status, place in line, ETA, latest result (JSON)."""
-    from deployments.triggers import request_insight
-
-    _echo(request_insight(user_id, kind, subject, fingerprint).as_dict())
+    with _triggers(ctx) as triggers:
+        _echo(triggers.request_insight(user_id, kind, subject, fingerprint).as_dict())

@@ -267,7 +267,8 @@ def serve(settings: Settings, options: ServeOptions) -> None:
                 elif not is_healthy(api_url):
                     raise RuntimeError(f"PREFECT_API_URL={api_url} does not answer")
                 configure_client(api_url, home)
-                runtime = Runtime.from_env(settings)
+                runtime = Runtime.open(settings)
+                runtime.redact_logs()
                 worker = serve_worker(settings)
                 left = ServeState.read_left(settings)
                 prepare(runtime, worker, options.upgrade, left.leases if left else ())

@@ -1,41 +1,36 @@
 """What the app calls: the post-sync hook's `trigger_backfill`, and a screen's `request_insight`.
 
-Both return within a few seconds whatever Prefect's state, and never wait for
-a generation. Both queue their work in the store first, so nothing is lost
-when Prefect cannot be reached: the consumer (or the next poll) takes it.
-Both refuse at once what could never succeed: a blank or malformed id, a kind
-no generator is registered for.
+An app makes one `Triggers` per process (`Triggers.open()`) and calls it from
+any thread. Both calls return within a few seconds whatever Prefect's state,
+and never wait for a generation: they queue their work in the store first, so
+nothing is lost when Prefect cannot be reached (a consumer, or the next poll,
+takes it). Both refuse at once what could never succeed: a blank or malformed
+id, a kind no generator is registered for.
 
-A screen polls every few seconds, and every poll is a `request_insight`. A run
-is started only when one is needed: the job is queued, no consumer says it is
-standing by (one that is takes the job within a fraction of a second), and no
-call is in flight (the consumer making it takes this job next). Even then,
-one run per job per `RUN_WINDOW_SECONDS`, by Prefect's idempotency key.
-
-The one place these keep state is the `Triggers` object; the module-level
-functions use the process's own (`current()`), made on first use.
+A screen's poll is one store read when nothing changed (`JobStore.poll`). A
+run is started only when the store says one is needed (the job is queued, no
+consumer stands by, no call is in flight), and at most one per job per
+`RUN_WINDOW_SECONDS`, by Prefect's idempotency key.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Iterator
-from typing import Any
+from types import TracebackType
+from typing import Any, Self
 
 from deployments import table
 from deployments.prefect_api import PrefectApi, PrefectUnavailable, api_url
-from flows import runtime as runtimes
+from flows.runtime import Runtime
 from queue_store import (
-    INTERACTIVE,
     PREFETCH,
-    DatabaseError,
     EnqueueRequest,
-    InvalidArgument,
+    JobState,
     JobStore,
+    Settings,
     Status,
     StoreError,
     job_id,
@@ -61,6 +56,7 @@ class InsightState:
 
     status: str  # pending | running | done | failed | unknown (the store was unreachable)
     ahead: int | None = None  # jobs that will run before this one
+    ahead_exact: bool | None = None  # False: more than `ahead` (the ETA then counts those)
     in_flight: int | None = None
     eta_seconds: float | None = None
     result: dict[str, Any] | None = None  # the latest result, possibly for older data
@@ -69,9 +65,33 @@ class InsightState:
     run_note: str | None = None  # why no run was started when one was needed
     paused: str | None = None  # claiming is paused: why, and for how long
     error: str | None = None  # the store could not be reached
+    # Not part of the answer: the store's version of it, and whether the
+    # caller's version still holds (then `result` was not loaded).
+    version: str | None = dataclasses.field(default=None, compare=False)
+    unchanged: bool = dataclasses.field(default=False, compare=False)
+
+    @classmethod
+    def of(cls, state: JobState, run_id: str | None = None, note: str | None = None) -> Self:
+        position = state.position
+        return cls(
+            status=str(state.status),
+            ahead=position.ahead if position else None,
+            ahead_exact=position.ahead_exact if position else None,
+            in_flight=position.in_flight if position else None,
+            eta_seconds=round(position.eta_seconds, 1) if position else None,
+            result=state.result.as_dict() if state.result else None,
+            fresh=state.fresh,
+            flow_run_id=run_id,
+            run_note=note,
+            paused=state.paused,
+            version=state.version,
+            unchanged=state.unchanged and run_id is None and note is None,
+        )
 
     def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        shown = dataclasses.asdict(self)
+        del shown["version"], shown["unchanged"]
+        return shown
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,14 +109,22 @@ class BackfillState:
 
 
 class Triggers:
-    """The app side: a runtime (store, registry) and the way to Prefect."""
+    """The app side: a runtime (store, registry) and the way to Prefect. Thread-safe."""
 
-    def __init__(self, runtime: runtimes.Runtime, prefect_url: str | None = None) -> None:
+    def __init__(self, runtime: Runtime, prefect_url: str | None = None) -> None:
         self.runtime = runtime
         self._prefect_url = prefect_url
         self._api: PrefectApi | None = None
         self._lock = threading.Lock()
         self._outage_logged = False
+        # Screen runs started, by job and window: a poll in the same window
+        # needs no round trip to Prefect to learn the run's id again.
+        self._screen_runs: dict[tuple[str, int], str] = {}
+
+    @classmethod
+    def open(cls, settings: Settings | None = None, *, prefect_url: str | None = None) -> Self:
+        """Triggers on a runtime of their own, for these settings (default: the environment)."""
+        return cls(Runtime.open(settings), prefect_url)
 
     @property
     def store(self) -> JobStore:
@@ -110,6 +138,17 @@ class Triggers:
                 self._api = None
         self.runtime.close()
 
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
+
     def _prefect(self) -> PrefectApi:
         url = self._prefect_url or api_url(self.runtime.settings)
         if url is None:
@@ -120,17 +159,6 @@ class Triggers:
                     self._api.close()
                 self._api = PrefectApi(url)
             return self._api
-
-    def check_kind(self, kind: str) -> str:
-        """The kind, or `InvalidArgument` if no generator is registered for it."""
-        kind = validation.kind(kind)
-        registry = self.runtime.registry
-        if registry.kinds and not registry.knows(kind):
-            raise InvalidArgument(
-                "kind",
-                f"no generator is registered for {kind!r} (known: {', '.join(registry.kinds)})",
-            )
-        return kind
 
     def _start_run(
         self, deployment: table.Deployment, **request: Any
@@ -148,73 +176,56 @@ class Triggers:
         return run, None
 
     def request_insight(
-        self, user_id: str, kind: str, subject: str, fingerprint: str | None = None
+        self,
+        user_id: str,
+        kind: str,
+        subject: str,
+        fingerprint: str | None = None,
+        *,
+        known: str | None = None,
     ) -> InsightState:
         """A screen's poll: queue the insight at the front, start a run if needed, report.
 
-        Raises `InvalidArgument` (a `ValueError`) for bad input; never raises
-        because Prefect or the database is down: the state says so instead.
+        `known` is the `version` of the answer the screen already has; while it
+        holds, the answer says `unchanged` and carries no result. Raises
+        `InvalidArgument` (a `ValueError`) for bad input; never raises because
+        Prefect or the database is down: the state says so instead.
         """
         user_id, kind, subject = validation.key(user_id, kind, subject)
         fingerprint = validation.fingerprint(fingerprint)
-        self.check_kind(kind)
-        store = self.store
+        self.runtime.registry.check_kind(kind)
         try:
-            status = store.enqueue(user_id, kind, subject, fingerprint, INTERACTIVE)
+            state = self.store.poll(user_id, kind, subject, fingerprint, known=known)
         except StoreError as exc:
             if isinstance(exc, ValueError):
                 raise
             logger.error("store unavailable for %s:%s: %s", kind, subject, exc)
             return InsightState(status=str(Status.UNKNOWN), error=str(exc))
-
-        run_id = note = None
-        if status == Status.PENDING and self._run_needed():
-            window = int(time.time() // RUN_WINDOW_SECONDS)
-            run_id, note = self._start_run(
-                table.INTERACTIVE,
-                parameters={
-                    "user_id": user_id,
-                    "kind": kind,
-                    "subject": subject,
-                    "fingerprint": fingerprint,
-                },
-                name=f"{kind}:{subject}",
-                tags=[f"user:{user_id}", f"kind:{kind}", "priority:interactive"],
-                idempotency_key=f"interactive:{job_id(user_id, kind, subject)}:{window}",
-            )
-        try:
-            job = store.job(user_id, kind, subject)
-            # Only a queued or running job has a place in line: a finished one
-            # (most polls, once a screen shows its result) skips that read.
-            waiting = job is not None and job.status in (Status.PENDING, Status.RUNNING)
-            position = store.position(user_id, kind, subject) if waiting else None
-            latest = store.result_of(user_id, kind, subject)
-            gate = store.gate_state()
-        except StoreError as exc:
-            return InsightState(
-                status=str(status), flow_run_id=run_id, run_note=note, error=str(exc)
-            )
-        paused = None
-        if gate.paused:
-            paused = f"{gate.pause_kind} for {gate.pause_seconds_left:.0f} s: {gate.pause_reason}"
-        return InsightState(
-            status=str(status),
-            ahead=position.ahead if position else None,
-            in_flight=position.in_flight if position else None,
-            eta_seconds=round(position.eta_seconds, 1) if position else None,
-            result=latest.as_dict() if latest else None,
-            fresh=latest is not None and latest.is_fresh_for(fingerprint, job),
-            flow_run_id=run_id,
-            run_note=note,
-            paused=paused,
+        if not state.run_needed:
+            return InsightState.of(state)
+        window = int(time.time() // RUN_WINDOW_SECONDS)
+        key = (state.job.id, window)
+        with self._lock:
+            started = self._screen_runs.get(key)
+        if started is not None:
+            return InsightState.of(state, started)
+        run_id, note = self._start_run(
+            table.INTERACTIVE,
+            parameters={
+                "user_id": user_id,
+                "kind": kind,
+                "subject": subject,
+                "fingerprint": fingerprint,
+            },
+            name=f"{kind}:{subject}",
+            tags=[f"user:{user_id}", f"kind:{kind}", "priority:interactive"],
+            idempotency_key=f"interactive:{job_id(user_id, kind, subject)}:{window}",
         )
-
-    def _run_needed(self) -> bool:
-        """No consumer stands by and none is mid-call: only a new run would take the job."""
-        try:
-            return not self.store.consumer_standing_by() and self.store.calls_in_flight() == 0
-        except StoreError:
-            return True
+        if run_id is not None:
+            with self._lock:
+                self._screen_runs = {k: v for k, v in self._screen_runs.items() if k[1] >= window}
+                self._screen_runs[key] = run_id
+        return InsightState.of(state, run_id, note)
 
     def trigger_backfill(self, user_id: str, sync_id: str | None = None) -> BackfillState:
         """After a data sync: queue every scope of the user, start the backfill run, return at once.
@@ -228,6 +239,7 @@ class Triggers:
         if sync_id is not None:
             sync_id = validation.text("sync_id", sync_id, 200)
         scopes = self.runtime.registry.scopes_for(user_id)
+        error: str | None = None
         try:
             self.store.enqueue_many(
                 [
@@ -242,9 +254,7 @@ class Triggers:
                 raise
             # The run queues them itself when it starts.
             logger.error("could not queue the scopes of %s: %s", user_id, exc)
-            error: str | None = str(exc)
-        else:
-            error = None
+            error = str(exc)
         window = sync_id or str(int(time.time() // BACKFILL_WINDOW_SECONDS))
         run_id, note = self._start_run(
             table.BACKFILL,
@@ -254,53 +264,3 @@ class Triggers:
             idempotency_key=f"backfill:{user_id}:{window}",
         )
         return BackfillState(user_id, len(scopes), run_id, note, error)
-
-
-_triggers: runtimes.InForce[Triggers] = runtimes.InForce(
-    "insight_queue_triggers", lambda: Triggers(runtimes.current())
-)
-
-
-def current() -> Triggers:
-    """The triggers in force: installed with `use`, else this process's own."""
-    return _triggers.current()
-
-
-def use(triggers: Triggers) -> contextlib.AbstractContextManager[Triggers]:
-    """Install `triggers` for the current context (as `flows.runtime.use` does a runtime)."""
-    return _triggers.use(triggers)
-
-
-@contextlib.contextmanager
-def _in_force() -> Iterator[Triggers]:
-    """The triggers in force, even when the store cannot be opened right now.
-
-    Opening the store checks its schema, which needs the database. When the
-    database cannot be reached, this one call gets triggers on a store opened
-    without that check: it meets the outage like any call does (the state
-    says so), and the next call opens the store again.
-    """
-    try:
-        triggers = current()
-    except DatabaseError:
-        one_off = Triggers(runtimes.Runtime.from_env(check_schema=False))
-        try:
-            yield one_off
-        finally:
-            one_off.close()
-        return
-    yield triggers
-
-
-def request_insight(
-    user_id: str, kind: str, subject: str, fingerprint: str | None = None
-) -> InsightState:
-    """A screen's poll (see `Triggers.request_insight`)."""
-    with _in_force() as triggers:
-        return triggers.request_insight(user_id, kind, subject, fingerprint)
-
-
-def trigger_backfill(user_id: str, sync_id: str | None = None) -> BackfillState:
-    """The post-sync hook (see `Triggers.trigger_backfill`)."""
-    with _in_force() as triggers:
-        return triggers.trigger_backfill(user_id, sync_id)

@@ -96,7 +96,7 @@ class Demo:
         from flows.runtime import Runtime
 
         assert self.server is not None and self.recorder is not None
-        runtime = Runtime.from_env(self.settings())
+        runtime = Runtime.open(self.settings())
         triggers = Triggers(runtime, prefect_url=self.server.api_url)
         scopes = demo_scopes(DEMO_USER)
         screen = next(s for s in scopes if s.kind == SCREEN_KIND)

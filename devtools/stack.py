@@ -1,18 +1,25 @@
-"""`insight-queue serve` as a subprocess, for the demo, the tests and the benchmarks.
+"""The product's servers as the demo, the tests and the benchmarks run them.
 
-Ready once its deployments are registered and its consumer says it is alive;
-stopped by its PID (with its process group) on `stop()` or at the end of a
-`with` block.
+`ServeProcess` is `insight-queue serve` as a subprocess, ready once its
+deployments are registered and its consumer says it is alive, stopped by its
+PID (with its process group). `ApiServer` serves an ASGI app (the API) on a
+loopback port from a thread of this process.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
+import threading
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Self
+
+import uvicorn
+from starlette.types import ASGIApp
 
 from deployments import processes, table
 from deployments.prefect_api import PrefectApi, PrefectUnavailable
@@ -107,4 +114,48 @@ class ServeProcess:
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
+        self.stop()
+
+
+class ApiServer:
+    """An ASGI app served by uvicorn on a loopback port (0: any free one), from a thread."""
+
+    def __init__(self, app: ASGIApp, host: str = "127.0.0.1", port: int = 0) -> None:
+        self._socket = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._socket.bind((host, port))
+        self.host = host
+        self.port = int(self._socket.getsockname()[1])
+        config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off")
+        self._server = uvicorn.Server(config)
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    def start(self, timeout: float = 10.0) -> Self:
+        self._thread = threading.Thread(
+            target=self._server.run, kwargs={"sockets": [self._socket]}, daemon=True
+        )
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the API did not start at {self.url}")
+            time.sleep(0.01)
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+        self._socket.close()
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *_: object) -> None:
         self.stop()

@@ -43,6 +43,11 @@ MAX_WAIT_SECONDS = 5.0
 STORE_OUTAGE_SECONDS = 60.0
 
 
+def standing_by(store: JobStore) -> list[str]:
+    """The consumers that say they stand by, alive: they take queued work without a new run."""
+    return [w.name for w in store.workers() if w.alive and w.role == "consumer"]
+
+
 def worker_name(role: str = "consumer") -> str:
     """A fresh worker name for this process: role, host, pid and a nonce (no '/')."""
     host = "".join(c if c.isalnum() or c in ".-" else "-" for c in socket.gethostname())[:60]

@@ -14,7 +14,7 @@ import json
 from typing import Any
 
 from flows.gateway import Completion
-from flows.registry import Messages, Scope, register_generator, register_scopes
+from flows.registry import Messages, Registry, Scope
 
 DEMO_DAYS = 28
 
@@ -100,7 +100,9 @@ def _with_model(answer: Completion) -> Any:
     return {"text": answer.content, "model": answer.raw.get("model")}
 
 
-for _kind in METRICS:
-    register_generator(_kind, _metric_request(_kind), _with_model)
-register_generator(TRENDS, _trends_request, _with_model)
-register_scopes(demo_scopes)
+def register(registry: Registry) -> None:
+    """The demo set: a generator per metric and one for trends, and the scopes of any user."""
+    for kind in METRICS:
+        registry.register_generator(kind, _metric_request(kind), _with_model)
+    registry.register_generator(TRENDS, _trends_request, _with_model)
+    registry.register_scopes(demo_scopes)

@@ -42,9 +42,9 @@ from prefect.client.schemas.objects import State
 from prefect.runtime import flow_run
 from prefect.states import Completed, Failed
 
-from flows import runtime
-from flows.consumer import Consumer, worker_name
+from flows.consumer import Consumer, standing_by, worker_name
 from flows.history import PrefectLedger, PrefectSlotGuard, run_url
+from flows.runtime import Runtime
 from queue_store import INTERACTIVE, PREFETCH, EnqueueRequest, Job, Status, StoreError, job_id
 
 # How often a following run looks at its jobs (a read-only query).
@@ -56,6 +56,14 @@ FOLLOW_LIMIT_SECONDS = 24 * 3600.0
 def _slug(text: str) -> str:
     """An artifact key from free text: lowercase letters, digits and dashes."""
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")[:60] or "x"
+
+
+@contextlib.contextmanager
+def _runtime() -> Iterator[Runtime]:
+    """This run's runtime, from its environment, its secrets kept out of every log."""
+    with Runtime.open() as rt:
+        rt.redact_logs()
+        yield rt
 
 
 @contextlib.contextmanager
@@ -77,13 +85,13 @@ def _stop_on_signals(consumer: Consumer) -> Iterator[None]:
 
 
 @contextlib.asynccontextmanager
-async def _consuming(rt: runtime.Runtime, *, role: str) -> AsyncIterator[Consumer | None]:
+async def _consuming(rt: Runtime, *, role: str) -> AsyncIterator[Consumer | None]:
     """A draining consumer for this run, unless a warm one stands by (then None)."""
     try:
-        standing_by = await asyncio.to_thread(rt.store.consumer_standing_by)
+        warm = bool(await asyncio.to_thread(standing_by, rt.store))
     except StoreError:
-        standing_by = False
-    if standing_by:
+        warm = False
+    if warm:
         yield None
         return
     worker = worker_name(role)
@@ -105,7 +113,11 @@ class _Scope:
 @flow(name="backfill", flow_run_name="backfill:{user_id}", log_prints=False)
 async def backfill(user_id: str) -> State[Any]:
     """After a data sync: queue the user's scopes at prefetch priority and see them through."""
-    rt = runtime.current()
+    with _runtime() as rt:
+        return await _backfill(rt, user_id)
+
+
+async def _backfill(rt: Runtime, user_id: str) -> State[Any]:
     log = get_run_logger()
     scopes = rt.registry.scopes_for(user_id)
     requests = [
@@ -143,7 +155,13 @@ async def interactive(
     user_id: str, kind: str, subject: str, fingerprint: str | None = None
 ) -> State[Any]:
     """A screen is open: put its insight at the front and tell the screen's story."""
-    rt = runtime.current()
+    with _runtime() as rt:
+        return await _interactive(rt, user_id, kind, subject, fingerprint)
+
+
+async def _interactive(
+    rt: Runtime, user_id: str, kind: str, subject: str, fingerprint: str | None
+) -> State[Any]:
     log = get_run_logger()
     asked = time.time()
     status = await asyncio.to_thread(
@@ -151,7 +169,7 @@ async def interactive(
     )
     jid = job_id(user_id, kind, subject)
     if status == Status.DONE:
-        job = await asyncio.to_thread(rt.store.get, jid)
+        job = (await asyncio.to_thread(rt.store.jobs, [jid])).get(jid)
         story = f"Already generated for this data; nothing to do.{_made_by(job)}"
         await acreate_markdown_artifact(
             story, key=f"screen-{_slug(kind)}", description="The screen's story"
@@ -193,7 +211,11 @@ async def interactive(
 @flow(name="drain", log_prints=False)
 async def drain(max_jobs: int | None = None) -> dict[str, Any]:
     """Run what is runnable in priority order, then stop (the safety net of a work pool)."""
-    rt = runtime.current()
+    with _runtime() as rt:
+        return await _drain(rt, max_jobs)
+
+
+async def _drain(rt: Runtime, max_jobs: int | None) -> dict[str, Any]:
     worker = worker_name("drain")
     ledger = PrefectLedger(worker, rt.redactor, parent_flow_run_id=flow_run.get_id())
     consumer = rt.consumer(
@@ -207,7 +229,7 @@ async def drain(max_jobs: int | None = None) -> dict[str, Any]:
 
 
 async def _follow(
-    rt: runtime.Runtime,
+    rt: Runtime,
     ids: list[str],
     show: Any,
     consumer: Consumer | None,
@@ -226,7 +248,7 @@ async def _follow(
     try:
         while time.monotonic() < deadline:
             try:
-                found = await asyncio.to_thread(_rows, rt, ids)
+                found = await asyncio.to_thread(rt.store.jobs, ids)
             except StoreError:
                 await asyncio.sleep(FOLLOW_POLL_SECONDS)
                 continue
@@ -253,10 +275,6 @@ async def _follow(
                 drain.cancel()
             await asyncio.gather(drain, return_exceptions=True)
     return latest
-
-
-def _rows(rt: runtime.Runtime, ids: list[str]) -> dict[str, Job]:
-    return {j.id: j for i in ids if (j := rt.store.get(i)) is not None}
 
 
 def _scope_rows(

@@ -1,41 +1,25 @@
-"""The runtime: everything a process needs to run jobs, made once and looked up in one place.
+"""The runtime: what a process needs to run jobs, made explicitly by whoever needs it.
 
-A `Runtime` holds the settings, the store, the registry of generators and
-scopes (with the plugin modules loaded), and the redactor. A process makes one
-(`Runtime.from_env()`), and code that needs it calls `current()`, which
-returns the runtime in force: the one installed with `use(...)` for the
-current context (tests build their own and install it), else the process's
-own, made on first use. `deployments.triggers` keeps the app side's
-`Triggers` (a runtime and a client for Prefect's API) the same way, through
-the same `InForce`. Nothing else in `flows` or `deployments` keeps state at
-module level.
-
-What each consumer needs per run (a gateway client, the run history, the
-gateway slot) is made from the runtime by `consumer(...)`.
+`Runtime.open(settings)` makes the store and a registry filled by the plugin
+modules of `AI_JOB_PLUGINS`; nothing is made on import or on first use, and
+nothing global is touched unless asked (`redact_logs`). A command, a flow run
+or an app makes one and closes it; tests make their own.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
-import logging
-import threading
-from collections.abc import Callable, Iterator
-from typing import Generic, TypeVar
+from types import TracebackType
+from typing import Self
 
 from flows.consumer import Consumer, worker_name
 from flows.gateway import GatewayClient
-from flows.guard import Guard, NullGuard
-from flows.ledger import Ledger, NullLedger
-from flows.registry import Registry, default
+from flows.guard import Guard
+from flows.ledger import Ledger
+from flows.registry import Registry
 from flows.runner import JobRunner
 from queue_store import JobStore, Redactor, Settings
 from queue_store.redact import install_log_redaction
-
-logger = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 
 @dataclasses.dataclass
@@ -46,38 +30,27 @@ class Runtime:
     redactor: Redactor
 
     @classmethod
-    def from_env(
+    def open(
         cls,
         settings: Settings | None = None,
         registry: Registry | None = None,
         *,
         check_schema: bool = True,
     ) -> Runtime:
-        """The runtime for these settings (default: the environment), plugins loaded.
+        """The runtime for these settings (default: the environment): registry, then store.
 
-        The store's schema is checked as it is opened, which needs the
-        database; `check_schema=False` opens it without touching the database.
+        Opening the store checks (and on SQLite creates) its schema, which needs
+        the database; `check_schema=False` opens it without touching it.
         """
         settings = settings or Settings()
-        redactor = Redactor.for_settings(settings)
-        install_log_redaction(redactor, ("", "prefect", "httpx"))
-        registry = registry or default
-        registry.load(settings.plugin_modules)
+        registry = registry or Registry.from_plugins(settings.plugin_modules)
         store = JobStore(settings.database_url, settings=settings, check_schema=check_schema)
-        return cls(settings, store, registry, redactor)
+        return cls(settings, store, registry, Redactor.for_settings(settings))
 
-    def client(self) -> GatewayClient:
-        return GatewayClient(self.settings, redactor=self.redactor)
-
-    def runner(self, ledger: Ledger | None = None) -> JobRunner:
-        return JobRunner(
-            self.store,
-            self.settings,
-            self.registry,
-            self.client(),
-            ledger=ledger or NullLedger(),
-            redactor=self.redactor,
-        )
+    def redact_logs(self) -> None:
+        """Remove this runtime's secrets from every log record of this process (ours, Prefect's,
+        httpx's)."""
+        install_log_redaction(self.redactor, ("", "prefect", "httpx"))
 
     def consumer(
         self,
@@ -90,12 +63,16 @@ class Runtime:
         hold_slot_when_idle: bool = False,
         role: str = "consumer",
     ) -> Consumer:
+        client = GatewayClient(self.settings, redactor=self.redactor)
+        runner = JobRunner(
+            self.store, self.settings, self.registry, client, ledger=ledger, redactor=self.redactor
+        )
         return Consumer(
             self.store,
             self.settings,
-            self.runner(ledger),
+            runner,
             worker=worker or worker_name(role),
-            guard=guard or NullGuard(),
+            guard=guard,
             standby=standby,
             max_jobs=max_jobs,
             hold_slot_when_idle=hold_slot_when_idle,
@@ -105,49 +82,13 @@ class Runtime:
     def close(self) -> None:
         self.store.close()
 
+    def __enter__(self) -> Self:
+        return self
 
-class InForce(Generic[T]):
-    """The object in force: the one a context installed with `use`, else the process's own.
-
-    The process's own is made by `make` on first use, once, under a lock.
-    What a context installs is seen by the tasks and threads it starts.
-    """
-
-    def __init__(self, name: str, make: Callable[[], T]) -> None:
-        self._installed: contextvars.ContextVar[T | None] = contextvars.ContextVar(
-            name, default=None
-        )
-        self._make = make
-        self._process: T | None = None
-        self._lock = threading.Lock()
-
-    def current(self) -> T:
-        installed = self._installed.get()
-        if installed is not None:
-            return installed
-        with self._lock:
-            if self._process is None:
-                self._process = self._make()
-            return self._process
-
-    @contextlib.contextmanager
-    def use(self, value: T) -> Iterator[T]:
-        """Install `value` for the current context, until the block ends."""
-        token = self._installed.set(value)
-        try:
-            yield value
-        finally:
-            self._installed.reset(token)
-
-
-_runtime: InForce[Runtime] = InForce("insight_queue_runtime", Runtime.from_env)
-
-
-def current() -> Runtime:
-    """The runtime in force: the one installed with `use`, else this process's own."""
-    return _runtime.current()
-
-
-def use(runtime: Runtime) -> contextlib.AbstractContextManager[Runtime]:
-    """Install `runtime` for the current context (and the tasks and threads it starts)."""
-    return _runtime.use(runtime)
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()

@@ -164,24 +164,6 @@ def enqueue_command(
         click.echo(status)
 
 
-def job_state(store: JobStore, user_id: str, kind: str, subject: str) -> dict[str, Any] | None:
-    """One job as `status` shows it: the job, its place and ETA, the latest result, any pause."""
-    job = store.job(user_id, kind, subject)
-    if job is None:
-        return None
-    state = job.as_dict(store.config.max_attempts)
-    position = store.position(user_id, kind, subject)
-    state.update(
-        position.as_dict() if position else {"ahead": None, "in_flight": None, "eta_seconds": None}
-    )
-    result = store.result_of(user_id, kind, subject)
-    state["result"] = result.as_dict() if result else None
-    state["fresh"] = bool(result and result.is_fresh_for(job.fingerprint, job))
-    gate = store.gate_state()
-    state["paused"] = gate.as_dict() if gate.paused else None
-    return state
-
-
 @click.command("status")
 @click.argument("user_id")
 @click.argument("kind")
@@ -191,11 +173,11 @@ def job_state(store: JobStore, user_id: str, kind: str, subject: str) -> dict[st
 def status_command(ctx: click.Context, user_id: str, kind: str, subject: str) -> None:
     """One job's status, place in line, ETA and latest result, as JSON."""
     with open_store(ctx, write=False) as store:
-        state = job_state(store, user_id, kind, subject)
+        state = store.state(user_id, kind, subject)
     if state is None:
         click.echo(f"error: no job for {user_id!r} {kind}:{subject}", err=True)
         sys.exit(EXIT_FAILURE)
-    echo_json(state)
+    echo_json(state.as_dict(store.settings.max_attempts))
 
 
 @click.command("jobs")

@@ -30,6 +30,7 @@ from queue_store.models import (
     Blocked,
     Claim,
     Failure,
+    Job,
     PauseKind,
     Renewal,
     Settlement,
@@ -49,6 +50,7 @@ def running_rows(connection: Connection) -> list[Row[Any]]:
         connection.execute(
             select(
                 jobs.c.id,
+                jobs.c.kind,
                 jobs.c.holder,
                 jobs.c.worker,
                 jobs.c.attempts,
@@ -161,7 +163,7 @@ def claim(
             .where(jobs.c.id == candidate.id)
             .values(**claimed, revision=candidate.revision + 1)
         )
-        job = schema.job_from_row(candidate)
+        job = schema.from_row(Job, candidate)
         return Claim(dataclasses.replace(job, **claimed))
 
 

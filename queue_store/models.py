@@ -136,6 +136,12 @@ class Job:
     unavailable_since: dt.datetime | None  # first "unavailable" of its current streak (G2)
     flow_run_id: str | None
 
+    def __post_init__(self) -> None:
+        # Rows hand over the status as text, and the original's rows may lack `queued_at`.
+        object.__setattr__(self, "status", Status(self.status))
+        if self.queued_at is None:
+            object.__setattr__(self, "queued_at", self.created_at)
+
     @property
     def interactive(self) -> bool:
         return self.priority <= INTERACTIVE
@@ -201,13 +207,16 @@ class Position:
     """Where a job stands in line, for a screen that is waiting on it."""
 
     status: Status
-    ahead: int  # queued jobs that will be taken before this one
+    ahead: int  # queued jobs that will be taken before this one (at most the bound)
     in_flight: int  # calls running now (this job included when it is running)
     eta_seconds: float  # expected seconds until this job's result is ready
+    # False: more than `ahead` jobs are ahead, and the ETA counts only `ahead` of them.
+    ahead_exact: bool = True
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "ahead": self.ahead,
+            "ahead_exact": self.ahead_exact,
             "in_flight": self.in_flight,
             "eta_seconds": round(self.eta_seconds, 1),
         }
@@ -242,6 +251,50 @@ class Result:
             "duration_seconds": self.duration_seconds,
             "flow_run_id": self.flow_run_id,
         }
+
+
+@dataclasses.dataclass(frozen=True)
+class JobState:
+    """One job as a screen, the CLI and the API see it, read in one transaction.
+
+    `version` changes whenever anything shown changes, but for the ETA's countdown.
+    `unchanged`: the version the caller already had still holds, and the result
+    was not loaded (`result` is None): the caller answers "not modified".
+    """
+
+    job: Job
+    position: Position | None  # for a pending or running job
+    result: Result | None
+    fresh: bool  # the latest result answers the fingerprint asked about
+    gate: GateState
+    run_needed: bool  # queued, with no consumer standing by and no call in flight
+    version: str
+    unchanged: bool = False
+
+    @property
+    def status(self) -> Status:
+        return self.job.status
+
+    @property
+    def paused(self) -> str | None:
+        """Why claiming is paused, and for how long; None while it is open."""
+        gate = self.gate
+        if not gate.paused:
+            return None
+        return f"{gate.pause_kind} for {gate.pause_seconds_left:.0f} s: {gate.pause_reason}"
+
+    def as_dict(self, max_attempts: int) -> dict[str, Any]:
+        place = self.position.as_dict() if self.position else dict.fromkeys(POSITION_FIELDS)
+        return {
+            **self.job.as_dict(max_attempts),
+            **place,
+            "result": self.result.as_dict() if self.result else None,
+            "fresh": self.fresh,
+            "paused": self.gate.as_dict() if self.gate.paused else None,
+        }
+
+
+POSITION_FIELDS = ("ahead", "ahead_exact", "in_flight", "eta_seconds")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,9 +7,10 @@ UTC on every backend and handed out timezone-aware.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import json
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy import (
     Column,
@@ -26,8 +27,6 @@ from sqlalchemy import (
     TypeDecorator,
     text,
 )
-
-from queue_store.models import Job, Status
 
 # The migration this code expects; `JobStore` refuses an older database.
 SCHEMA_REVISION = "0004"
@@ -201,27 +200,11 @@ workers = Table(
 )
 
 
-def job_from_row(row: Row[Any]) -> Job:
-    """A row of `ai_jobs` as the store hands it out."""
-    return Job(
-        id=row.id,
-        user_id=row.user_id,
-        kind=row.kind,
-        subject=row.subject,
-        fingerprint=row.fingerprint,
-        priority=row.priority,
-        status=Status(row.status),
-        attempts=row.attempts,
-        error=row.error,
-        holder=row.holder,
-        worker=row.worker,
-        claimed_at=row.claimed_at,
-        heartbeat_at=row.heartbeat_at,
-        queued_at=row.queued_at or row.created_at,
-        created_at=row.created_at,
-        updated_at=row.updated_at,
-        finished_at=row.finished_at,
-        requested_at=row.requested_at,
-        unavailable_since=row.unavailable_since,
-        flow_run_id=row.flow_run_id,
-    )
+T = TypeVar("T")
+
+
+def from_row(cls: type[T], row: Row[Any], **values: Any) -> T:
+    """A dataclass of the store's from a row's columns of the same names; `values` win."""
+    names = {field.name for field in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    found = {name: value for name, value in row._mapping.items() if name in names}
+    return cls(**{**found, **values})

@@ -20,14 +20,13 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from queue_store.errors import SettingsError
 from queue_store.redact import mask_url
 
-APP_NAME = "insight-queue"
 KIB, MIB = 1 << 10, 1 << 20
 _MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 
 
 def default_data_dir() -> Path:
     """Where the embedded default keeps its SQLite file and Prefect home."""
-    return Path(platformdirs.user_data_dir(APP_NAME, appauthor=False))
+    return Path(platformdirs.user_data_dir("insight-queue", appauthor=False))
 
 
 _COMMON = SettingsConfigDict(
@@ -91,6 +90,7 @@ class ApiSettings(_Checked):
     model_config = _config("AI_API_")
 
     token: SecretStr = _f(SecretStr(""), "token for operator routes, and all routes off loopback")
+    require_token: bool = _f(False, "every route needs the token, on loopback too (behind a proxy)")
 
     @field_validator("token")
     @classmethod

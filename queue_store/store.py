@@ -10,7 +10,7 @@ How the work is split:
 - `rules`: what an enqueue does to an existing job, as a pure decision;
 - `lease`: the SQL of claiming, renewing, reaping and settling, always under
   the gate lock and on the store's one clock (`clock`);
-- `positions`: place in line, ETA and the whole-queue view;
+- `places`: place in line and ETA, bounded at any backlog;
 - this module: transactions, and the verbs that tie those together.
 
 Concurrency model:
@@ -27,6 +27,7 @@ Concurrency model:
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import os
 import socket
 from collections.abc import Iterable, Iterator, Sequence
@@ -44,20 +45,22 @@ from sqlalchemy import (
     select,
     update,
 )
-from sqlalchemy.engine import make_url
+from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
-from queue_store import bulk, lease, migrate, positions, schema, validation
+from queue_store import bulk, lease, migrate, places, schema, validation
 from queue_store.clock import Clock, ClockFunction, DatabaseClock, HostClock, InjectedClock
 from queue_store.engine import SQLITE_BEGIN, create_store_engine, shown_url, wrap_database_error
 from queue_store.errors import ClaimLost, DatabaseError, InvalidArgument, SchemaOutdated
 from queue_store.models import (
+    INTERACTIVE,
     PREFETCH,
     Claim,
     EnqueueRequest,
     Failure,
     GateState,
     Job,
+    JobState,
     PauseKind,
     Position,
     QueueEntry,
@@ -71,13 +74,19 @@ from queue_store.models import (
 )
 from queue_store.redact import Redactor
 from queue_store.rules import decide, lapsed
-from queue_store.schema import job_from_row
+from queue_store.schema import from_row
 from queue_store.settings import Settings
 
 jobs = schema.jobs
 results = schema.results
 gate = schema.gate
 workers = schema.workers
+
+# What a poll reads of the latest result before it knows whether to load it.
+RESULT_META = (
+    results.c.fingerprint.label("result_fingerprint"),
+    results.c.produced_at.label("result_produced_at"),
+)
 
 # An enqueue that keeps losing its compare-and-swap is being raced by writers
 # on the same key; a few rounds always settle it.
@@ -138,17 +147,14 @@ class JobStore:
     # -- lifecycle ---------------------------------------------------------
 
     @property
-    def config(self) -> Settings:
+    def settings(self) -> Settings:
         """The settings this store was made with."""
         return self._settings
 
     @property
-    def url(self) -> str:
-        return shown_url(self._engine.url)
-
-    @property
-    def is_sqlite(self) -> bool:
-        return self._is_sqlite
+    def engine(self) -> Engine:
+        """The store's SQLAlchemy engine (for its own events, in tests and benchmarks)."""
+        return self._engine
 
     def close(self) -> None:
         self._engine.dispose()
@@ -173,8 +179,8 @@ class JobStore:
         if revision != schema.SCHEMA_REVISION:
             found = "no insight-queue schema" if revision is None else f"revision {revision}"
             raise SchemaOutdated(
-                f"the database at {self.url} has {found}; this version needs revision "
-                f"{schema.SCHEMA_REVISION}. Run `insight-queue db upgrade` to upgrade it."
+                f"the database at {shown_url(self._engine.url)} has {found}; this version needs "
+                f"revision {schema.SCHEMA_REVISION}. Run `insight-queue db upgrade` to upgrade it."
             )
 
     def upgrade(self) -> str | None:
@@ -226,6 +232,13 @@ class JobStore:
     def _now(self, connection: Connection) -> dt.datetime:
         return self._clock.now(connection)
 
+    def _outlook(
+        self, connection: Connection, now: dt.datetime, gate_row: Row[Any] | None = None
+    ) -> places.Outlook:
+        gate_row = gate_row if gate_row is not None else self._gate_row(connection)
+        running = lease.running_rows(connection)
+        return places.outlook(connection, self._settings, now, gate_row, running)
+
     def _error(self, value: object, name: str = "error") -> str:
         """An error text as stored: checked, cut, and with every secret removed (G5)."""
         return validation.error_text(self._redact(validation.error_text(value, name)), name)
@@ -249,38 +262,46 @@ class JobStore:
         fingerprint = validation.fingerprint(fingerprint)
         priority = validation.priority(priority)
         jid = job_id(user_id, kind, subject)
-
         for _ in range(MAX_ENQUEUE_ROUNDS):
             with self._read("enqueue") as connection:
                 row = connection.execute(select(jobs).where(jobs.c.id == jid)).one_or_none()
                 now = self._now(connection)
-            if row is None:
-                try:
-                    with self._write("enqueue") as connection:
-                        now = self._now(connection)
-                        connection.execute(
-                            insert(jobs).values(
-                                bulk.new_job(user_id, kind, subject, fingerprint, priority, now)
-                            )
-                        )
-                    return Status.PENDING
-                except IntegrityError:
-                    continue  # another caller inserted it first: decide again
-            decision = decide(row, fingerprint, priority, now, self._settings)
-            if decision.reap_first:
-                self._take_back(jid)
-                continue
-            if decision.changes is None:
-                return decision.status
-            with self._write("enqueue") as connection:
-                written = connection.execute(
-                    update(jobs)
-                    .where(jobs.c.id == jid, jobs.c.revision == row.revision)
-                    .values(**decision.changes, updated_at=now, revision=row.revision + 1)
-                ).rowcount
-            if written == 1:
-                return decision.status
+            status = self._enqueue_round((user_id, kind, subject), fingerprint, priority, row, now)
+            if status is not None:
+                return status
         raise DatabaseError(f"enqueue: job {jid[:12]}… kept changing under this call; retry")
+
+    def _enqueue_round(
+        self,
+        key: tuple[str, str, str],
+        fingerprint: str | None,
+        priority: int,
+        row: Row[Any] | None,
+        now: dt.datetime,
+    ) -> Status | None:
+        """Act on the row as read: the job's status afterwards, or None to read it again."""
+        if row is None:
+            try:
+                with self._write("enqueue") as connection:
+                    now = self._now(connection)
+                    values = bulk.new_job(*key, fingerprint, priority, now)
+                    connection.execute(insert(jobs).values(values))
+            except IntegrityError:
+                return None  # another caller inserted it first: decide again
+            return Status.PENDING
+        decision = decide(row, fingerprint, priority, now, self._settings)
+        if decision.reap_first:
+            self._take_back(row.id)
+            return None
+        if decision.changes is None:
+            return decision.status
+        with self._write("enqueue") as connection:
+            written = connection.execute(
+                update(jobs)
+                .where(jobs.c.id == row.id, jobs.c.revision == row.revision)
+                .values(**decision.changes, updated_at=now, revision=row.revision + 1)
+            ).rowcount
+        return decision.status if written == 1 else None
 
     def _take_back(self, jid: str) -> None:
         """Reap one job whose claim looked lapsed, if it still is (a lease decision)."""
@@ -373,42 +394,114 @@ class JobStore:
                 ).rowcount
             )
 
-    # -- R7, R10, R11: the user's queue ------------------------------------
-
-    def supersede(self, user_id: str, kind: str, subject: str) -> int:
-        """Drop the user's pending jobs of `kind` for any other subject; returns how many."""
-        user_id, kind, subject = validation.key(user_id, kind, subject)
-        with self._write("supersede") as connection:
-            return self._supersede(connection, user_id, kind, subject)
-
-    def _supersede(self, connection: Connection, user_id: str, kind: str, subject: str) -> int:
-        return int(
-            connection.execute(
-                delete(jobs).where(
-                    jobs.c.user_id == user_id,
-                    jobs.c.kind == kind,
-                    jobs.c.subject != subject,
-                    jobs.c.status == Status.PENDING,
-                )
-            ).rowcount
-        )
+    # -- reads: one job, its state, a user's queue -------------------------------
 
     def job(self, user_id: str, kind: str, subject: str) -> Job | None:
+        """The job of this key (R11), or None."""
+        found = self.jobs([job_id(*validation.key(user_id, kind, subject))])
+        return next(iter(found.values()), None)
+
+    def jobs(self, ids: Iterable[str]) -> dict[str, Job]:
+        """The jobs with these ids, by id, in one read (ids with no job are left out)."""
+        wanted = sorted({validation.job_id(i) for i in ids})
+        with self._read("jobs") as connection:
+            rows = connection.execute(select(jobs).where(jobs.c.id.in_(wanted))).all()
+        return {row.id: from_row(Job, row) for row in rows}
+
+    def state(
+        self, user_id: str, kind: str, subject: str, fingerprint: str | None = None
+    ) -> JobState | None:
+        """The job, its place and ETA, latest result and the gate, in one read; None if no job.
+
+        `fresh` is judged against `fingerprint`, or the job's own without one.
+        """
         user_id, kind, subject = validation.key(user_id, kind, subject)
-        return self.get(job_id(user_id, kind, subject))
+        fingerprint = validation.fingerprint(fingerprint)
+        with self._read("state") as connection:
+            row = self._job_and_result(connection, job_id(user_id, kind, subject))
+            if row is None:
+                return None
+            asked = fingerprint if fingerprint is not None else row.fingerprint
+            return self._state(connection, row, self._now(connection), asked)
 
-    def get(self, jid: str) -> Job | None:
-        jid = validation.job_id(jid)
-        with self._read("get") as connection:
-            row = connection.execute(select(jobs).where(jobs.c.id == jid)).one_or_none()
-        return job_from_row(row) if row is not None else None
+    def poll(
+        self,
+        user_id: str,
+        kind: str,
+        subject: str,
+        fingerprint: str | None = None,
+        *,
+        known: str | None = None,
+    ) -> JobState:
+        """A screen's poll: queue the job at the front (R1-R6), then its state (P1).
 
-    def status_of(self, user_id: str, kind: str, subject: str) -> dict[str, Any] | None:
-        """The job's status, priority, attempts, error and times (R11), or None."""
-        found = self.job(user_id, kind, subject)
-        if found is None:
-            return None
-        return found.as_dict(self._settings.max_attempts)
+        A poll that changes nothing is one read transaction and writes
+        nothing. `known` is the version the screen already has: if it still
+        holds (and no run is needed), the result is not loaded and the state
+        says `unchanged`.
+        """
+        user_id, kind, subject = validation.key(user_id, kind, subject)
+        fingerprint = validation.fingerprint(fingerprint)
+        jid = job_id(user_id, kind, subject)
+        for _ in range(MAX_ENQUEUE_ROUNDS):
+            with self._read("poll") as connection:
+                row = self._job_and_result(connection, jid)
+                now = self._now(connection)
+                if row is not None:
+                    decision = decide(row, fingerprint, INTERACTIVE, now, self._settings)
+                    if decision.changes is None and not decision.reap_first:
+                        return self._state(connection, row, now, fingerprint, known)
+            self._enqueue_round((user_id, kind, subject), fingerprint, INTERACTIVE, row, now)
+        raise DatabaseError(f"poll: job {jid[:12]}… kept changing under this call; retry")
+
+    def _job_and_result(self, connection: Connection, jid: str) -> Row[Any] | None:
+        return connection.execute(
+            select(jobs, *RESULT_META)
+            .outerjoin(results, results.c.job_id == jobs.c.id)
+            .where(jobs.c.id == jid)
+        ).one_or_none()
+
+    def _state(
+        self,
+        connection: Connection,
+        row: Row[Any],
+        now: dt.datetime,
+        fingerprint: str | None,
+        known: str | None = None,
+    ) -> JobState:
+        job = from_row(Job, row)
+        gate_row = self._gate_row(connection)
+        view = self._outlook(connection, now, gate_row)
+        position: Position | None = None
+        if job.status == Status.RUNNING:
+            position = view.running(job, now)
+        elif job.status == Status.PENDING:
+            position = view.waiting(*places.ahead_of(connection, job), job.kind)
+        produced = row.result_produced_at
+        fresh = produced is not None and _fresh(row.result_fingerprint, produced, fingerprint, job)
+        gate_state = _gate_state(gate_row, now)
+        run_needed = (
+            job.status == Status.PENDING
+            and view.in_flight == 0
+            and not self._consumer_alive(connection, now)
+        )
+        version = _version(job.status, position, fresh, produced, gate_state)
+        if known == version and not run_needed:
+            return JobState(job, position, None, fresh, gate_state, run_needed, version, True)
+        result = None
+        if produced is not None:
+            full = connection.execute(select(results).where(results.c.job_id == job.id)).one()
+            result = from_row(Result, full, size_bytes=full.size_bytes or 0)
+        return JobState(job, position, result, fresh, gate_state, run_needed, version)
+
+    def _consumer_alive(self, connection: Connection, now: dt.datetime) -> bool:
+        alive_after = now - dt.timedelta(seconds=self._settings.lease_seconds)
+        found = connection.execute(
+            select(workers.c.name)
+            .where(workers.c.role == "consumer", workers.c.seen_at >= alive_after)
+            .limit(1)
+        ).first()
+        return found is not None
 
     def list_jobs(self, user_id: str, limit: int = 60) -> list[dict[str, Any]]:
         """The user's queue in the order the worker will take it (R11).
@@ -427,17 +520,15 @@ class JobStore:
         with self._read("list_jobs") as connection:
             now = self._now(connection)
             listed = [
-                job_from_row(r)
+                from_row(Job, r)
                 for r in connection.execute(
                     select(jobs)
                     .where(jobs.c.user_id == user_id)
-                    .order_by(order, jobs.c.priority, jobs.c.queued_at, jobs.c.id)
+                    .order_by(order, *places.ORDER)
                     .limit(limit)
                 )
             ]
-            found = positions.positions(
-                connection, self._settings, now, self._gate_row(connection), listed
-            )
+            found = places.positions(connection, self._outlook(connection, now), now, listed)
         entries = []
         for j in listed:
             entry = j.as_dict(self._settings.max_attempts)
@@ -473,14 +564,6 @@ class JobStore:
             now = self._now(connection)
             return any(lapsed(row, now, self._settings) for row in lease.running_rows(connection))
 
-    def calls_in_flight(self) -> int:
-        """Running jobs whose claim is live: gateway calls under way right now."""
-        with self._read("calls_in_flight") as connection:
-            now = self._now(connection)
-            return sum(
-                1 for row in lease.running_rows(connection) if not lapsed(row, now, self._settings)
-            )
-
     def retry_failed(self, user_id: str) -> int:
         """Every failed job of the user back in the queue now (R10); returns how many."""
         user_id = validation.user_id(user_id)
@@ -505,21 +588,6 @@ class JobStore:
                     )
                 ).rowcount
             )
-
-    def settings(self) -> dict[str, Any]:
-        """What the consumer is configured to do (R11)."""
-        s = self._settings
-        return {
-            "enabled": s.enabled,
-            "concurrency": s.concurrency,
-            "gap_seconds": s.gap_seconds,
-            "max_attempts": s.max_attempts,
-            "retry_after_seconds": s.retry_after_seconds,
-            "claim_timeout_seconds": s.claim_timeout_seconds,
-            "lease_seconds": s.lease_seconds,
-            "lease_margin_seconds": s.lease_margin,
-            "heartbeat_seconds": s.heartbeat_seconds,
-        }
 
     # -- R8, R9, FIX1, FIX6: claim -------------------------------------------
 
@@ -610,7 +678,7 @@ class JobStore:
             if not updated:
                 connection.execute(insert(results).values(job_id=row.id, **values))
             if duration_seconds is not None:
-                positions.record_duration(connection, row.kind, duration_seconds)
+                places.record_duration(connection, row.kind, duration_seconds)
             lease.settle_done(connection, now, row, flow_run_id)
         return Status.DONE
 
@@ -655,16 +723,6 @@ class JobStore:
                 connection, self._settings, now, state, row, failure, error, retry_after
             )
 
-    def release(self, jid: str, holder: str, *, error: str | None = None) -> None:
-        """Hand the job back without spending its attempt (a stop on this side).
-
-        It goes back to its old place in the queue. Raises `ClaimLost` if the
-        claim was taken over, having changed nothing.
-        """
-        self.fail(
-            jid, holder, Failure.STOPPED, "handed back by its worker" if error is None else error
-        )
-
     # -- N2, G1, G4: pauses, shared by every worker ------------------------------
 
     def gate_state(self) -> GateState:
@@ -690,22 +748,6 @@ class JobStore:
                 .values(paused_until=None, pause_reason=None, pause_kind=None, outages_in_a_row=0)
             )
 
-    def report_outage(self, reason: str) -> float:
-        """The gateway is unreachable (no job involved): pause claiming with a growing backoff.
-
-        Returns the seconds until claiming resumes. While a pause is already
-        running, further reports (other workers seeing the same outage) only
-        read it: the streak grows once per pause, not once per worker.
-        """
-        reason = self._error(reason, "reason")
-        with self._gated("report_outage") as (connection, now, state):
-            if state.paused_until is not None and state.paused_until > now:
-                return float((state.paused_until - now).total_seconds())
-            streak = state.outages_in_a_row + 1
-            seconds = lease._backoff(self._settings, streak)
-            lease.pause(connection, now, seconds, PauseKind.OUTAGE, reason, outages_in_a_row=streak)
-        return seconds
-
     # -- FIX5: recovery ------------------------------------------------------
 
     def recover(self, worker: str | None = None) -> list[Job]:
@@ -724,7 +766,7 @@ class JobStore:
                 if lapsed(row, now, self._settings) or (worker is not None and row.worker == worker)
             ]
             lease.reap(connection, self._settings, now, taken)
-        return [job_from_row(row) for row in taken]
+        return [from_row(Job, row) for row in taken]
 
     # -- N1: results ------------------------------------------------------------
 
@@ -735,33 +777,9 @@ class JobStore:
             row = connection.execute(
                 select(results).where(results.c.job_id == job_id(user_id, kind, subject))
             ).one_or_none()
-        if row is None:
-            return None
-        return Result(
-            job_id=row.job_id,
-            user_id=row.user_id,
-            kind=row.kind,
-            subject=row.subject,
-            fingerprint=row.fingerprint,
-            output=row.output,
-            produced_at=row.produced_at,
-            duration_seconds=row.duration_seconds,
-            flow_run_id=row.flow_run_id,
-            size_bytes=row.size_bytes or 0,
-        )
+        return None if row is None else from_row(Result, row, size_bytes=row.size_bytes or 0)
 
-    # -- N3: position, ETA and the whole queue ------------------------------------
-
-    def position(self, user_id: str, kind: str, subject: str) -> Position | None:
-        """Place in line and expected wait, for a pending or running job; else None."""
-        found = self.job(user_id, kind, subject)
-        if found is None:
-            return None
-        with self._read("position") as connection:
-            now = self._now(connection)
-            return positions.positions(
-                connection, self._settings, now, self._gate_row(connection), [found]
-            ).get(found.id)
+    # -- N3: the whole queue ---------------------------------------------------------
 
     def queue_view(self, limit: int = 50) -> QueueView:
         """The whole queue: running calls, the first `limit` waiting jobs, recent failures."""
@@ -770,17 +788,17 @@ class JobStore:
             now = self._now(connection)
             state = self._gate_row(connection)
             running = [
-                job_from_row(r)
+                from_row(Job, r)
                 for r in connection.execute(
                     select(jobs).where(jobs.c.status == Status.RUNNING).order_by(jobs.c.claimed_at)
                 )
             ]
             waiting = [
-                job_from_row(r)
+                from_row(Job, r)
                 for r in connection.execute(
                     select(jobs)
                     .where(jobs.c.status == Status.PENDING)
-                    .order_by(jobs.c.priority, jobs.c.queued_at, jobs.c.id)
+                    .order_by(*places.ORDER)
                     .limit(limit)
                 )
             ]
@@ -792,7 +810,7 @@ class JobStore:
                 ).all()
             )
             failures = [
-                job_from_row(r)
+                from_row(Job, r)
                 for r in connection.execute(
                     select(jobs)
                     .where(jobs.c.status == Status.FAILED)
@@ -800,8 +818,8 @@ class JobStore:
                     .limit(RECENT_FAILURES)
                 )
             ]
-            running_entries, waiting_entries = positions.queue_entries(
-                connection, self._settings, now, state, running, waiting
+            running_entries, waiting_entries = places.queue_entries(
+                self._outlook(connection, now, state), now, running, waiting
             )
             present = self._workers(connection, now)
         return QueueView(
@@ -864,10 +882,6 @@ class JobStore:
         with self._read("workers") as connection:
             return self._workers(connection, self._now(connection))
 
-    def consumer_standing_by(self) -> bool:
-        """Whether a live consumer will take queued work without a new run being started."""
-        return any(w.alive and w.role == "consumer" for w in self.workers())
-
     def _workers(self, connection: Connection, now: dt.datetime) -> list[Worker]:
         alive_after = now - dt.timedelta(seconds=self._settings.lease_seconds)
         return [
@@ -899,6 +913,29 @@ def _checked_request(request: object) -> EnqueueRequest:
         validation.priority(request.priority),
         bool(request.supersede),
     )
+
+
+def _fresh(
+    result_fingerprint: str | None, produced: dt.datetime, asked: str | None, job: Job
+) -> bool:
+    """Whether a result answers the data `asked` describes, with no newer request since."""
+    if asked is not None and asked != result_fingerprint:
+        return False
+    return job.status == Status.DONE or produced >= job.queued_at
+
+
+def _version(
+    status: Status,
+    position: Position | None,
+    fresh: bool,
+    produced: dt.datetime | None,
+    gate: GateState,
+) -> str:
+    """A short tag of what a screen is shown, but for the ETA's countdown."""
+    place = (position.ahead, position.ahead_exact, position.in_flight) if position else None
+    pause = (gate.pause_kind, gate.pause_reason) if gate.paused else None
+    shown = repr((str(status), place, fresh, produced and produced.isoformat(), pause))
+    return hashlib.sha256(shown.encode()).hexdigest()[:20]
 
 
 def _gate_state(row: Row[Any], now: dt.datetime) -> GateState:

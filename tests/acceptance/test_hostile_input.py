@@ -34,7 +34,15 @@ from deployments.processes import free_port
 from deployments.triggers import Triggers
 from flows.registry import Registry
 from flows.runtime import Runtime
-from queue_store import INTERACTIVE, InvalidArgument, JobStore, Settings, Status, migrate
+from queue_store import (
+    INTERACTIVE,
+    EnqueueRequest,
+    InvalidArgument,
+    JobStore,
+    Settings,
+    Status,
+    migrate,
+)
 from queue_store.engine import normalise_url
 from queue_store.redact import Redactor
 from queue_store.schema import VERSION_TABLE
@@ -166,7 +174,7 @@ def app(store: JobStore) -> Iterator[Triggers]:
 
     registry = Registry()
     registry.register_scopes(demo_scopes)
-    runtime = Runtime(store.config, store, registry, Redactor.for_settings(store.config))
+    runtime = Runtime(store.settings, store, registry, Redactor.for_settings(store.settings))
     yield Triggers(runtime, prefect_url=f"http://127.0.0.1:{free_port()}/api")
 
 
@@ -256,9 +264,9 @@ def _round_trip(
         assert found is not None
         assert (found.user_id, found.kind, found.subject) == key
         assert found.fingerprint == fingerprint
-        status = store.status_of(*key)
-        assert status is not None and status["fingerprint"] == fingerprint
-        assert status["status"] == "done" and status["attempts"] == 1
+        shown = found.as_dict()
+        assert shown["fingerprint"] == fingerprint
+        assert shown["status"] == "done" and shown["attempts"] == 1
         listed = store.list_jobs(user_id)
         assert (kind, subject) in [(e["kind"], e["subject"]) for e in listed]
         result = store.result_of(*key)
@@ -285,10 +293,10 @@ def test_bad_key_text_is_refused_by_name_and_writes_nothing(
     calls: list[tuple[str, Any]] = [
         ("enqueue", lambda: store.enqueue(*args, "fp")),
         ("request_insight", lambda: app.request_insight(*args, "fp")),
-        ("status_of", lambda: store.status_of(*args)),
+        ("job", lambda: store.job(*args)),
+        ("state", lambda: store.state(*args)),
         ("result_of", lambda: store.result_of(*args)),
-        ("supersede", lambda: store.supersede(*args)),
-        ("position", lambda: store.position(*args)),
+        ("superseding", lambda: store.enqueue_many([EnqueueRequest(*args, supersede=True)])),
     ]
     if part == "user_id":
         calls += [
@@ -392,23 +400,21 @@ def test_sql_in_a_user_id_reaches_no_other_user(
         assert store.list_jobs(attack) == []
         assert store.pending_count(attack) == 0
         assert store.retry_failed(attack) == 0
-        assert store.supersede(attack, "sleep", "zzz") == 0
-        assert store.status_of(attack, "sleep", "d1") is None
+        assert store.job(attack, "sleep", "d1") is None
         assert store.result_of(attack, "sleep", "d1") is None
-        assert store.position(attack, "sleep", "d2") is None
+        assert store.state(attack, "sleep", "d2") is None
     assert _snapshot(database_url) == before
 
     # As a real user id: queued, listed, superseded, and nothing dropped.
     drop = "'; DROP TABLE ai_jobs; --"
     state = app.request_insight(drop, "sleep", "'; DROP TABLE ai_job_gate; --")
     assert state.status == "pending" and state.error is None
-    store.enqueue(drop, "sleep", "other-day")
-    assert store.supersede(drop, "sleep", "other-day") == 1
+    store.enqueue_many([EnqueueRequest(drop, "sleep", "other-day", supersede=True)])
     assert [e["subject"] for e in store.list_jobs(drop)] == ["other-day"]
     assert store.pending_count() == 3  # alice d2, bob d1, the drop user's job
     assert store.list_jobs("alice")[0]["subject"] == "d2"
-    failed = store.status_of("alice", "steps", "d1")
-    assert failed is not None and failed["status"] == "failed"
+    failed = store.job("alice", "steps", "d1")
+    assert failed is not None and failed.status == "failed"
     _assert_intact(database_url, jobs=5, results=1)
 
 
@@ -436,7 +442,7 @@ def _cli_env(tmp_path: Path) -> dict[str, str]:
         "AI_JOB_DATA_DIR": str(tmp_path / "data"),
         "AI_JOB_GAP_SECONDS": "0",
         # A plugin that registers no generator: any kind is accepted.
-        "AI_JOB_PLUGINS": "tests.support",
+        "AI_JOB_PLUGINS": "tests.support.no_generators",
         "PREFECT_API_URL": f"http://127.0.0.1:{free_port()}/api",
         "PREFECT_CLIENT_MAX_RETRIES": "0",
         "PREFECT_HOME": str(tmp_path / "prefect"),

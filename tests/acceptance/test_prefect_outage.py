@@ -26,6 +26,7 @@ from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from deployments.processes import free_port
 from devtools.stack import ServeProcess
+from flows.consumer import standing_by
 from flows.limits import ensure_gateway_limit
 from queue_store import JobStore, Settings
 from tests.support import waiting
@@ -177,7 +178,7 @@ def test_consume_waits_for_a_gateway_slot_while_prefect_is_away_and_calls_once_i
                 JobStore(settings.database_url, settings=settings) as store,
                 running(cli("consume"), env, log) as consumer,
             ):
-                wait_for(store.consumer_standing_by, 60, "the consumer standing by")
+                wait_for(lambda: bool(standing_by(store)), 60, "the consumer standing by")
                 server.stop()
                 store.enqueue(USER, "sleep", "2026-01-01")
                 wait_for(

@@ -18,9 +18,10 @@ from pathlib import Path
 import pytest
 from pydantic import SecretStr
 
-from deployments.api import ApiServer, create_app
+from deployments.api import create_app
 from deployments.processes import free_port
 from deployments.triggers import Triggers
+from devtools.stack import ApiServer
 from flows.registry import Messages, Registry
 from flows.runtime import Runtime
 from queue_store import INTERACTIVE, PREFETCH, Failure, JobStore, Redactor, Settings, job_id

@@ -31,6 +31,7 @@ from sqlalchemy.engine import make_url
 
 from deployments.processes import free_port
 from devtools.simulator import HUNG, OK
+from flows.consumer import standing_by
 from flows.demo import demo_scopes
 from queue_store import JobStore
 from tests.support import waiting
@@ -235,7 +236,7 @@ def test_with_a_warm_consumer_beside_the_workers_the_runs_follow_and_it_calls(
         running(cli("consume"), env, consumer_log) as consumer,
         running(worker(), env, worker_log),
     ):
-        wait_for(store.consumer_standing_by, 60, "the consumer standing by", log=consumer_log)
+        wait_for(lambda: bool(standing_by(store)), 60, "the consumer standing by", log=consumer_log)
         hooks = [json.loads(run_cli("trigger-backfill", user, env=env).stdout) for user in users]
         assert all(h["flow_run_id"] for h in hooks), hooks
         recorder.wait_until(lambda s: s.in_flight == 1, 120, "the first call")

@@ -182,7 +182,7 @@ def test_the_job_of_a_killed_worker_is_taken_over_after_the_lease_and_counted(
     seen = gateway.assert_kept(concurrency=1, gap=GAP)
     assert seen.peak_in_flight == 1
     print(
-        f"\n[{store.url.split(':', 1)[0]}] kill -> takeover seen {takeover:.2f} s "
+        f"\n[{store.engine.dialect.name}] kill -> takeover seen {takeover:.2f} s "
         f"(lease {LEASE:g} s; last heartbeat -> takeover claim "
         f"{(final.claimed_at - last_beat).total_seconds():.2f} s on the store's clock); "
         f"kill -> retried call {(retried.started or 0) - killed_at:.2f} s"
@@ -239,6 +239,6 @@ def test_a_worker_lost_on_the_last_allowed_attempt_fails_its_job(
     assert all(r["job"] != "ok:last-try" for r in summary["reports"]), summary
     gateway.assert_kept(concurrency=1, gap=GAP)
     print(
-        f"\n[{store.url.split(':', 1)[0]}] kill -> failed as worker lost {failed_after:.2f} s "
+        f"\n[{store.engine.dialect.name}] kill -> failed as worker lost {failed_after:.2f} s "
         f"(lease {LEASE:g} s)"
     )

@@ -25,14 +25,20 @@ import httpx
 import pytest
 from fastapi import FastAPI, Header, HTTPException
 from pydantic import SecretStr
-from sqlalchemy import create_engine, select, text
+from sqlalchemy import create_engine, event, select, text
 from sqlalchemy.engine import make_url
 
 from deployments import api as api_module
-from deployments import triggers as triggers_module
-from deployments.api import ApiConfigError, ApiServer, StrictPaths, create_app, insights_router
+from deployments.api import (
+    ApiConfigError,
+    StrictPaths,
+    add_error_handlers,
+    create_app,
+    insights_router,
+)
 from deployments.processes import free_port
 from deployments.triggers import NO_SERVER, InsightState, Triggers
+from devtools.stack import ApiServer
 from flows.registry import Messages, Registry, Scope
 from flows.runtime import Runtime
 from queue_store import (
@@ -47,7 +53,7 @@ from queue_store import (
     schema,
 )
 from queue_store.engine import normalise_url
-from tests.support.databases import POSTGRES_URL
+from tests.support.databases import POSTGRES_URL, FakeClock
 from tests.support.services import BIN, ROOT
 
 TOKEN = "operator-token-for-tests"
@@ -189,7 +195,7 @@ def test_healthz_and_a_first_poll_queue_the_insight_at_the_front(api: Served) ->
     response = api.poll(USER, "sleep", DAY, fingerprint="fp-1")
     assert response.status_code == 200, response.text
     body = response.json()
-    assert set(body) == {f.name for f in dataclasses.fields(InsightState)}
+    assert set(body) == set(InsightState("pending").as_dict())
     assert body["status"] == "pending"
     assert body["ahead"] == 0, "a screen's insight goes before a backfill's"
     assert body["eta_seconds"] > 0
@@ -272,12 +278,28 @@ def test_retry_after_follows_the_eta_and_a_pause(api: Served) -> None:
     assert paused.headers["retry-after"] == "30", "long waits are polled every 30 s"
 
 
-def test_the_etag_ignores_the_countdown_of_the_eta_and_of_a_pause() -> None:
-    one = InsightState("pending", 2, 1, 300.0, paused="operator for 120 s: maintenance")
-    later = dataclasses.replace(one, eta_seconds=290.0, paused="operator for 110 s: maintenance")
-    moved = dataclasses.replace(later, ahead=1)
-    assert api_module.etag(one) == api_module.etag(later)
-    assert api_module.etag(moved) != api_module.etag(later)
+def test_the_etag_ignores_the_countdown_of_the_eta_and_of_a_pause(
+    settings: Settings, clock: FakeClock
+) -> None:
+    store = JobStore(settings.database_url, settings=settings, clock=clock)
+    try:
+        store.enqueue("before-1", "sleep", DAY, None, INTERACTIVE)
+        store.enqueue("before-2", "sleep", DAY, None, INTERACTIVE)
+        store.pause(600, "maintenance")
+        one = InsightState.of(store.poll(USER, "sleep", DAY))
+        clock.advance(10)
+        later = InsightState.of(store.poll(USER, "sleep", DAY))
+        assert (one.eta_seconds, one.paused) != (later.eta_seconds, later.paused)
+        assert api_module.etag(one) == api_module.etag(later)
+        claim = store.claim_next("w")  # paused: nothing moves
+        store.resume()
+        claim = store.claim_next("w")
+        assert claim.job is not None
+        store.finish(claim.job.id, claim.job.holder or "", result="x")
+        moved = InsightState.of(store.poll(USER, "sleep", DAY))
+        assert moved.ahead == 1 and api_module.etag(moved) != api_module.etag(later)
+    finally:
+        store.close()
 
 
 def test_a_consumer_standing_by_means_no_run_is_asked_for(api: Served) -> None:
@@ -330,10 +352,12 @@ def test_a_bad_backfill_is_refused_naming_the_field_and_queues_nothing(api: Serv
     assert_refused(api.http.post(url, json={"sync_id": "s" * 201}), 422, "sync_id")
     assert_refused(api.http.post(url, json={"sync": "s"}), 422, "sync")
     assert_refused(api.http.post(url, json=["sync-1"]), 422, "body")
-    assert_refused(api.http.post(url, content=b"{not json"), 400, "body")
-    assert_refused(api.http.post(url, content=b"\xff\xfe"), 400, "body")
-    assert_refused(api.http.post(url, content=b"[" * 100_000), 413, "body")
-    assert_refused(api.http.post(url, content=b"[" * 5_000 + b"]" * 5_000), 400, "body")
+    as_json = {"Content-Type": "application/json"}
+    assert_refused(api.http.post(url, content=b"{not json", headers=as_json), 400, "body")
+    assert_refused(api.http.post(url, content=b"\xff\xfe", headers=as_json), 400, "body")
+    assert_refused(api.http.post(url, content=b"[" * 100_000, headers=as_json), 413, "body")
+    deep = b"[" * 5_000 + b"]" * 5_000
+    assert_refused(api.http.post(url, content=deep, headers=as_json), 400, "body")
     assert_refused(api.http.post("/v1/users/%20/backfills", json={}), 422, "user_id")
     assert_refused(api.http.post("/v1/users/a%7Cb/backfills", json={}), 422, "user_id")
     assert_refused(api.http.get(url), 405, None)
@@ -444,9 +468,9 @@ def test_bad_operator_input_is_refused_naming_the_field(api: Served) -> None:
         ({"seconds": 60, "until": "later"}, "until"),
     ]:
         assert_refused(api.http.post("/v1/pause", json=payload, headers=OPERATOR), 422, field)
-    assert_refused(
-        api.http.post("/v1/pause", content=b'{"seconds": NaN}', headers=OPERATOR), 422, "seconds"
-    )
+    as_json = {**OPERATOR, "Content-Type": "application/json"}
+    nan = api.http.post("/v1/pause", content=b'{"seconds": NaN}', headers=as_json)
+    assert_refused(nan, 422, "seconds")
     assert_refused(api.http.post("/v1/resume", json={"x": 1}, headers=OPERATOR), 422, "x")
     for limit in ("0", "1001", "abc", "1.5", ""):
         refused = api.http.get("/v1/queue", params={"limit": limit}, headers=OPERATOR)
@@ -475,6 +499,120 @@ def test_the_page_honours_refresh_within_bounds(api: Served) -> None:
     assert meta_refresh("0.5") == "2"
     assert meta_refresh("100000") == "600"
     assert meta_refresh("0") is None
+
+
+def test_a_waiting_jobs_poll_is_one_store_transaction_and_a_304_loads_no_result(
+    api: Served,
+) -> None:
+    engine = api.store.engine
+    begun: list[int] = []
+    statements: list[str] = []
+
+    def on_begin(connection: Any) -> None:
+        begun.append(1)
+
+    def on_statement(connection: Any, cursor: Any, statement: str, *rest: Any) -> None:
+        statements.append(statement)
+
+    api.store.enqueue("ahead", "sleep", DAY, None, INTERACTIVE)
+    first = api.poll(USER, "sleep", DAY, fingerprint="fp")  # queued: a write, then a read
+    assert first.json()["status"] == "pending" and first.json()["ahead"] == 1
+    event.listen(engine, "begin", on_begin)
+    event.listen(engine, "before_cursor_execute", on_statement)
+    try:
+        again = api.poll(USER, "sleep", DAY, fingerprint="fp")
+        assert again.status_code == 200 and again.json()["ahead"] == 1
+        assert len(begun) == 1, "a waiting job's unchanged poll is one store transaction"
+        assert not [s for s in statements if s.lstrip().upper().startswith(("INSERT", "UPDATE"))]
+    finally:
+        event.remove(engine, "begin", on_begin)
+        event.remove(engine, "before_cursor_execute", on_statement)
+
+    api.store.worker_seen("consumer-1", "consumer")  # no run needed: a 304 may skip the result
+    for _ in range(2):
+        finish(api.store, {"text": "slept well"})
+    done = api.poll(USER, "sleep", DAY, fingerprint="fp")
+    assert done.json()["status"] == "done" and done.json()["result"]["output"]
+    begun.clear()
+    statements.clear()
+    event.listen(engine, "begin", on_begin)
+    event.listen(engine, "before_cursor_execute", on_statement)
+    try:
+        unchanged = api.http.get(
+            f"/v1/users/{USER}/insights/sleep/{DAY}",
+            params={"fingerprint": "fp"},
+            headers={"If-None-Match": done.headers["etag"]},
+        )
+    finally:
+        event.remove(engine, "begin", on_begin)
+        event.remove(engine, "before_cursor_execute", on_statement)
+    assert unchanged.status_code == 304 and unchanged.content == b""
+    assert len(begun) == 1
+    assert not [s for s in statements if "ai_job_results.output" in s], statements
+
+
+def test_bodies_are_json_only_and_changes_from_other_sites_are_refused(api: Served) -> None:
+    version = row_version(api.database_url, USER, "sleep", DAY)
+    as_text = {"Content-Type": "text/plain"}
+    for method, path, headers in [
+        ("POST", f"/v1/users/{USER}/backfills", as_text),
+        ("POST", "/v1/pause", {**OPERATOR, **as_text}),
+        ("POST", "/v1/resume", {**OPERATOR, **as_text}),
+        ("POST", f"/v1/users/{USER}/retry-failed", {**OPERATOR, **as_text}),
+        ("POST", "/v1/pause", {**OPERATOR, "Content-Type": "application/x-www-form-urlencoded"}),
+        ("POST", "/v1/pause", {**OPERATOR, "Content-Type": "multipart/form-data; boundary=x"}),
+    ]:
+        body = b'{"sync_id": "s1", "seconds": 60}'
+        refused = api.http.request(method, path, content=body, headers=headers)
+        assert_refused(refused, 415, "content-type")
+    assert job_count(api.database_url) == 0 and not api.store.gate_state().paused
+
+    for headers in (
+        {"Origin": "http://evil.example"},
+        {"Sec-Fetch-Site": "cross-site"},
+        {"Sec-Fetch-Site": "same-site"},
+        {"Origin": "null"},
+    ):
+        for method, path, payload in OPERATOR_ROUTES:
+            if method == "POST":
+                refused = api.http.request(
+                    method, path, json=payload, headers={**OPERATOR, **headers}
+                )
+                assert_refused(refused, 403, "origin")
+        refused = api.http.post(f"/v1/users/{USER}/backfills", json={}, headers=headers)
+        assert_refused(refused, 403, "origin")
+    assert job_count(api.database_url) == 0 and not api.store.gate_state().paused
+    assert row_version(api.database_url, USER, "sleep", DAY) == version
+
+    # Basic credentials are for the page a browser shows, not for the API.
+    basic = {"Authorization": f"Basic {base64.b64encode(f'op:{TOKEN}'.encode()).decode()}"}
+    assert_refused(
+        api.http.post("/v1/pause", json={"seconds": 60}, headers=basic), 401, "authorization"
+    )
+    assert_refused(api.http.get("/v1/queue", headers=basic), 401, "authorization")
+    assert api.http.get("/queue", headers=basic).status_code == 200
+    own = api.server.url
+    same = api.http.post(
+        "/v1/resume", headers={**OPERATOR, "Origin": own, "Sec-Fetch-Site": "same-origin"}
+    )
+    assert same.status_code == 200
+
+
+def test_the_page_and_its_stylesheet_carry_their_security_headers(api: Served) -> None:
+    page = api.http.get("/queue", headers=OPERATOR)
+    assert page.status_code == 200
+    policy = page.headers["content-security-policy"]
+    assert "default-src 'none'" in policy and "frame-ancestors 'none'" in policy
+    assert "style-src 'self'" in policy and "script-src" not in policy
+    assert page.headers["x-content-type-options"] == "nosniff"
+    assert page.headers["referrer-policy"] == "no-referrer"
+    assert page.headers["cache-control"] == "no-store"
+    assert '<link rel="stylesheet" href="/static/queue.css">' in page.text
+    sheet = api.http.get("/static/queue.css")
+    assert sheet.status_code == 200 and sheet.headers["content-type"].startswith("text/css")
+    assert sheet.headers["x-content-type-options"] == "nosniff"
+    assert ":root" in sheet.text
+    assert api.poll(USER, "sleep", DAY).headers["x-content-type-options"] == "nosniff"
 
 
 # -- hostile paths -------------------------------------------------------------------------
@@ -536,15 +674,14 @@ def test_loopback_is_told_apart() -> None:
         assert not api_module.is_loopback(host), host
 
 
-def test_the_module_level_calls_use_the_triggers_installed_for_the_context(
-    runtime: Runtime, closed_prefect: str
+def test_an_app_opens_its_triggers_from_its_settings(
+    settings: Settings, closed_prefect: str
 ) -> None:
-    installed = Triggers(runtime, prefect_url=closed_prefect)
-    with triggers_module.use(installed) as in_force:
-        assert triggers_module.current() is in_force is installed
-        state = triggers_module.request_insight(USER, "sleep", DAY)
+    with Triggers.open(settings, prefect_url=closed_prefect) as triggers:
+        assert "sleep" in triggers.runtime.registry.kinds  # AI_JOB_PLUGINS' default, the demo
+        state = triggers.request_insight(USER, "sleep", DAY)
         assert state.status == "pending" and state.error is None
-    assert runtime.store.job(USER, "sleep", DAY) is not None
+        assert triggers.store.job(USER, "sleep", DAY) is not None
 
 
 def test_off_loopback_the_app_refuses_to_start_without_a_token(runtime: Runtime) -> None:
@@ -572,6 +709,19 @@ def test_off_loopback_the_app_refuses_to_start_without_a_token(runtime: Runtime)
     assert refused.returncode == 2
     assert refused.stderr.startswith("error: AI_API_TOKEN: must be set")
     assert refused.stderr.count("\n") == 1 and "Traceback" not in refused.stderr
+
+    # A token of blanks is no token: refused at start-up, on loopback too, in one line.
+    for args in (["--host", "0.0.0.0"], ["--require-token"], []):
+        blank = subprocess.run(
+            [str(BIN / "insight-queue"), "api", *args, "--port", port],
+            env={**env, "AI_API_TOKEN": " \t "},
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=ROOT,
+        )
+        assert blank.returncode == 2, args
+        assert blank.stderr == "error: AI_API_TOKEN: is blank: set a real token, or unset it\n"
 
 
 def test_off_loopback_every_route_needs_the_token(runtime: Runtime, closed_prefect: str) -> None:
@@ -613,6 +763,7 @@ def test_a_host_app_mounts_the_poll_behind_its_own_auth(
     host = FastAPI()
     host.include_router(insights_router(triggers, current_user), prefix="/ai")
     host.add_middleware(StrictPaths)
+    add_error_handlers(host)
     with ApiServer(host) as server, httpx.Client(base_url=server.url) as http:
         alice = http.get(
             f"/ai/v1/insights/sleep/{DAY}%2Fam",

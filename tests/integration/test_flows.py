@@ -21,12 +21,14 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import json
+import os
 import re
 import uuid
 from collections.abc import Coroutine, Iterator
 from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar, cast
+from unittest import mock
 
 import httpx
 import pytest
@@ -34,13 +36,13 @@ from prefect.client.schemas.objects import State
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from devtools.simulator import HUNG, OK
-from flows import runtime as runtimes
+from flows.consumer import standing_by
 from flows.demo import demo_scopes
 from flows.flows import backfill, drain, interactive
 from flows.limits import ensure_gateway_limit
-from flows.registry import Registry, Scope
-from queue_store import INTERACTIVE, JobStore, Redactor, Settings, Status
-from tests.support import plugins, waiting
+from flows.runtime import Runtime
+from queue_store import INTERACTIVE, JobStore, Settings, Status
+from tests.support import waiting
 from tests.support.faults import Gateway, Workers
 from tests.support.services import ROOT, PrefectServer, cli, run_cli, running
 
@@ -83,8 +85,8 @@ def prefect(prefect_server: PrefectServer) -> Iterator[PrefectReader]:
 
 
 @pytest.fixture
-def rt(settings: Settings) -> Iterator[runtimes.Runtime]:
-    made = runtimes.Runtime.from_env(settings)
+def rt(settings: Settings) -> Iterator[Runtime]:
+    made = Runtime.open(settings)
     try:
         yield made
     finally:
@@ -146,9 +148,9 @@ def state_of(run: dict[str, Any]) -> tuple[str, str]:
     return str(run["state"]["type"]), str(run["state"]["message"] or "")
 
 
-def run_flow(rt: runtimes.Runtime, flow_call: Coroutine[Any, Any, T]) -> T:
-    """Run a flow (a coroutine) in this process, on the test's runtime."""
-    with runtimes.use(rt):
+def run_flow(rt: Runtime, flow_call: Coroutine[Any, Any, T]) -> T:
+    """Run a flow (a coroutine) in this process, with the test's settings as its environment."""
+    with mock.patch.dict(os.environ, rt.settings.to_env()):
         return asyncio.run(flow_call)
 
 
@@ -199,7 +201,7 @@ def generation_runs(prefect: PrefectReader, user: str, *, settled: int) -> list[
 
 
 def test_a_backfill_with_no_consumer_drains_its_scopes_itself_and_reports_them(
-    rt: runtimes.Runtime, gateway: Gateway, prefect: PrefectReader, user: str
+    rt: Runtime, gateway: Gateway, prefect: PrefectReader, user: str
 ) -> None:
     state = run_flow(rt, backfilled(user))
     assert (state.type.value, state.message) == ("COMPLETED", "8 done")
@@ -254,19 +256,13 @@ def test_a_backfill_with_no_consumer_drains_its_scopes_itself_and_reports_them(
 def test_a_backfill_with_a_broken_scope_fails_naming_it_and_its_attempts_fail_honestly(
     settings: Settings, gateway: Gateway, prefect: PrefectReader, user: str
 ) -> None:
-    registry = Registry()
-    registry.register_generator("ok", plugins._ask)
-    registry.register_generator("broken", plugins._broken)
-    registry.register_scopes(
-        lambda uid: [Scope("ok", f"day-{n}") for n in range(1, 8)] + [Scope("broken", "day-8")]
-    )
-    store = JobStore(settings.database_url, settings=settings)
-    rt = runtimes.Runtime(settings, store, registry, Redactor.for_settings(settings))
-    try:
+    # Users named `seven-and-one-*` have seven scopes that work and one that never can.
+    user = f"seven-and-one-{user}"
+    with Runtime.open(
+        Settings(**{**settings.model_dump(), "plugins": "tests.support.plugins"})
+    ) as rt:
         state = run_flow(rt, backfilled(user))
-        broken = store.job(user, "broken", "day-8")
-    finally:
-        rt.close()
+        broken = rt.store.job(user, "broken", "day-8")
     assert (state.type.value, state.message) == ("FAILED", "7 done, 1 failed")
     assert broken is not None and (broken.status, broken.attempts) == (Status.FAILED, 3)
     assert broken.error is not None and "no data for day-8" in broken.error
@@ -303,7 +299,7 @@ def test_a_backfill_with_a_broken_scope_fails_naming_it_and_its_attempts_fail_ho
 
 
 def test_a_screen_s_run_ends_with_its_story_linking_to_the_generation_run(
-    rt: runtimes.Runtime, gateway: Gateway, prefect: PrefectReader, user: str
+    rt: Runtime, gateway: Gateway, prefect: PrefectReader, user: str
 ) -> None:
     scope = demo_scopes(user)[0]
     state = run_flow(rt, screened(user, scope.kind, scope.subject, scope.fingerprint))
@@ -326,7 +322,7 @@ def test_a_screen_s_run_ends_with_its_story_linking_to_the_generation_run(
 
 
 def test_a_screen_s_job_is_the_next_call_while_a_backfill_drains(
-    rt: runtimes.Runtime, gateway: Gateway, prefect: PrefectReader, user: str
+    rt: Runtime, gateway: Gateway, prefect: PrefectReader, user: str
 ) -> None:
     recorder = gateway.recorder
     assert recorder is not None
@@ -359,7 +355,7 @@ def test_a_screen_s_job_is_the_next_call_while_a_backfill_drains(
 
 
 def test_with_a_consumer_standing_by_the_flows_only_follow(
-    rt: runtimes.Runtime,
+    rt: Runtime,
     settings: Settings,
     gateway: Gateway,
     prefect: PrefectReader,
@@ -368,7 +364,7 @@ def test_with_a_consumer_standing_by_the_flows_only_follow(
 ) -> None:
     with Workers(settings, tmp_path).running() as workers:
         workers.start("standby")
-        wait_for(rt.store.consumer_standing_by, 30, "the consumer standing by")
+        wait_for(lambda: bool(standing_by(rt.store)), 30, "the consumer standing by")
         filled = run_flow(rt, backfilled(user))
         screen = run_flow(rt, screened(user, "ok", "on-screen"))
         summary = workers.stop("standby")
@@ -386,7 +382,7 @@ def test_with_a_consumer_standing_by_the_flows_only_follow(
 
 
 def test_an_outage_spends_no_attempt_and_the_drain_recovers(
-    rt: runtimes.Runtime, gateway: Gateway, prefect: PrefectReader, user: str
+    rt: Runtime, gateway: Gateway, prefect: PrefectReader, user: str
 ) -> None:
     for n in range(3):
         rt.store.enqueue(user, "ok", f"s{n}")

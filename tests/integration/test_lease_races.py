@@ -45,13 +45,15 @@ def test_a_lapsed_claim_is_never_revived_and_the_next_claim_takes_it_back(
     clock.advance(10.5)
     # Nobody took it back yet, but the renewal comes too late: it stays dead.
     assert store.heartbeat(held.id, held.holder) is Renewal.LAPSED
-    row = store.get(held.id)
+    row = store.jobs([held.id])[held.id]
     assert (
         row is not None and row.status == Status.RUNNING and row.heartbeat_at == held.heartbeat_at
     )
     # Its worker stopped by its own deadline: it is no call in flight. The
     # next claim takes the job back and hands it out again, as attempt 2.
-    assert other.calls_in_flight() == 0
+    waiting = other.state(U, "k", "b")
+    assert waiting is not None and waiting.position is not None
+    assert waiting.position.in_flight == 0
     taken = other.claim_next("w2").job
     assert taken is not None and (taken.id, taken.attempts) == (held.id, 2)
     assert store.heartbeat(held.id, held.holder) is Renewal.LOST
@@ -64,15 +66,15 @@ def test_a_renewal_moves_the_revision_so_a_screens_write_cannot_requeue_a_live_j
     store.enqueue(U, "k", "a")
     held = store.claim_next("w1").job
     assert held is not None and held.holder
-    before = store.get(held.id)
+    before = store.jobs([held.id])[held.id]
     clock.advance(9)
     assert store.heartbeat(held.id, held.holder) is Renewal.RENEWED
-    after = store.get(held.id)
+    after = store.jobs([held.id])[held.id]
     assert before is not None and after is not None and after.updated_at == before.updated_at
     # A screen's poll right after the renewal sees a live claim: nothing changes.
     clock.advance(9)
     assert store.enqueue(U, "k", "a", "new-data", INTERACTIVE) == Status.RUNNING
-    assert store.get(held.id) == after
+    assert store.jobs([held.id])[held.id] == after
 
 
 def test_a_lapsed_claim_found_by_a_screen_is_taken_back_and_restarts_the_gap(
@@ -84,7 +86,7 @@ def test_a_lapsed_claim_found_by_a_screen_is_taken_back_and_restarts_the_gap(
     assert held is not None
     clock.advance(11)
     assert store.enqueue(U, "k", "a", priority=INTERACTIVE) == Status.PENDING
-    job = store.get(held.id)
+    job = store.jobs([held.id])[held.id]
     assert job is not None and (job.status, job.holder, job.attempts) == (Status.PENDING, None, 1)
     assert job.priority == INTERACTIVE
     blocked = store.claim_next("w2")

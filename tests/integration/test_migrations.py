@@ -28,6 +28,7 @@ from queue_store import (
     Status,
     job_id,
     migrate,
+    models,
 )
 from queue_store.engine import create_store_engine
 from queue_store.rules import WORKER_LOST
@@ -164,7 +165,7 @@ def adopted(empty_database_url: str, engine: Engine, clock: FakeClock) -> Iterat
 
 def test_every_row_keeps_its_fields(adopted: JobStore) -> None:
     for old in OLD_ROWS:
-        job = adopted.get(old.id)
+        job = adopted.jobs([old.id])[old.id]
         assert job is not None, old
         assert (job.user_id, job.kind, job.subject) == (old.user_id, old.kind, old.subject)
         assert job.status == old.status
@@ -179,9 +180,7 @@ def test_every_row_keeps_its_fields(adopted: JobStore) -> None:
         # Its age in the queue is its age in the original.
         assert job.queued_at == _parse(old.created_at)
         assert job.flow_run_id is None
-        status = adopted.status_of(old.user_id, old.kind, old.subject)
-        assert status is not None
-        assert status["updated_at"] == _parse(old.updated_at).isoformat()  # type: ignore[union-attr]
+        assert job.as_dict()["updated_at"] == models.iso(_parse(old.updated_at))
     assert adopted.pending_count() == 5
     assert adopted.pending_count(U) == 4
 
@@ -218,10 +217,10 @@ def test_the_old_running_claim_is_dead_and_taken_over(adopted: JobStore) -> None
     claim = adopted.claim_next("new-worker")
     assert claim.job is not None and claim.job.id == INTERACTIVE_NEWEST.id
     # The claim above also reaped the gone process's row: it waits its turn again.
-    released = adopted.get(RUNNING_OLD.id)
+    released = adopted.jobs([RUNNING_OLD.id])[RUNNING_OLD.id]
     assert released is not None
     assert (released.status, released.holder, released.attempts) == (Status.PENDING, None, 1)
-    lost = adopted.get(RUNNING_LAST.id)
+    lost = adopted.jobs([RUNNING_LAST.id])[RUNNING_LAST.id]
     assert lost is not None
     assert (lost.status, lost.error, lost.holder) == (Status.FAILED, WORKER_LOST, None)
     adopted.finish(claim.job.id, claim.job.holder or "", result="ok")
@@ -235,10 +234,10 @@ def test_the_old_running_claim_is_dead_and_taken_over(adopted: JobStore) -> None
 
 def test_recover_releases_the_old_running_rows(adopted: JobStore) -> None:
     assert len(adopted.recover()) == 2
-    released = adopted.get(RUNNING_OLD.id)
+    released = adopted.jobs([RUNNING_OLD.id])[RUNNING_OLD.id]
     assert released is not None
     assert (released.status, released.holder, released.attempts) == (Status.PENDING, None, 1)
-    lost = adopted.get(RUNNING_LAST.id)
+    lost = adopted.jobs([RUNNING_LAST.id])[RUNNING_LAST.id]
     assert lost is not None and lost.status == Status.FAILED
     assert adopted.recover() == []
 
@@ -246,7 +245,7 @@ def test_recover_releases_the_old_running_rows(adopted: JobStore) -> None:
 def test_enqueue_on_the_old_running_row_requeues_it(adopted: JobStore) -> None:
     # Its claim is not live, so a poll does not answer "running" for ever.
     assert adopted.enqueue(U, "hrv", "2026-01-03", "fp-r", priority=INTERACTIVE) == "pending"
-    job = adopted.get(RUNNING_OLD.id)
+    job = adopted.jobs([RUNNING_OLD.id])[RUNNING_OLD.id]
     assert job is not None
     assert (job.status, job.priority, job.holder, job.attempts) == (
         Status.PENDING,
@@ -259,10 +258,10 @@ def test_enqueue_on_the_old_running_row_requeues_it(adopted: JobStore) -> None:
 def test_done_row_answers_by_its_fingerprint(adopted: JobStore) -> None:
     assert adopted.enqueue(U, "sleep", "2025-12-31", "fp-done") == "done"
     assert adopted.enqueue(U, "sleep", "2025-12-31") == "done"
-    job = adopted.get(DONE.id)
+    job = adopted.jobs([DONE.id])[DONE.id]
     assert job is not None and job.status == Status.DONE
     assert adopted.enqueue(U, "sleep", "2025-12-31", "fp-new") == "pending"
-    job = adopted.get(DONE.id)
+    job = adopted.jobs([DONE.id])[DONE.id]
     assert job is not None
     assert (job.status, job.fingerprint, job.attempts) == (Status.PENDING, "fp-new", 0)
     assert job.queued_at == job.updated_at  # back in line now, not at its old age
@@ -276,14 +275,14 @@ def test_failed_row_waits_out_the_cooldown_from_its_old_time(
     clock.advance(14 * 60 + 58)  # 09:14:58, two seconds before the cooldown ends
     assert adopted.enqueue(U, "stress", "2026-01-04", "fp-failed") == "failed"
     assert adopted.enqueue(U, "stress", "2026-01-04") == "failed"
-    job = adopted.get(FAILED.id)
+    job = adopted.jobs([FAILED.id])[FAILED.id]
     assert job is not None and (job.status, job.attempts) == (Status.FAILED, 3)
 
     clock.advance(3)  # 09:15:01
     assert adopted.enqueue(U, "stress", "2026-01-04", "fp-failed", priority=INTERACTIVE) == (
         "pending"
     )
-    job = adopted.get(FAILED.id)
+    job = adopted.jobs([FAILED.id])[FAILED.id]
     assert job is not None
     assert (job.status, job.attempts, job.error, job.priority) == (
         Status.PENDING,

@@ -2,10 +2,10 @@
 
 With every row pending, `ANALYZE` tells SQLite that `status = ?` matches the
 whole table; without the partial index on running rows it would then scan
-the queue on every claim. Places in line are counts of ranges of the queue
-index (`ix_ai_jobs_queue`, which ends in the id that breaks ties of age):
-they must be read from that index alone, never by scanning or sorting the
-table.
+the queue on every claim. Places in line are read from the head of the queue
+index (`ix_ai_jobs_queue`, which ends in the id that breaks ties of age), at
+most `PLACE_BOUND + 1` entries of it: from that index alone, never by scanning
+or sorting the table.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import pytest
 from sqlalchemy import Engine, event, insert, text
 
 from queue_store import JobStore, Settings, job_id, migrate
+from queue_store.places import PLACE_BOUND
 from queue_store.schema import jobs
 
 BACKLOG = 5000
@@ -46,7 +47,7 @@ def _backlog(store: JobStore) -> None:
                 "revision": 0,
             }
         )
-    with store._engine.begin() as connection:
+    with store.engine.begin() as connection:
         connection.execute(insert(jobs), rows)
         connection.execute(text("ANALYZE"))
 
@@ -121,10 +122,10 @@ def test_liveness_and_claim_queries_use_indexes_on_a_large_analysed_backlog(
     store = JobStore(url, settings=Settings(database_url=url, gap_seconds=0))
     _backlog(store)
 
-    statements = _statements(store._engine, lambda: store.claim_next("w"))
+    statements = _statements(store.engine, lambda: store.claim_next("w"))
 
     for statement, parameters in statements:
-        details = _plan(store._engine, statement, parameters)
+        details = _plan(store.engine, statement, parameters)
         assert "SCAN ai_jobs" not in details.replace("SCAN ai_jobs USING", ""), (
             statement,
             details,
@@ -132,30 +133,54 @@ def test_liveness_and_claim_queries_use_indexes_on_a_large_analysed_backlog(
     store.close()
 
 
-def test_places_in_line_are_counted_in_the_queue_index(analysed_store: JobStore) -> None:
+def test_places_in_line_are_read_from_the_head_of_the_queue_index(
+    analysed_store: JobStore,
+) -> None:
     store = analysed_store
     listed: list[dict[str, Any]] = []
-    statements = _statements(store._engine, lambda: listed.extend(store.list_jobs(LISTED_USER)))
-    assert [entry["ahead"] for entry in listed] == [
-        n for n in range(BACKLOG) if n % LISTED_EVERY == LISTED_EVERY // 2
+    statements = _statements(store.engine, lambda: listed.extend(store.list_jobs(LISTED_USER)))
+    places = [n for n in range(BACKLOG) if n % LISTED_EVERY == LISTED_EVERY // 2]
+    # Exact up to the bound; beyond it, "more than" the bound.
+    assert [(e["ahead"], e["ahead_exact"]) for e in listed] == [
+        (min(n, PLACE_BOUND), n <= PLACE_BOUND) for n in places
     ]
 
-    counts = [(s, p) for s, p in statements if "AS stretch" in s]
-    assert len(counts) == 1  # one statement for every place
-    plan = _plan(store._engine, *counts[0])
+    heads = [
+        (s, p) for s, p in statements if s.startswith("SELECT ai_jobs.id, ai_jobs.kind \nFROM")
+    ]
+    assert len(heads) == 1  # one statement for every place
+    plan = _plan(store.engine, *heads[0])
     assert _reads_only_the_queue_index(plan), plan
     assert not _sorts(plan), plan
+
+
+def test_one_place_at_the_back_reads_a_bounded_stretch_of_the_queue_index(
+    analysed_store: JobStore,
+) -> None:
+    store = analysed_store
+    last = BACKLOG - 1
+    found: list[Any] = []
+    statements = _statements(
+        store.engine, lambda: found.append(store.state(f"u{last % 50}", "k", str(last)))
+    )
+    state = found[0]
+    assert state is not None and state.position is not None
+    assert (state.position.ahead, state.position.ahead_exact) == (PLACE_BOUND, False)
+    counts = [(s, p) for s, p in statements if "count(*)" in s and "LIMIT" in s]
+    assert len(counts) == 1
+    plan = _plan(store.engine, *counts[0])
+    assert _reads_only_the_queue_index(plan), plan
 
 
 def test_the_queue_view_reads_the_head_of_the_queue_in_index_order(
     analysed_store: JobStore,
 ) -> None:
     store = analysed_store
-    statements = _statements(store._engine, lambda: store.queue_view(limit=50))
+    statements = _statements(store.engine, lambda: store.queue_view(limit=50))
 
     heads = [(s, p) for s, p in statements if "ORDER BY ai_jobs.priority" in s]
     assert len(heads) == 1
-    plan = _plan(store._engine, *heads[0])
+    plan = _plan(store.engine, *heads[0])
     assert "ix_ai_jobs_queue" in plan, plan
     assert not _scans_the_table(plan), plan
     assert not _sorts(plan), plan

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import create_engine, text
+from sqlalchemy import create_engine, delete, text
 
 from queue_store import (
     INTERACTIVE,
@@ -23,6 +23,7 @@ from queue_store import (
     Status,
     bulk,
     job_id,
+    schema,
 )
 from queue_store import store as store_module
 from queue_store.store import BULK_CHUNK, RECENT_FAILURES
@@ -163,8 +164,16 @@ def _one_by_one(store: JobStore, requests: list[EnqueueRequest]) -> list[Status]
     statuses = []
     for r in requests:
         statuses.append(store.enqueue(r.user_id, r.kind, r.subject, r.fingerprint, r.priority))
-        if r.supersede:
-            store.supersede(r.user_id, r.kind, r.subject)
+        if r.supersede:  # R7, as written down: the user's other pending jobs of the kind go
+            with store.engine.begin() as connection:
+                connection.execute(
+                    delete(schema.jobs).where(
+                        schema.jobs.c.user_id == r.user_id,
+                        schema.jobs.c.kind == r.kind,
+                        schema.jobs.c.subject != r.subject,
+                        schema.jobs.c.status == Status.PENDING,
+                    )
+                )
     return statuses
 
 
@@ -520,8 +529,9 @@ def test_positions_equal_a_count_of_the_queue(make_store: StoreFactory, clock: F
             expected_eta = work[entry["id"]] + means.get(entry["kind"], 50.0)
             assert entry["eta_seconds"] == pytest.approx(expected_eta, abs=0.1)
         for entry in listed[:3]:
-            position = store.position(user, entry["kind"], entry["subject"])
-            assert position is not None and position.ahead == place[entry["id"]]
+            state = store.state(user, entry["kind"], entry["subject"])
+            assert state is not None and state.position is not None
+            assert state.position.ahead == place[entry["id"]]
     view = store.queue_view(limit=1000)
     assert [e.job.id for e in view.waiting] == [jid for _, _, jid, _ in pending]
 
@@ -532,7 +542,7 @@ def test_a_job_queued_at_a_moment_another_was_is_placed_by_its_id(
     fixed = dt.datetime(2026, 1, 5, 9, 0, tzinfo=dt.UTC)
     pinned = JobStore(
         store._engine.url.render_as_string(hide_password=False),
-        settings=store.config,
+        settings=store.settings,
         clock=lambda: fixed,
     )
     try:

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from queue_store import INTERACTIVE, InvalidArgument, JobStore, Status
+from queue_store import INTERACTIVE, Failure, InvalidArgument, JobStore, Status
 from queue_store.models import (
     MAX_FINGERPRINT_LENGTH,
     MAX_ID_LENGTH,
@@ -105,9 +105,9 @@ def _check_round_trip(store: JobStore, key: Key, fingerprint: str | None) -> Non
     assert (found.user_id, found.kind, found.subject) == key
     if fingerprint is not None:
         assert found.fingerprint == fingerprint
-    status = store.status_of(user_id, kind, subject)
-    assert status is not None and status["status"] == Status.PENDING
-    assert status["fingerprint"] == found.fingerprint
+    state = store.state(user_id, kind, subject)
+    assert state is not None and state.as_dict(3)["status"] == Status.PENDING
+    assert state.as_dict(3)["fingerprint"] == found.fingerprint
     listed = store.list_jobs(user_id, limit=MAX_LIST_LIMIT)
     assert (kind, subject) in [(entry["kind"], entry["subject"]) for entry in listed]
     assert all(store.job(user_id, entry["kind"], entry["subject"]) for entry in listed)
@@ -191,8 +191,8 @@ def test_like_wildcards_in_names_match_only_themselves(make_store: Any, clock: F
     assert [j.id for j in store.recover("WEB")] == []
     assert [j.id for j in store.recover("we")] == []
     assert [j.id for j in store.recover("web")] == [first.job.id]
-    assert store.get(second.job.id).status == Status.RUNNING
-    assert store.get(first.job.id).status == Status.PENDING
+    assert store.jobs([second.job.id])[second.job.id].status == Status.RUNNING
+    assert store.jobs([first.job.id])[first.job.id].status == Status.PENDING
     with pytest.raises(InvalidArgument, match="worker"):
         store.recover("w%")
 
@@ -219,8 +219,8 @@ def _produce(store: JobStore, subject: str, output: Any) -> Any:
     try:
         assert store.finish(claim.job.id, claim.job.holder or "", result=output) == Status.DONE
     finally:
-        if store.get(claim.job.id).status == Status.RUNNING:  # type: ignore[union-attr]
-            store.release(claim.job.id, claim.job.holder or "")
+        if store.jobs([claim.job.id])[claim.job.id].status == Status.RUNNING:
+            store.fail(claim.job.id, claim.job.holder or "", Failure.STOPPED, "handed back")
     stored = store.result_of(U, "sleep", subject)
     assert stored is not None
     return stored.output

@@ -13,9 +13,11 @@ from queue_store import (
     Blocked,
     ClaimLost,
     DatabaseError,
+    EnqueueRequest,
     Failure,
     InvalidArgument,
     JobStore,
+    Position,
     Renewal,
     Settings,
     Status,
@@ -169,10 +171,11 @@ def test_supersede_drops_only_pending_jobs_of_that_kind_for_other_subjects(
     store.enqueue("other-user", "trends", "old-1")
     claim = store.claim_next("w")  # old-1 is oldest: it is running now
     assert claim.job is not None and claim.job.subject == "old-1"
-    assert store.supersede(U, "trends", "current") == 1  # old-2 only
+    # A backfill queuing the kind's one live subject drops old-2 only.
+    store.enqueue_many([EnqueueRequest(U, "trends", "current", supersede=True)])
     subjects = {(j["kind"], j["subject"]) for j in store.list_jobs(U)}
     assert subjects == {("trends", "old-1"), ("trends", "current"), ("sleep", "d1")}
-    assert store.status_of("other-user", "trends", "old-1") is not None
+    assert store.job("other-user", "trends", "old-1") is not None
 
 
 # -- R8, R9 ---------------------------------------------------------------------
@@ -260,17 +263,18 @@ def test_list_jobs_is_in_worker_order_with_the_original_fields(
     assert len(store.list_jobs(U, limit=2)) == 2
 
 
-def test_status_of_pending_count_and_settings(store: JobStore) -> None:
-    assert store.status_of(U, "sleep", "d1") is None
+def test_a_jobs_state_pending_count_and_settings(store: JobStore) -> None:
+    assert store.state(U, "sleep", "d1") is None and store.job(U, "sleep", "d1") is None
     store.enqueue(U, "sleep", "d1")
     store.enqueue("other", "sleep", "d1")
-    status = store.status_of(U, "sleep", "d1")
-    assert status is not None
-    assert (status["status"], status["priority"], status["attempts"]) == ("pending", PREFETCH, 0)
+    state = store.state(U, "sleep", "d1")
+    assert state is not None
+    shown = state.as_dict(store.settings.max_attempts)
+    assert (shown["status"], shown["priority"], shown["attempts"]) == ("pending", PREFETCH, 0)
+    assert shown["max_attempts"] == 3
     assert store.pending_count() == 2
     assert store.pending_count(U) == 1
-    assert store.settings()["max_attempts"] == 3
-    assert store.settings()["concurrency"] == 1
+    assert (store.settings.max_attempts, store.settings.concurrency) == (3, 1)
 
 
 # -- R12 ------------------------------------------------------------------------
@@ -279,7 +283,7 @@ def test_status_of_pending_count_and_settings(store: JobStore) -> None:
 def test_disabled_consumer_does_not_disable_the_store(make_store: StoreFactory) -> None:
     store = make_store(enabled=False)
     assert store.enqueue(U, "sleep", "d1") == "pending"
-    assert store.settings()["enabled"] is False
+    assert store.settings.enabled is False
     assert store.claim_next("w").job is not None
 
 
@@ -323,7 +327,7 @@ def test_taken_over_worker_changes_nothing(make_store: StoreFactory, clock: Fake
     with pytest.raises(ClaimLost):
         store.finish(old.id, old.holder, error="late")
     with pytest.raises(ClaimLost):
-        store.release(old.id, old.holder)
+        store.fail(old.id, old.holder, Failure.STOPPED, "handed back")
     with pytest.raises(ClaimLost):
         store.set_flow_run(old.id, old.holder, "run-1")
     assert _row(store, "sleep", "d1") == before
@@ -452,7 +456,7 @@ def test_recover_matches_the_worker_exactly_never_a_prefix_or_another_case(
         assert store.recover(other) == [], other
     # "web" is a worker of its own: only its claim comes back.
     assert [j.worker for j in store.recover("web")] == ["web"]
-    rows = [store.get(job.id) for job in held if job]
+    rows = [store.jobs([job.id])[job.id] for job in held if job]
     assert {r.worker for r in rows if r and r.status == Status.RUNNING} == {"web-1", "worker"}
     # A claim's token is "<worker>/<nonce>": no name can hold the separator.
     for bad in ("web/1", "web%", "*", " web", ""):
@@ -606,13 +610,13 @@ def test_previous_result_stays_readable_while_regenerating(
 # -- N2 (store side) ------------------------------------------------------------
 
 
-def test_release_hands_back_without_spending_the_attempt(store: JobStore, clock: FakeClock) -> None:
+def test_a_stop_hands_back_without_spending_the_attempt(store: JobStore, clock: FakeClock) -> None:
     store.enqueue(U, "a", "1")
     clock.advance(1)
     store.enqueue(U, "b", "1")
     job = store.claim_next("w").job
     assert job is not None and job.kind == "a" and job.attempts == 1
-    store.release(job.id, job.holder or "", error="gateway unreachable")
+    store.fail(job.id, job.holder or "", Failure.STOPPED, "the consumer is stopping")
     row = _row(store, "a", "1")
     assert (row["status"], row["attempts"], row["holder"]) == ("pending", 0, None)
     again = store.claim_next("w").job
@@ -627,17 +631,25 @@ def test_outage_pauses_every_worker_with_growing_capped_backoff(
     store.enqueue(U, "a", "1")
     pauses = []
     for _ in range(4):
-        pauses.append(store.report_outage("connect refused"))
-        assert other.report_outage("connect refused") == pytest.approx(pauses[-1], abs=0.01)
+        job = store.claim_next("w1").job
+        assert job is not None
+        settled = store.fail(job.id, job.holder or "", Failure.UNAVAILABLE, "connect refused")
+        assert settled.pause_seconds is not None and not settled.attempt_spent
+        pauses.append(settled.pause_seconds)
         blocked = other.claim_next("w2")
         assert blocked.blocked == Blocked.PAUSED
+        assert blocked.retry_in == pytest.approx(pauses[-1], abs=0.01)
         clock.advance(pauses[-1] + 0.001)
     assert pauses == [10, 20, 35, 35]
     job = other.claim_next("w2").job
     assert job is not None
     other.finish(job.id, job.holder or "", result="ok")
     assert store.gate_state().outages_in_a_row == 0
-    assert store.report_outage("again") == 10
+    store.enqueue(U, "b", "1")
+    job = store.claim_next("w1").job
+    assert job is not None
+    again = store.fail(job.id, job.holder or "", Failure.UNAVAILABLE, "again")
+    assert again.pause_seconds == 10
 
 
 def test_rate_limits_that_name_no_wait_back_off_further_each_time(
@@ -685,6 +697,11 @@ def test_pause_and_resume(store: JobStore) -> None:
 # -- N3 -------------------------------------------------------------------------
 
 
+def _position(store: JobStore, user_id: str, kind: str, subject: str) -> Position | None:
+    state = store.state(user_id, kind, subject)
+    return state.position if state else None
+
+
 def test_position_and_eta(make_store: StoreFactory, clock: FakeClock) -> None:
     store = make_store(gap_seconds=10, default_duration_seconds=100)
     # Teach the store that "fast" takes 30 s.
@@ -704,7 +721,7 @@ def test_position_and_eta(make_store: StoreFactory, clock: FakeClock) -> None:
     assert running is not None and running.kind == "fast"
     clock.advance(10)
 
-    position = store.position(U, "slow", "mine")
+    position = _position(store, U, "slow", "mine")
     assert position is not None
     assert (position.status, position.ahead, position.in_flight) == (Status.PENDING, 3, 1)
     # in flight: 30 - 10 = 20 left; ahead: fast 30 + slow 100 + slow 100;
@@ -712,17 +729,17 @@ def test_position_and_eta(make_store: StoreFactory, clock: FakeClock) -> None:
     assert position.eta_seconds == pytest.approx(20 + 230 + 40 + 100, abs=0.1)
 
     store.enqueue(U, "slow", "mine", priority=INTERACTIVE)
-    promoted = store.position(U, "slow", "mine")
+    promoted = _position(store, U, "slow", "mine")
     assert promoted is not None and promoted.ahead == 0
     assert promoted.eta_seconds == pytest.approx(20 + 10 + 100, abs=0.1)
 
     listed = {j["subject"]: j for j in store.list_jobs(U)}
     assert listed["mine"]["ahead"] == 0
 
-    running_position = store.position("other", "fast", "0")
+    running_position = _position(store, "other", "fast", "0")
     assert running_position is not None and running_position.status == Status.RUNNING
     assert running_position.eta_seconds == pytest.approx(20, abs=0.1)
-    assert store.position(U, "nothing", "here") is None
+    assert _position(store, U, "nothing", "here") is None
 
 
 def test_list_jobs_positions_count_the_users_own_earlier_jobs(

@@ -7,7 +7,8 @@
   `TEST_MARKS`, building it holds the GIL for `TEST_HOG_SECONDS`; later times
   are quick. A marker file per subject makes the fault happen once, by count.
 
-Users named `mixed-*` get two scopes: `ok:first` and `broken:second`.
+Users named `mixed-*` get two scopes, `ok:first` and `broken:second`; users named
+`seven-and-one-*` get `ok:day-1` to `ok:day-7` and `broken:day-8`.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import os
 import time
 from pathlib import Path
 
-from flows.registry import Messages, Scope, register_generator, register_scopes
+from flows.registry import Messages, Registry, Scope
 
 
 def _ask(user_id: str, subject: str) -> Messages:
@@ -50,15 +51,24 @@ def _hog(user_id: str, subject: str) -> Messages:
     return _ask(user_id, subject)
 
 
-register_generator("ok", _ask)
-register_generator("broken", _broken)
-register_generator("sleepy", _sleepy)
-register_generator("hog", _hog)
+def register(registry: Registry) -> None:
+    registry.register_generator("ok", _ask)
+    registry.register_generator("broken", _broken)
+    registry.register_generator("sleepy", _sleepy)
+    registry.register_generator("hog", _hog)
+    registry.register_scopes(mixed_scopes)
+    registry.register_scopes(seven_and_one)
 
 
-@register_scopes
 def mixed_scopes(user_id: str) -> list[Scope]:
     """Users named `mixed-*` have one scope that works and one that never can."""
     if not user_id.startswith("mixed-"):
         return []
     return [Scope("ok", "first"), Scope("broken", "second")]
+
+
+def seven_and_one(user_id: str) -> list[Scope]:
+    """Users named `seven-and-one-*`: seven scopes that work, then one that never can."""
+    if not user_id.startswith("seven-and-one-"):
+        return []
+    return [Scope("ok", f"day-{n}") for n in range(1, 8)] + [Scope("broken", "day-8")]

@@ -1,6 +1,6 @@
 """A consumer in a process of its own, for the acceptance tests: `python -m tests.support.worker`.
 
-Builds `Runtime.from_env()` from its environment (the `AI_*` settings) and
+Builds `Runtime.open()` from its environment (the `AI_*` settings) and
 runs a consumer with no run history and no Prefect slot: the tests prove the
 store and the self-fencing worker keep the limit on their own.
 
@@ -98,13 +98,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--name", default=None)
     parser.add_argument("--log-level", default="INFO")
     options = parser.parse_args(argv)
-    # Handlers first: the runtime adds its redaction filter to the handlers there are.
+    # Handlers first: the redaction filter goes on the handlers there are.
     logging.basicConfig(
         level=options.log_level.upper(),
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    runtime = Runtime.from_env()
+    runtime = Runtime.open()
+    runtime.redact_logs()
     try:
         summary = asyncio.run(work(runtime, options.name or worker_name("test"), options.standby))
     finally:

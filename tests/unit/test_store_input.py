@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sqlalchemy import event
 
-from queue_store import INTERACTIVE, InvalidArgument, JobStore, StoreError
+from queue_store import INTERACTIVE, Failure, InvalidArgument, JobStore, StoreError
 from queue_store.models import (
     MAX_FINGERPRINT_LENGTH,
     MAX_HOLDER_LENGTH,
@@ -215,7 +215,8 @@ def seeded(store: JobStore) -> Seeded:
         claim = store.claim_next("seed-worker")
         assert claim.job is not None
         store.finish(claim.job.id, claim.job.holder or "", error="TimeoutError: slow")
-    assert store.status_of(U, "sleep", "failed-day")["status"] == "failed"  # type: ignore[index]
+    failed = store.job(U, "sleep", "failed-day")
+    assert failed is not None and failed.status == "failed"
 
     store.enqueue(U, "sleep", "running-day", "fp-running", priority=INTERACTIVE)
     claim = store.claim_next("seed-worker")
@@ -302,16 +303,17 @@ BAD_WORKER = st.one_of(
 )
 
 
+STOP = Failure.STOPPED
+
 CASES: list[Case] = [
     Case("enqueue", "user_id", bad_text(MAX_ID_LENGTH), _enqueue(user_id=None)),
     Case("enqueue", "kind", bad_text(MAX_KIND_LENGTH), _enqueue(kind=None)),
     Case("enqueue", "subject", bad_text(MAX_SUBJECT_LENGTH), _enqueue(subject=None)),
     Case("enqueue", "fingerprint", BAD_FINGERPRINT, _enqueue(fingerprint=None)),
     Case("enqueue", "priority", BAD_PRIORITY, _enqueue(priority=None)),
-    *_key_cases("supersede"),
-    *_key_cases("status_of"),
+    *_key_cases("poll"),
+    *_key_cases("state"),
     *_key_cases("result_of"),
-    *_key_cases("position"),
     *_key_cases("job"),
     Case(
         "list_jobs",
@@ -327,7 +329,7 @@ CASES: list[Case] = [
         lambda s, v: s.store.pending_count(v),
     ),
     Case("retry_failed", "user_id", bad_text(MAX_ID_LENGTH), lambda s, v: s.store.retry_failed(v)),
-    Case("get", "job_id", BAD_JOB_ID, lambda s, v: s.store.get(v)),
+    Case("jobs", "job_id", BAD_JOB_ID, lambda s, v: s.store.jobs([v])),
     Case("claim_next", "worker", BAD_WORKER, lambda s, v: s.store.claim_next(v)),
     Case("heartbeat", "job_id", BAD_JOB_ID, lambda s, v: s.store.heartbeat(v, s.running_holder)),
     Case(
@@ -386,17 +388,21 @@ CASES: list[Case] = [
             s.running_id, s.running_holder, result={"text": "x"}, duration_seconds=v
         ),
     ),
-    Case("release", "job_id", BAD_JOB_ID, lambda s, v: s.store.release(v, s.running_holder)),
-    Case("release", "holder", bad_text(HOLDER_MAX), lambda s, v: s.store.release(s.running_id, v)),
+    Case("fail", "job_id", BAD_JOB_ID, lambda s, v: s.store.fail(v, s.running_holder, STOP, "x")),
     Case(
-        "release",
+        "fail",
+        "holder",
+        bad_text(HOLDER_MAX),
+        lambda s, v: s.store.fail(s.running_id, v, STOP, "x"),
+    ),
+    Case(
+        "fail",
         "error",
         BAD_MESSAGE,
-        lambda s, v: s.store.release(s.running_id, s.running_holder, error=v),
+        lambda s, v: s.store.fail(s.running_id, s.running_holder, STOP, v),
     ),
     Case("pause", "seconds", BAD_SECONDS, lambda s, v: s.store.pause(v, "gateway down")),
     Case("pause", "reason", BAD_MESSAGE, lambda s, v: s.store.pause(30, v)),
-    Case("report_outage", "reason", BAD_MESSAGE, lambda s, v: s.store.report_outage(v)),
     Case(
         "recover",
         "worker",

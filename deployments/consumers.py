@@ -13,7 +13,8 @@ import signal
 
 import click
 
-from queue_store import Settings
+from deployments.prefect_api import api_url
+from queue_store import JobStore, Settings
 from queue_store.cli import fails_cleanly, settings_from
 
 
@@ -22,8 +23,6 @@ def _echo(value: object) -> None:
 
 
 def _require_prefect(settings: Settings) -> None:
-    from deployments.prefect_api import api_url
-
     url = api_url(settings)
     if url is None:
         raise click.ClickException(
@@ -50,7 +49,8 @@ def consume_command(ctx: click.Context) -> None:
 
     settings = settings_from(ctx)
     _require_prefect(settings)
-    runtime = Runtime.from_env(settings)
+    runtime = Runtime.open(settings)
+    runtime.redact_logs()
     worker = worker_name("consumer")
     ledger = PrefectLedger(worker, runtime.redactor)
     consumer = runtime.consumer(
@@ -77,12 +77,12 @@ def consume_command(ctx: click.Context) -> None:
 @fails_cleanly
 def drain_command(ctx: click.Context, max_jobs: int | None) -> None:
     """Run queued jobs in priority order until nothing is runnable (as a `drain` flow run)."""
-    from flows.runtime import Runtime
+    from flows.consumer import standing_by
 
     settings = settings_from(ctx)
     _require_prefect(settings)
-    runtime = Runtime.from_env(settings)
-    standing = [w.name for w in runtime.store.workers() if w.alive and w.role == "consumer"]
+    with JobStore(settings.database_url, settings=settings) as store:
+        standing = standing_by(store)
     if standing:
         click.echo(f"a consumer is standing by ({', '.join(standing)}): it takes queued work")
         return
@@ -108,13 +108,13 @@ def setup_limit_command(ctx: click.Context, repair: bool) -> None:
     leak: `--repair` refuses while any consumer says it is alive.
     """
     from flows.limits import ensure_gateway_limit, repair_gateway_slots
-    from flows.runtime import Runtime
 
     settings = settings_from(ctx)
     _require_prefect(settings)
     limit = ensure_gateway_limit(settings.concurrency)
     if repair:
-        alive = [w.name for w in Runtime.from_env(settings).store.workers() if w.alive]
+        with JobStore(settings.database_url, settings=settings) as store:
+            alive = [w.name for w in store.workers() if w.alive]
         if alive:
             raise click.ClickException(
                 f"consumers are alive ({', '.join(alive)}): their slots would be given back too"

@@ -1,0 +1,186 @@
+"""Place in line and ETA (N3, P2): exact up to `PLACE_BOUND` jobs ahead, "more than" beyond.
+
+The worker takes pending jobs in the queue's order (`ORDER`: priority, then
+age, then id). A job's place is the number of pending jobs before it in that
+order. Counting them reads the queue index from its head and stops after
+`PLACE_BOUND + 1` entries, so a place at the back of a 100k backlog costs what
+a place 1,000 deep costs; beyond the bound a place says "more than
+`PLACE_BOUND`", and its ETA counts only those, a lower bound.
+
+An ETA adds, on the store's clock: what is left of the calls in flight, the
+expected duration of every job ahead (the moving mean per kind in
+`ai_job_kind_durations`), a gap after each call, any pause or gap still
+running, and the job's own call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+from collections.abc import Sequence
+from typing import Any
+
+from sqlalchemy import Connection, Row, func, select, tuple_
+
+from queue_store import schema
+from queue_store.models import Job, Position, QueueEntry, Status
+from queue_store.rules import lapsed
+from queue_store.settings import Settings
+
+jobs = schema.jobs
+durations = schema.kind_durations
+
+# Jobs counted ahead of one before its place becomes "more than".
+PLACE_BOUND = 1000
+# Weight of the newest sample in a kind's moving mean, once it has this many.
+DURATION_WINDOW = 20
+# The claim order: the order of the queue index.
+ORDER = (jobs.c.priority, jobs.c.queued_at, jobs.c.id)
+
+
+def order_key(job: Job) -> tuple[Any, ...]:
+    return (job.priority, job.queued_at, job.id)
+
+
+@dataclasses.dataclass(frozen=True)
+class Outlook:
+    """What every ETA starts from: the calls in flight and how long claiming is held back."""
+
+    in_flight: int
+    remaining_seconds: float  # of the calls in flight, summed
+    held_back_seconds: float  # pause or gap still running before the next claim
+    means: dict[str, float]  # mean call seconds per kind
+    default_seconds: float
+    settings: Settings
+
+    def duration(self, kind: str) -> float:
+        return self.means.get(kind, self.default_seconds)
+
+    def eta(self, ahead: int, work_ahead: float, kind: str) -> float:
+        gaps = self.settings.gap_seconds * (ahead + self.in_flight)
+        parallel = (self.remaining_seconds + work_ahead + gaps) / self.settings.concurrency
+        return self.held_back_seconds + parallel + self.duration(kind)
+
+    def running(self, job: Job, now: dt.datetime) -> Position:
+        elapsed = (now - job.claimed_at).total_seconds() if job.claimed_at else 0.0
+        left = max(self.duration(job.kind) - elapsed, 0.0)
+        return Position(Status.RUNNING, 0, self.in_flight, left)
+
+    def waiting(self, ahead: int, kinds_ahead: dict[str, int], kind: str) -> Position:
+        """The position of a pending job with these jobs (by kind) ahead, up to the bound."""
+        exact = ahead <= PLACE_BOUND
+        counted = min(ahead, PLACE_BOUND)
+        work = sum(self.duration(k) * n for k, n in kinds_ahead.items())
+        return Position(
+            Status.PENDING, counted, self.in_flight, self.eta(counted, work, kind), exact
+        )
+
+
+def record_duration(connection: Connection, kind: str, seconds: float) -> None:
+    """Fold one call's duration into the kind's moving mean."""
+    row = connection.execute(
+        select(durations.c.mean_seconds, durations.c.samples).where(durations.c.kind == kind)
+    ).one_or_none()
+    if row is None:
+        connection.execute(durations.insert().values(kind=kind, mean_seconds=seconds, samples=1))
+        return
+    samples = row.samples + 1
+    mean = row.mean_seconds + (seconds - row.mean_seconds) / min(samples, DURATION_WINDOW)
+    connection.execute(
+        durations.update()
+        .where(durations.c.kind == kind)
+        .values(mean_seconds=mean, samples=samples)
+    )
+
+
+def outlook(
+    connection: Connection,
+    settings: Settings,
+    now: dt.datetime,
+    gate: Row[Any],
+    running: Sequence[Row[Any]],
+) -> Outlook:
+    """The outlook from the gate row and the running rows (kind, claimed_at, heartbeat_at)."""
+    means = {
+        k: float(m)
+        for k, m in connection.execute(select(durations.c.kind, durations.c.mean_seconds))
+    }
+    default = settings.default_duration_seconds
+    live = [row for row in running if not lapsed(row, now, settings)]
+    remaining = sum(
+        max(means.get(row.kind, default) - (now - row.claimed_at).total_seconds(), 0.0)
+        for row in live
+    )
+    held_back = 0.0
+    if gate.paused_until is not None and gate.paused_until > now:
+        held_back = (gate.paused_until - now).total_seconds()
+    if not live and gate.last_finished_at is not None:
+        quiet_until = gate.last_finished_at + dt.timedelta(seconds=settings.gap_seconds)
+        held_back = max(held_back, (quiet_until - now).total_seconds())
+    return Outlook(len(live), remaining, held_back, means, default, settings)
+
+
+def _pending_before(key: tuple[Any, ...] | None) -> Any:
+    """The pending jobs before `key` in claim order (all of them without one), head first."""
+    query = select(jobs.c.id, jobs.c.kind).where(jobs.c.status == Status.PENDING)
+    if key is not None:
+        # The plain comparison on the priority adds nothing to the row comparison
+        # but a row estimate that keeps PostgreSQL on the index.
+        query = query.where(tuple_(*ORDER) < tuple_(*key), jobs.c.priority <= key[0])
+    return query.order_by(*ORDER)
+
+
+def ahead_of(connection: Connection, job: Job) -> tuple[int, dict[str, int]]:
+    """How many pending jobs are before `job` (up to the bound plus one), and their kinds."""
+    ahead = _pending_before(order_key(job)).limit(PLACE_BOUND + 1).subquery()
+    kinds = {
+        str(kind): int(count)
+        for kind, count in connection.execute(
+            select(ahead.c.kind, func.count()).group_by(ahead.c.kind)
+        )
+    }
+    return sum(kinds.values()), kinds
+
+
+def positions(
+    connection: Connection, view: Outlook, now: dt.datetime, listed: Sequence[Job]
+) -> dict[str, Position]:
+    """Positions of the listed jobs that are pending or running, by job id: one bounded read."""
+    found = {j.id: view.running(j, now) for j in listed if j.status == Status.RUNNING}
+    waiting = sorted((j for j in listed if j.status == Status.PENDING), key=order_key)
+    if not waiting:
+        return found
+    # The head of the queue up to the last job asked about, at most the bound and one.
+    head = connection.execute(_pending_before(order_key(waiting[-1])).limit(PLACE_BOUND + 1)).all()
+    index = {row.id: n for n, row in enumerate(head)}
+    kinds: dict[str, int] = {}
+    counted = 0
+    for job in waiting:
+        # Not in the head: the last job asked about, or one past the bound.
+        place = index.get(job.id, len(head))
+        for row in head[counted : min(place, PLACE_BOUND)]:
+            kinds[row.kind] = kinds.get(row.kind, 0) + 1
+        counted = max(counted, min(place, PLACE_BOUND))
+        found[job.id] = view.waiting(place, dict(kinds), job.kind)
+    return found
+
+
+def queue_entries(
+    view: Outlook, now: dt.datetime, running: Sequence[Job], waiting: Sequence[Job]
+) -> tuple[list[QueueEntry], list[QueueEntry]]:
+    """Running and the first waiting jobs (already in worker order) with place and ETA."""
+    running_entries = [
+        QueueEntry(
+            j,
+            None,
+            view.running(j, now).eta_seconds,
+            (now - j.claimed_at).total_seconds() if j.claimed_at else None,
+        )
+        for j in running
+    ]
+    waiting_entries = []
+    work = 0.0
+    for place, j in enumerate(waiting, start=1):
+        waiting_entries.append(QueueEntry(j, place, view.eta(place - 1, work, j.kind), None))
+        work += view.duration(j.kind)
+    return running_entries, waiting_entries
