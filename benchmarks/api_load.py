@@ -1,47 +1,60 @@
-"""Load benchmark of the HTTP API: many screens polling while a backfill drains.
+"""Load benchmark of the HTTP API: CPU per poll beside a bare route, and screens beside `serve`.
 
-For each backend (SQLite file, PostgreSQL database created and dropped) the
-script starts `insight-queue api` as a subprocess on a free 127.0.0.1 port
-(Prefect unreachable: a closed loopback port), and runs:
+For each backend (`--backends`, default `sqlite,postgresql`: a SQLite file in a
+temporary directory; a PostgreSQL database created on the server of
+`--postgres-url` and dropped at the end), two parts, each on a fresh store:
 
-- in a process of its own (so that their timing is not the consumer's),
-  `--screens` simulated screens (default 200), each polling one insight
-  through `GET /v1/users/{user}/insights/{kind}/{subject}` every
-  `--interval` seconds (default 2, staggered, whatever Retry-After says),
-  with `If-None-Match` from its last answer. A screen waits for its answer
-  before its next poll, so an API that cannot keep up shows as a lower rate
-  and long response times, not as a pile of requests. Most screens show a result that
-  is already there; `--waiting` of them wait on a queued insight; during the
-  busy phase `--switching` of them move to a new insight, one after another;
-- a backfill of `--backfill-users` users' scopes, triggered through
-  `POST /v1/users/{user}/backfills` before the polls start;
-- in this process, the gateway simulator (`--call-seconds` per answer)
-  behind the recorder, and, in the busy phase only, a standing-by consumer
-  (`Runtime.consumer(...)`, with the null ledger and guard) draining the queue.
+**Part A, CPU per request.** The store holds one job done with a result (a
+dict of about 1 KB of JSON) and one job waiting with `AHEAD` interactive jobs
+ahead of it. A standing-by consumer is only a live row in the workers table
+(`worker_seen`, refreshed from a thread), so no poll asks Prefect for a run;
+Prefect is unreachable anyway (`PREFECT_API_URL` is a closed loopback port).
+Two servers run as subprocesses on free 127.0.0.1 ports: `insight-queue api`
+(one worker) and `benchmarks/bare_route.py`, a Starlette route that reads one
+`ai_jobs` row by primary key and answers it as JSON. For each case, after a
+warm-up, `--requests` sequential requests (default 2000) go over one
+keep-alive connection, and every answer's status is checked (a wrong one
+aborts the run):
 
-Two phases: **quiet** (`--quiet-seconds`, no consumer: every poll changes
-nothing; on PostgreSQL it goes on 11 s more while the statistics catch up)
-and **busy** (`--seconds`, the consumer draining). It prints:
+1. a poll of the waiting job (200, no `If-None-Match`);
+2. a poll of the done job with its ETag (304);
+3. a poll of the done job without one (200 with the result);
 
-- response times (p50, p95, max) of each phase, the share of them spent in
-  the store (the API's `Server-Timing`), and the answers by status;
-- writes per unchanged poll in the quiet phase: the database's write counter
-  (SQLite `PRAGMA data_version` from another connection; PostgreSQL
-  inserted+updated+deleted tuples in `pg_stat_user_tables`) across every
-  quiet poll, after one deliberate write (a probe's new fingerprint) that
-  must move it by exactly one, so the check can see a write; and every polled
-  job row's `revision` and `updated_at`, unchanged;
-- in the busy phase: the rows of the screens showing a finished result,
-  unchanged however often they were polled; the backfill jobs done; how long
-  the switching screens waited for their result;
-- the recorder's peak of calls open at the gateway, against `AI_JOB_CONCURRENCY`;
-- the CPU each quiet poll cost the API process (and PostgreSQL's backends),
-  and how late the screens' own event loop ran (a loaded client shows there).
+and the same number of bare reads of that case's row. The CPU each request
+cost is read from `/proc/<pid>/stat` (utime+stime) of the server process
+before and after, and on PostgreSQL also of the backends serving it (listed
+in `pg_stat_activity` by the `application_name` each server's URL sets). It
+prints CPU ms per request of the API and of the bare route, their ratio, and
+the wall time per request.
 
-Run from the repository root (loopback only):
+**Part B, screens beside `serve`.** A Prefect server (its own home, no UI),
+the gateway simulator (`--call-seconds` per call) behind the recording proxy
+(`devtools.recorder`, which times every call at the gateway), `insight-queue
+serve` (gap `--gap`, the demo plugins, the recorder as its gateway) and
+`insight-queue api` (`--workers`), on one store. A backfill of
+`--backfill-users` users is queued through `POST /v1/users/{user}/backfills`
+so serve's consumer drains while the screens poll. `--screens` screens
+(default 200) poll in a spawned process of their own (asyncio, one httpx
+client), each one insight every `--interval` s (staggered), with
+`If-None-Match` from its last answer, for `--seconds`. Most show a result
+made before the run; `--waiting` wait on an insight their first poll queued.
+It prints the polls' latency (p50, p95, max), their statuses, the share of
+polls whose response time was mostly the store's (the API's
+`Server-Timing`), the recorder's peak of calls in flight and smallest gap
+between calls, and the API's CPU (and its PostgreSQL backends') per poll.
+
+At the end, per backend, the targets and whether each was met: at most 2 ms
+of API process CPU per waiting-job poll and 1 ms per 304 (Part A), p95 under
+250 ms, no 5xx and a recorder peak within `AI_JOB_CONCURRENCY` (Part B). The
+exit status is 0 when all were met, 1 when one was missed, 2 when the run
+was aborted. Every process it starts is stopped by its PID, also on errors
+and Ctrl-C; everything listens on loopback.
+
+Run from the repository root (PostgreSQL needs CREATE DATABASE rights):
 
     .venv/bin/python benchmarks/api_load.py
-    .venv/bin/python benchmarks/api_load.py --backends sqlite --seconds 20 --screens 50
+    .venv/bin/python benchmarks/api_load.py --backends sqlite --seconds 10 --screens 20 \
+        --requests 200
 
 `--postgres-url` defaults to $AI_JOB_TEST_POSTGRES_URL, else
 postgresql://postgres@127.0.0.1:5432/test.
@@ -52,8 +65,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import datetime as dt
+import json
 import multiprocessing
 import os
 import sys
@@ -61,46 +76,58 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import httpx
-from sqlalchemy import create_engine, text
+from sqlalchemy import Engine, create_engine, text
+from sqlalchemy.engine import make_url
 
 from deployments import processes
-from deployments.stack import executable
-from devtools.recorder import GatewayRecorder
-from devtools.simulator import GatewaySimulator
-from flows.consumer import Consumer
-from flows.runtime import Runtime
-from queue_store import PREFETCH, JobStore, Settings, job_id, migrate
+from deployments.stack import PrefectServer, client_env, executable
+from queue_store import INTERACTIVE, PREFETCH, JobStore, Settings, StoreError, job_id, migrate
 from queue_store.engine import normalise_url
 
-if not __package__:  # run as a script: the store benchmark's helpers are a sibling module
+if not __package__:  # run as a script: the shared helpers and devtools are one folder up
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.figures import percentile
-from benchmarks.store import (
-    WriteCounter,
-    postgres_database,
-    row_versions,
-    sqlite_database,
-)
+from benchmarks.store import postgres_database, sqlite_database
+from devtools.recorder import GatewayRecorder
+from devtools.simulator import GatewaySimulator
+from devtools.stack import ServeProcess
 
+ROOT = Path(__file__).resolve().parent.parent
+BARE_ROUTE = Path(__file__).resolve().parent / "bare_route.py"
 DEFAULT_POSTGRES_URL = "postgresql://postgres@127.0.0.1:5432/test"
 KIND = "sleep"  # a demo kind: its subject is a date
-API_START_SECONDS = 60.0
+SERVER_START_SECONDS = 60.0
 REQUEST_TIMEOUT_SECONDS = 30.0
-CONSUMER_START_SECONDS = 30.0
-PROBE_USER = "probe"
 SPAWN = multiprocessing.get_context("spawn")
 CHILD_START_SECONDS = 120.0
 LAG_TICK_SECONDS = 0.05
 BACKFILL_USERS = "user_id LIKE 'backfill-%'"
-# PostgreSQL counts a backend's writes in pg_stat_user_tables when it reports
-# them: at most a second after a transaction, or 10 s after it went idle. A
-# read of the counter is trusted once nothing moved it for longer than that.
-PG_STATS_SETTLE_SECONDS = 11.0
+# PostgreSQL tells each server's connections apart by these (set in its URL).
+API_APPLICATION = "bench-api"
+BARE_APPLICATION = "bench-bare"
+
+# Part A's store: a done job, and a waiting job with this many ahead of it.
+AHEAD = 5
+DONE_USER = "bench-done"
+WAITING_USER = "bench-waiting"
+# Part A's stand-in consumer: a live row, refreshed well within one lease.
+CONSUMER = "bench-consumer"
+CONSUMER_SEEN_SECONDS = 5.0
+WARMUP_FRACTION = 0.1
+WARMUP_MIN = 50
+
+# The targets the summary checks.
+WAITING_CPU_TARGET_MS = 2.0
+NOT_MODIFIED_CPU_TARGET_MS = 1.0
+P95_TARGET_MS = 250.0
+
+
+class Aborted(Exception):
+    """The run cannot go on: an answer was not what the benchmark relies on."""
 
 
 def loadavg() -> str:
@@ -110,263 +137,103 @@ def loadavg() -> str:
         return "?"
 
 
-# -- the screens ------------------------------------------------------------------------------
+def made_result(subject: str) -> dict[str, Any]:
+    """A generator's output of about 1 KB of JSON, as a screen shows it."""
+    return {
+        "text": (
+            f"Over the seven nights to {subject} you slept 6 h 52 min on average, 38 minutes "
+            "less than the week before. Your two shortest nights both followed late training "
+            "sessions; on the nights you were in bed before 23:00 you slept 7 h 31 min. Try "
+            "moving hard workouts earlier in the day and keeping a steady bedtime for the next "
+            "week, then compare."
+        ),
+        "model": "demo-model-2025-06",
+        "highlights": [
+            {"metric": "sleep", "value": 6.87, "unit": "h", "change": -0.63},
+            {"metric": "bedtime_before_23", "value": 3, "unit": "nights", "change": -2},
+            {"metric": "resting_heart_rate", "value": 57, "unit": "bpm", "change": 2},
+            {"metric": "training_load", "value": 142, "unit": "TRIMP", "change": 31},
+        ],
+        "series": [6.4, 7.1, 6.9, 7.5, 6.2, 6.8, 7.2],
+        "generated": {"subject": subject, "days": 7, "prompt_version": 3},
+    }
 
 
-@dataclasses.dataclass
-class Screen:
-    user: str
-    subject: str
-    fingerprint: str
-    role: str  # "result" | "waiting" | "switching"
-    offset: float  # seconds after the start of polling of its first poll
-    switch_after: float | None = None  # seconds into the busy phase
-    etag: str | None = None
-    switched: bool = False
-    opened_at: float | None = None  # when it first polled its new insight
-    answered_at: float | None = None  # when it first saw that insight's fresh result
-
-    @property
-    def path(self) -> str:
-        return f"/v1/users/{self.user}/insights/{KIND}/{self.subject}"
+def with_changes(settings: Settings, **changes: Any) -> Settings:
+    return Settings(**{**settings.model_dump(), **changes})
 
 
-@dataclasses.dataclass(frozen=True)
-class Sample:
-    at: float  # loop time the request was sent
-    ms: float
-    status: int  # 0: no answer (connection error, timeout)
-    finished: bool  # the poll was of a result made before the run (that row never changes)
-    error: str = ""  # what went wrong when there was no answer
-    store_ms: float | None = None  # the API's own time in the store (its Server-Timing)
-
-
-@dataclasses.dataclass
-class Phases:
-    """What the screens' process knows of the phases, from the main process."""
-
-    busy_from: float | None = None  # time.monotonic() when the consumer started
-    stop: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
-
-
-async def poll_screen(
-    client: httpx.AsyncClient,
-    screen: Screen,
-    interval: float,
-    start: float,
-    phases: Phases,
-    samples: list[Sample],
-    yesterday: str,
-) -> None:
-    due = start + screen.offset
-    while not phases.stop.is_set():
-        wait = due - time.monotonic()
-        if wait > 0:
-            try:
-                await asyncio.wait_for(phases.stop.wait(), wait)
-                return
-            except TimeoutError:
-                pass
-        due += interval
-        now = time.monotonic()
-        if (
-            screen.switch_after is not None
-            and not screen.switched
-            and phases.busy_from is not None
-            and now >= phases.busy_from + screen.switch_after
-        ):
-            # The user moves on to another day: a new insight, asked at the front.
-            screen.switched, screen.subject, screen.etag = True, yesterday, None
-            screen.fingerprint = f"{screen.fingerprint}-next"
-            screen.opened_at = now
-        headers = {"If-None-Match": screen.etag} if screen.etag else {}
-        finished = screen.role != "waiting" and not screen.switched
-        sent = time.perf_counter()
-        try:
-            response = await client.get(
-                screen.path, params={"fingerprint": screen.fingerprint}, headers=headers
-            )
-        except httpx.HTTPError as exc:
-            elapsed = (time.perf_counter() - sent) * 1000
-            samples.append(Sample(now, elapsed, 0, finished, f"{type(exc).__name__}: {exc}"))
-            continue
-        elapsed = (time.perf_counter() - sent) * 1000
-        store_ms = server_timing(response.headers.get("server-timing", ""))
-        samples.append(Sample(now, elapsed, response.status_code, finished, "", store_ms))
-        if response.status_code == 200:
-            screen.etag = response.headers.get("etag")
-            body = response.json()
-            if (
-                screen.switched
-                and screen.answered_at is None
-                and body["status"] == "done"
-                and body["fresh"]
-            ):
-                screen.answered_at = time.monotonic()
-
-
-@dataclasses.dataclass(frozen=True)
-class ScreensReport:
-    samples: list[Sample]
-    screens: list[Screen]
-    lag_ms: list[float]  # how late the screens' event loop woke from 50 ms sleeps
-
-
-async def drive_screens(
-    api_url: str,
-    screens: list[Screen],
-    interval: float,
-    yesterday: str,
-    busy_from: Any,
-    stop: Any,
-    started: Any,
-) -> ScreensReport:
-    phases = Phases()
-    samples: list[Sample] = []
-    lags: list[float] = []
-    limits = httpx.Limits(max_connections=len(screens) + 10)
-    async with httpx.AsyncClient(
-        base_url=api_url, timeout=REQUEST_TIMEOUT_SECONDS, limits=limits
-    ) as client:
-        start = time.monotonic()
-        tasks = [
-            asyncio.create_task(poll_screen(client, s, interval, start, phases, samples, yesterday))
-            for s in screens
-        ]
-        started.set()
-        while not stop.is_set():
-            before = time.monotonic()
-            await asyncio.sleep(LAG_TICK_SECONDS)
-            lags.append((time.monotonic() - before - LAG_TICK_SECONDS) * 1000)
-            if busy_from.value > 0:
-                phases.busy_from = busy_from.value
-        phases.stop.set()
-        await asyncio.gather(*tasks)
-    return ScreensReport(samples, screens, lags)
-
-
-def screens_process(
-    api_url: str,
-    screens: list[Screen],
-    interval: float,
-    yesterday: str,
-    busy_from: Any,
-    stop: Any,
-    started: Any,
-    out: Any,
-) -> None:
-    """The screens, in a process of their own: their timing is not the consumer's."""
-    out.put(
-        asyncio.run(drive_screens(api_url, screens, interval, yesterday, busy_from, stop, started))
+def tagged(url: str, application: str) -> str:
+    """The store's URL, naming its connections `application` on PostgreSQL."""
+    parsed = make_url(url)
+    if parsed.get_backend_name() != "postgresql":
+        return url
+    return parsed.update_query_dict({"application_name": application}).render_as_string(
+        hide_password=False
     )
 
 
-def server_timing(header: str) -> float | None:
-    """The `dur` of `store;dur=12.3`, or None."""
-    for part in header.split(";"):
-        name, _, value = part.strip().partition("=")
-        if name == "dur":
-            try:
-                return float(value)
-            except ValueError:
-                return None
-    return None
-
-
-def make_screens(args: argparse.Namespace, today: str) -> list[Screen]:
-    screens = []
-    for n in range(args.screens):
-        role = (
-            "waiting"
-            if n < args.waiting
-            else "switching"
-            if n < args.waiting + args.switching
-            else "result"
-        )
-        switch_after = None
-        if role == "switching":
-            k = n - args.waiting
-            # Spread over the first 70% of the busy phase, so the last can finish.
-            switch_after = (k + 0.5) * args.seconds * 0.7 / max(args.switching, 1)
-        screens.append(
-            Screen(
-                user=f"screen-{n:04d}",
-                subject=today,
-                fingerprint=f"fp-{n:04d}",
-                role=role,
-                offset=args.interval * n / args.screens,
-                switch_after=switch_after,
+def count(url: str, where: str) -> int:
+    engine = create_engine(normalise_url(url))
+    try:
+        with engine.connect() as connection:
+            return int(
+                connection.execute(text(f"SELECT count(*) FROM ai_jobs WHERE {where}")).scalar_one()
             )
-        )
-    return screens
+    finally:
+        engine.dispose()
 
 
-# -- the parts that run beside the API --------------------------------------------------------
+# -- processes and their CPU ----------------------------------------------------------------------
 
 
-class ApiProcess:
-    """`insight-queue api` as a subprocess, stopped by its PID."""
+class ServerProcess:
+    """A server subprocess on a free loopback port, stopped by its PID (with its group)."""
 
-    def __init__(self, env: dict[str, str], log: Path) -> None:
+    def __init__(
+        self, name: str, command: list[str], env: dict[str, str], log: Path, ready_path: str
+    ) -> None:
+        self.name = name
         self.port = processes.free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.command = [*command, "--host", "127.0.0.1", "--port", str(self.port)]
+        self.env = {**os.environ, **env}
         self.log = log
-        self.process = processes.start(
-            [executable("insight-queue"), "api", "--host", "127.0.0.1", "--port", str(self.port)],
-            env={**os.environ, **env},
-            log=log,
-        )
+        self.ready_path = ready_path
+        self.process: Any = None
+
+    def start(self) -> None:
+        self.process = processes.start(self.command, env=self.env, log=self.log, cwd=ROOT)
 
     def wait_ready(self) -> None:
         def ready() -> bool:
             try:
-                return httpx.get(f"{self.url}/healthz", timeout=2).status_code == 200
+                answer = httpx.get(f"{self.url}{self.ready_path}", timeout=2)
             except httpx.HTTPError:
                 return False
+            return answer.status_code == 200
 
         try:
             processes.wait_for(
                 ready,
-                timeout=API_START_SECONDS,
-                what=f"the API (log: {self.log})",
-                alive=lambda: self.process.poll() is None,
+                timeout=SERVER_START_SECONDS,
+                what=f"{self.name} (log: {self.log})",
+                alive=lambda: self.process is not None and self.process.poll() is None,
             )
         except (TimeoutError, RuntimeError):
             print(self.log.read_text(errors="replace")[-3000:], file=sys.stderr)
             raise
 
-    def stop(self) -> None:
-        processes.stop_group(self.process, grace_seconds=15)
-
-
-class ConsumerThread:
-    """A standing-by consumer on an event loop of its own, in a thread of this process."""
-
-    def __init__(self, runtime: Runtime) -> None:
-        self.runtime = runtime
-        self.consumer: Consumer = runtime.consumer(standby=True, worker="bench-consumer")
-        self.thread = threading.Thread(target=self._run, name="bench-consumer", daemon=True)
-        self.error: BaseException | None = None
-
-    def _run(self) -> None:
-        try:
-            asyncio.run(self.consumer.run())
-        except BaseException as exc:  # noqa: BLE001 - reported after the run
-            self.error = exc
-
-    def start(self) -> None:
-        self.thread.start()
-        processes.wait_for(
-            lambda: any(
-                w.name == "bench-consumer" and w.alive for w in self.runtime.store.workers()
-            ),
-            timeout=CONSUMER_START_SECONDS,
-            what="the consumer",
-        )
+    def pids(self) -> list[int]:
+        """The server and its workers (uvicorn's supervisor starts them in its group)."""
+        if self.process is None:
+            return []
+        return processes.group_members(self.process.pid) or [self.process.pid]
 
     def stop(self) -> None:
-        self.consumer.stop("the benchmark is over")
-        self.thread.join(30)
+        process, self.process = self.process, None
+        if process is not None:
+            processes.stop_group(process, grace_seconds=15)
 
 
 def cpu_seconds(pids: Iterable[int]) -> dict[int, float]:
@@ -391,298 +258,718 @@ def cpu_spent(before: dict[int, float], after: dict[int, float]) -> float:
     return sum(value - before.get(pid, 0.0) for pid, value in after.items())
 
 
-def postgres_backends(url: str) -> list[int]:
-    """The server processes serving other connections to this database (the API's)."""
-    engine = create_engine(normalise_url(url))
-    try:
-        with engine.connect() as connection:
+class Backends:
+    """The PostgreSQL server processes serving one application's connections to the store."""
+
+    def __init__(self, url: str) -> None:
+        parsed = make_url(url)
+        self._engine: Engine | None = None
+        if parsed.get_backend_name() == "postgresql":
+            self._engine = create_engine(normalise_url(url), isolation_level="AUTOCOMMIT")
+
+    @property
+    def present(self) -> bool:
+        return self._engine is not None
+
+    def pids(self, application: str) -> list[int]:
+        if self._engine is None:
+            return []
+        with self._engine.connect() as connection:
             rows = connection.execute(
                 text(
-                    "SELECT pid FROM pg_stat_activity "
-                    "WHERE datname = current_database() AND pid <> pg_backend_pid()"
-                )
+                    "SELECT pid FROM pg_stat_activity WHERE datname = current_database() "
+                    "AND application_name = :name AND pid <> pg_backend_pid()"
+                ),
+                {"name": application},
             ).all()
-    finally:
-        engine.dispose()
-    return [int(row[0]) for row in rows]
+        return [int(row[0]) for row in rows]
+
+    def close(self) -> None:
+        if self._engine is not None:
+            self._engine.dispose()
 
 
-def count(url: str, where: str) -> int:
-    engine = create_engine(normalise_url(url))
-    try:
-        with engine.connect() as connection:
-            return int(
-                connection.execute(text(f"SELECT count(*) FROM ai_jobs WHERE {where}")).scalar_one()
-            )
-    finally:
-        engine.dispose()
+@dataclasses.dataclass(frozen=True)
+class CpuReading:
+    process: dict[int, float]
+    database: dict[int, float]
+    database_pids: frozenset[int]
 
 
-# -- one backend ---------------------------------------------------------------------------------
+class CpuMeter:
+    """CPU of one server's processes, and of the PostgreSQL backends serving it."""
+
+    def __init__(self, server: ServerProcess, backends: Backends, application: str) -> None:
+        self.server, self.backends, self.application = server, backends, application
+
+    def read(self, since: CpuReading | None = None) -> CpuReading:
+        pids = set(self.backends.pids(self.application))
+        if since is not None:  # a backend that served the earlier reading and is still there
+            pids |= since.database_pids
+        return CpuReading(cpu_seconds(self.server.pids()), cpu_seconds(pids), frozenset(pids))
+
+    def spent(self, before: CpuReading, after: CpuReading) -> tuple[float, float | None]:
+        """CPU seconds of the server's processes, and of its backends (None on SQLite)."""
+        database = cpu_spent(before.database, after.database) if self.backends.present else None
+        return cpu_spent(before.process, after.process), database
 
 
-@dataclasses.dataclass
-class Result:
-    backend: str
-    quiet: list[Sample]
-    quiet_seconds: float  # the quiet window: its polls, the probe, the counter settling
-    lag_ms: list[float]  # the screens' event loop, late by this much
-    api_cpu_ms: float  # CPU of the API process per quiet poll
-    database_cpu_ms: float | None  # CPU of PostgreSQL's backends per quiet poll
-    busy: list[Sample]
-    quiet_writes: int
-    probe_seen: bool
-    write_check: str
-    quiet_rows_unchanged: bool
-    quiet_rows: int
-    result_rows_unchanged: bool
-    result_rows: int
-    result_polls: int
-    backfill_done: int
-    backfill_total: int
-    waits: list[float]
-    unanswered: int
-    calls: int
-    peak: int
-    concurrency: int
+# -- Part A: CPU per request ----------------------------------------------------------------------
+
+
+class StandingBy:
+    """A consumer's live row in the workers table, refreshed from a thread: no run is needed."""
+
+    def __init__(self, store: JobStore) -> None:
+        self.store = store
+        self.errors: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bench-standby", daemon=True)
+
+    def start(self) -> None:
+        self.store.worker_seen(CONSUMER, "consumer")
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(CONSUMER_SEEN_SECONDS):
+            try:
+                self.store.worker_seen(CONSUMER, "consumer")
+            except StoreError as exc:
+                self.errors.append(str(exc))
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(30)
+        with contextlib.suppress(StoreError):
+            self.store.worker_gone(CONSUMER)
+
+
+@dataclasses.dataclass(frozen=True)
+class Cost:
+    """Per request, over one case's measured requests."""
+
+    requests: int
+    process_ms: float  # CPU of the server's process(es)
+    database_ms: float | None  # CPU of the PostgreSQL backends serving it
+    wall_ms: float  # as the client saw it, one request after the other
+
+    @property
+    def total_ms(self) -> float:
+        return self.process_ms + (self.database_ms or 0.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    api: Cost
+    bare: Cost
+    status: int
+    note: str  # what the first answer showed
+
+
+def send(
+    client: httpx.Client,
+    path: str,
+    params: dict[str, str],
+    headers: dict[str, str],
+    expected: int,
+    what: str,
+) -> httpx.Response:
+    answer = client.get(path, params=params, headers=headers)
+    if answer.status_code != expected:
+        raise Aborted(
+            f"{what}: expected HTTP {expected}, got {answer.status_code}: {answer.text[:300]!r}"
+        )
+    return answer
+
+
+def cost_of(
+    client: httpx.Client,
+    meter: CpuMeter,
+    path: str,
+    params: dict[str, str],
+    headers: dict[str, str],
+    expected: int,
+    requests: int,
+    what: str,
+) -> Cost:
+    """CPU and wall time per request of `requests` identical requests, after a warm-up."""
+    warmup = max(WARMUP_MIN, int(requests * WARMUP_FRACTION))
+    for _ in range(warmup):
+        send(client, path, params, headers, expected, what)
+    before = meter.read()
+    started = time.perf_counter()
+    for _ in range(requests):
+        send(client, path, params, headers, expected, what)
+    wall = time.perf_counter() - started
+    after = meter.read(before)
+    process, database = meter.spent(before, after)
+    return Cost(
+        requests=requests,
+        process_ms=process * 1000 / requests,
+        database_ms=None if database is None else database * 1000 / requests,
+        wall_ms=wall * 1000 / requests,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class PartA:
+    cases: list[Case]
+    result_bytes: int
+    warmup: int
     errors: list[str]
 
 
+def prepare_store(url: str, settings: Settings, subject: str) -> int:
+    """The done job and the waiting job of Part A; returns the result's size in JSON bytes."""
+    result = made_result(subject)
+    store = JobStore(url, settings=with_changes(settings, gap_seconds=0.0))
+    try:
+        # The done job first: the only job queued, so the claim takes it.
+        store.enqueue(DONE_USER, KIND, subject, "fp-done", PREFETCH)
+        claim = store.claim_next("bench-setup")
+        assert claim.job is not None and claim.job.holder is not None
+        store.finish(claim.job.id, claim.job.holder, result=result)
+        for n in range(AHEAD):
+            store.enqueue(f"bench-ahead-{n}", KIND, subject, f"fp-ahead-{n}", INTERACTIVE)
+        store.enqueue(WAITING_USER, KIND, subject, "fp-waiting", INTERACTIVE)
+    finally:
+        store.close()
+    return len(json.dumps(result).encode())
+
+
+def run_part_a(url: str, args: argparse.Namespace) -> PartA:
+    migrate.upgrade(url)
+    subject = dt.datetime.now(dt.UTC).date().isoformat()
+    with contextlib.ExitStack() as stack:
+        directory = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="api-load-a-")))
+        settings = Settings(database_url=url, data_dir=directory / "data", plugins="flows.demo")
+        result_bytes = prepare_store(url, settings, subject)
+        store = JobStore(url, settings=settings)
+        stack.callback(store.close)
+        standby = StandingBy(store)
+        stack.callback(standby.stop)
+        standby.start()
+
+        api_settings = with_changes(settings, database_url=tagged(url, API_APPLICATION))
+        api = ServerProcess(
+            "the API",
+            [executable("insight-queue"), "api", "--workers", "1"],
+            {
+                **api_settings.to_env(),
+                # Nothing listens there: a run asked for would fail fast (none should be).
+                "PREFECT_API_URL": f"http://127.0.0.1:{processes.free_port()}/api",
+                "PREFECT_HOME": str(directory / "prefect"),
+            },
+            directory / "api.log",
+            "/healthz",
+        )
+        done_id = job_id(DONE_USER, KIND, subject)
+        waiting_id = job_id(WAITING_USER, KIND, subject)
+        bare = ServerProcess(
+            "the bare route",
+            [sys.executable, str(BARE_ROUTE)],
+            {"AI_JOB_DATABASE_URL": tagged(url, BARE_APPLICATION)},
+            directory / "bare.log",
+            f"/job/{done_id}",
+        )
+        for server in (api, bare):
+            stack.callback(server.stop)
+            server.start()
+        api.wait_ready()
+        bare.wait_ready()
+        backends = Backends(url)
+        stack.callback(backends.close)
+        api_meter = CpuMeter(api, backends, API_APPLICATION)
+        bare_meter = CpuMeter(bare, backends, BARE_APPLICATION)
+        api_http = stack.enter_context(
+            httpx.Client(base_url=api.url, timeout=REQUEST_TIMEOUT_SECONDS)
+        )
+        bare_http = stack.enter_context(
+            httpx.Client(base_url=bare.url, timeout=REQUEST_TIMEOUT_SECONDS)
+        )
+
+        def poll_path(user: str) -> str:
+            return f"/v1/users/{user}/insights/{KIND}/{subject}"
+
+        waiting = {"fingerprint": "fp-waiting"}
+        done = {"fingerprint": "fp-done"}
+        first = send(api_http, poll_path(WAITING_USER), waiting, {}, 200, "the waiting job's poll")
+        shown = first.json()
+        if shown.get("status") != "pending" or shown.get("flow_run_id") or shown.get("run_note"):
+            raise Aborted(f"the waiting job's poll: expected pending, no run asked: {shown}")
+        waiting_note = f"pending, {shown.get('ahead')} ahead"
+        first = send(api_http, poll_path(DONE_USER), done, {}, 200, "the done job's poll")
+        shown = first.json()
+        if shown.get("status") != "done" or not shown.get("fresh") or not shown.get("result"):
+            raise Aborted(f"the done job's poll: expected done, fresh, with a result: {shown}")
+        etag = first.headers.get("etag")
+        if not etag:
+            raise Aborted("the done job's poll: no ETag")
+
+        plan = [
+            ("1 waiting job, no ETag", WAITING_USER, waiting, {}, 200, waiting_id, waiting_note),
+            ("2 done job, ETag sent", DONE_USER, done, {"If-None-Match": etag}, 304, done_id, ""),
+            (
+                "3 done job, no ETag",
+                DONE_USER,
+                done,
+                {},
+                200,
+                done_id,
+                f"result {result_bytes} B of JSON",
+            ),
+        ]
+        cases = []
+        for name, user, params, headers, status, row, note in plan:
+            api_cost = cost_of(
+                api_http,
+                api_meter,
+                poll_path(user),
+                params,
+                headers,
+                status,
+                args.requests,
+                f"case {name}: the API",
+            )
+            bare_cost = cost_of(
+                bare_http,
+                bare_meter,
+                f"/job/{row}",
+                {},
+                {},
+                200,
+                args.requests,
+                f"case {name}: the bare route",
+            )
+            cases.append(Case(name, api_cost, bare_cost, status, note))
+        errors = list(standby.errors)
+    warmup = max(WARMUP_MIN, int(args.requests * WARMUP_FRACTION))
+    return PartA(cases, result_bytes, warmup, errors)
+
+
+# -- Part B: the screens --------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Screen:
+    user: str
+    subject: str
+    fingerprint: str
+    waiting: bool  # its insight was queued by its first poll (else: made before the run)
+    offset: float  # seconds after the start of polling of its first poll
+    etag: str | None = None
+    answered: bool = False  # a waiting screen saw its fresh result
+
+    @property
+    def path(self) -> str:
+        return f"/v1/users/{self.user}/insights/{KIND}/{self.subject}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Sample:
+    ms: float
+    status: int  # 0: no answer (connection error, timeout)
+    error: str = ""  # what went wrong when there was no answer
+    store_ms: float | None = None  # the API's own time in the store (its Server-Timing)
+
+
+async def poll_screen(
+    client: httpx.AsyncClient,
+    screen: Screen,
+    interval: float,
+    start: float,
+    stop: asyncio.Event,
+    samples: list[Sample],
+) -> None:
+    due = start + screen.offset
+    while not stop.is_set():
+        wait = due - time.monotonic()
+        if wait > 0:
+            try:
+                await asyncio.wait_for(stop.wait(), wait)
+                return
+            except TimeoutError:
+                pass
+        due += interval
+        headers = {"If-None-Match": screen.etag} if screen.etag else {}
+        sent = time.perf_counter()
+        try:
+            response = await client.get(
+                screen.path, params={"fingerprint": screen.fingerprint}, headers=headers
+            )
+        except httpx.HTTPError as exc:
+            elapsed = (time.perf_counter() - sent) * 1000
+            samples.append(Sample(elapsed, 0, f"{type(exc).__name__}: {exc}"))
+            continue
+        elapsed = (time.perf_counter() - sent) * 1000
+        store_ms = server_timing(response.headers.get("server-timing", ""))
+        samples.append(Sample(elapsed, response.status_code, "", store_ms))
+        if response.status_code == 200:
+            screen.etag = response.headers.get("etag")
+            body = response.json()
+            if screen.waiting and body.get("status") == "done" and body.get("fresh"):
+                screen.answered = True
+
+
+@dataclasses.dataclass(frozen=True)
+class ScreensReport:
+    samples: list[Sample]
+    screens: list[Screen]
+    seconds: float  # from the first poll due to the stop
+    lag_ms: list[float]  # how late the screens' event loop woke from 50 ms sleeps
+
+
+async def drive_screens(
+    api_url: str, screens: list[Screen], interval: float, stop: Any, started: Any
+) -> ScreensReport:
+    stopping = asyncio.Event()
+    samples: list[Sample] = []
+    lags: list[float] = []
+    limits = httpx.Limits(max_connections=len(screens) + 10)
+    async with httpx.AsyncClient(
+        base_url=api_url, timeout=REQUEST_TIMEOUT_SECONDS, limits=limits
+    ) as client:
+        start = time.monotonic()
+        tasks = [
+            asyncio.create_task(poll_screen(client, s, interval, start, stopping, samples))
+            for s in screens
+        ]
+        started.set()
+        while not stop.is_set():
+            before = time.monotonic()
+            await asyncio.sleep(LAG_TICK_SECONDS)
+            lags.append((time.monotonic() - before - LAG_TICK_SECONDS) * 1000)
+        stopping.set()
+        seconds = time.monotonic() - start
+        await asyncio.gather(*tasks)
+    return ScreensReport(samples, screens, seconds, lags)
+
+
+def screens_process(
+    api_url: str, screens: list[Screen], interval: float, stop: Any, started: Any, out: Any
+) -> None:
+    """The screens, in a process of their own: their CPU is neither the API's nor this one's."""
+    out.put(asyncio.run(drive_screens(api_url, screens, interval, stop, started)))
+
+
+def server_timing(header: str) -> float | None:
+    """The `dur` of `store;dur=12.3`, or None."""
+    for part in header.split(";"):
+        name, _, value = part.strip().partition("=")
+        if name == "dur":
+            try:
+                return float(value)
+            except ValueError:
+                return None
+    return None
+
+
+def make_screens(args: argparse.Namespace, subject: str) -> list[Screen]:
+    return [
+        Screen(
+            user=f"screen-{n:04d}",
+            subject=subject,
+            fingerprint=f"fp-{n:04d}",
+            waiting=n < args.waiting,
+            offset=args.interval * n / args.screens,
+        )
+        for n in range(args.screens)
+    ]
+
+
 def finish_results(url: str, settings: Settings, screens: Sequence[Screen]) -> None:
-    """The results the "result" and "switching" screens show: already made before the run."""
-    store = JobStore(url, settings=Settings(**{**settings.model_dump(), "gap_seconds": 0.0}))
+    """The results the screens that are not waiting show: made before the run."""
+    store = JobStore(url, settings=with_changes(settings, gap_seconds=0.0))
     try:
         for screen in screens:
-            if screen.role == "waiting":
+            if screen.waiting:
                 continue
             store.enqueue(screen.user, KIND, screen.subject, screen.fingerprint, PREFETCH)
             claim = store.claim_next("bench-setup")
             assert claim.job is not None and claim.job.holder is not None
-            store.finish(claim.job.id, claim.job.holder, result={"text": "made earlier"})
+            store.finish(claim.job.id, claim.job.holder, result=made_result(screen.subject))
     finally:
         store.close()
 
 
-def run_backend(backend: str, url: str, args: argparse.Namespace) -> Result:
+@dataclasses.dataclass(frozen=True)
+class PartB:
+    report: ScreensReport
+    api_cpu_ms: float  # per poll, the API's processes
+    database_cpu_ms: float | None  # per poll, the PostgreSQL backends serving the API
+    calls: int  # gateway calls the recorder saw during the run
+    peak: int  # most calls in flight at once, since the recorder started
+    min_gap: float | None  # smallest gap between calls, since the recorder started
+    concurrency: int
+    gap: float
+    backfill_total: int
+    backfill_done: int  # during the run
+
+
+def run_part_b(url: str, args: argparse.Namespace) -> PartB:
     migrate.upgrade(url)
-    today = dt.datetime.now(dt.UTC).date()
-    yesterday = (today - dt.timedelta(days=1)).isoformat()
-    screens = make_screens(args, today.isoformat())
-    with (
-        tempfile.TemporaryDirectory(prefix="insight-queue-api-load-") as directory,
-        GatewaySimulator(workers=4, latency=args.call_seconds) as simulator,
-        GatewayRecorder("127.0.0.1", simulator.port) as recorder,
-    ):
+    subject = dt.datetime.now(dt.UTC).date().isoformat()
+    screens = make_screens(args, subject)
+    with contextlib.ExitStack() as stack:
+        directory = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="api-load-b-")))
+        simulator = stack.enter_context(GatewaySimulator(workers=4, latency=args.call_seconds))
+        recorder = stack.enter_context(GatewayRecorder("127.0.0.1", simulator.port))
         settings = Settings(
             database_url=url,
-            data_dir=Path(directory),
+            data_dir=directory / "data",
             concurrency=args.concurrency,
-            gap_seconds=args.gap_seconds,
+            gap_seconds=args.gap,
+            plugins="flows.demo",
             gateway={"url": recorder.url},
         )
         finish_results(url, settings, screens)
-        env = {
-            **settings.to_env(),
-            "PREFECT_API_URL": f"http://127.0.0.1:{processes.free_port()}/api",
-            "PREFECT_HOME": str(Path(directory) / "prefect"),
-        }
-        api = ApiProcess(env, Path(directory) / "api.log")
-        try:
-            api.wait_ready()
-            return measure(backend, url, args, settings, screens, api, recorder, yesterday)
-        finally:
-            api.stop()
 
+        server = PrefectServer(
+            directory / "prefect-server", processes.free_port(), ui=False, reuse=False
+        )
+        stack.callback(server.stop)
+        server.start()
+        serve = ServeProcess(
+            settings,
+            server.api_url,
+            env={"PREFECT_LOGGING_LEVEL": "WARNING"},
+            log=directory / "serve.log",
+        )
+        stack.callback(serve.stop)
+        serve.start()
+        api = ServerProcess(
+            "the API",
+            [executable("insight-queue"), "api", "--workers", str(args.workers)],
+            {
+                **with_changes(settings, database_url=tagged(url, API_APPLICATION)).to_env(),
+                **client_env(server.api_url, directory / "api-prefect"),
+            },
+            directory / "api.log",
+            "/healthz",
+        )
+        stack.callback(api.stop)
+        api.start()
+        api.wait_ready()
+        backends = Backends(url)
+        stack.callback(backends.close)
+        meter = CpuMeter(api, backends, API_APPLICATION)
 
-def measure(
-    backend: str,
-    url: str,
-    args: argparse.Namespace,
-    settings: Settings,
-    screens: list[Screen],
-    api: ApiProcess,
-    recorder: GatewayRecorder,
-    yesterday: str,
-) -> Result:
-    errors: list[str] = []
-    with httpx.Client(base_url=api.url, timeout=REQUEST_TIMEOUT_SECONDS) as http:
-        for n in range(args.backfill_users):
-            answer = http.post(f"/v1/users/backfill-{n:03d}/backfills", json={"sync_id": "s1"})
-            if answer.status_code != 202:
-                errors.append(f"backfill answered {answer.status_code}: {answer.text[:200]}")
-        for screen in screens:  # every screen's first poll: the waiting ones' jobs are queued
-            answer = http.get(screen.path, params={"fingerprint": screen.fingerprint})
-            screen.etag = answer.headers.get("etag")
-        today = screens[0].subject if screens else ""
-        http.get(f"/v1/users/{PROBE_USER}/insights/{KIND}/{today}", params={"fingerprint": "p1"})
-    backfill_total = count(url, BACKFILL_USERS)
+        with httpx.Client(base_url=api.url, timeout=REQUEST_TIMEOUT_SECONDS) as http:
+            for n in range(args.backfill_users):
+                answer = http.post(f"/v1/users/backfill-{n:03d}/backfills", json={"sync_id": "s1"})
+                if answer.status_code != 202 or answer.json().get("status") != "started":
+                    raise Aborted(
+                        f"backfill of backfill-{n:03d}: expected 202 and a run started, got "
+                        f"{answer.status_code}: {answer.text[:300]!r}"
+                    )
+            for screen in screens:  # every screen's first poll: the waiting ones' jobs are queued
+                answer = send(
+                    http,
+                    screen.path,
+                    {"fingerprint": screen.fingerprint},
+                    {},
+                    200,
+                    f"{screen.user}'s first poll",
+                )
+                screen.etag = answer.headers.get("etag")
+        backfill_total = count(url, BACKFILL_USERS)
 
-    watched = [job_id(s.user, KIND, s.subject) for s in screens]
-    probe = job_id(PROBE_USER, KIND, today)
-    counter = WriteCounter(url)
-    runtime: Runtime | None = None
-    consumer: ConsumerThread | None = None
-    busy_at, stop, started, out = SPAWN.Value("d", 0.0), SPAWN.Event(), SPAWN.Event(), SPAWN.Queue()
-    child = SPAWN.Process(
-        target=screens_process,
-        args=(api.url, screens, args.interval, yesterday, busy_at, stop, started, out),
-        name="screens",
-        daemon=True,
-    )
-    try:
-        settle = 0.0 if counter.is_sqlite else PG_STATS_SETTLE_SECONDS
-        baseline = counter.stable(settle or 0.3)
-        backends = [] if counter.is_sqlite else postgres_backends(url)
-        cpu_before = (cpu_seconds([api.process.pid]), cpu_seconds(backends))
-        rows_before = row_versions(url, [*watched, probe])
-        recorder.reset()
-
+        stop, started, out = SPAWN.Event(), SPAWN.Event(), SPAWN.Queue()
+        child = SPAWN.Process(
+            target=screens_process,
+            args=(api.url, screens, args.interval, stop, started, out),
+            name="screens",
+            daemon=True,
+        )
+        stack.callback(stop_child, child, stop)
+        before = meter.read()
+        calls_before = recorder.snapshot().count
+        backfill_before = count(url, f"{BACKFILL_USERS} AND status = 'done'")
         child.start()
         if not started.wait(CHILD_START_SECONDS):
-            raise RuntimeError("the screens' process did not start")
-        start = time.monotonic()
-        time.sleep(args.quiet_seconds)
-        # One deliberate write through the API: the counter must see exactly it.
-        httpx.get(
-            f"{api.url}/v1/users/{PROBE_USER}/insights/{KIND}/{today}",
-            params={"fingerprint": "p2"},
-            timeout=REQUEST_TIMEOUT_SECONDS,
-        )
-        time.sleep(settle)  # the screens go on polling: any write of theirs gets counted
-        final = counter.settled(baseline, 1)
-        quiet_end = time.monotonic()
-        now_serving = [] if counter.is_sqlite else postgres_backends(url)
-        cpu_after = (cpu_seconds([api.process.pid]), cpu_seconds({*backends, *now_serving}))
-        rows_after_quiet = row_versions(url, [*watched, probe])
-
-        runtime = Runtime.open(settings)
-        consumer = ConsumerThread(runtime)
-        consumer.start()
-        busy_from = time.monotonic()
-        busy_at.value = busy_from
-        backfill_before = count(url, f"{BACKFILL_USERS} AND status = 'done'")
+            raise Aborted("the screens' process did not start")
         time.sleep(args.seconds)
         stop.set()
         report: ScreensReport = out.get(timeout=CHILD_START_SECONDS)
         child.join(CHILD_START_SECONDS)
-    finally:
-        stop.set()
-        if child.is_alive():
-            child.terminate()
-            child.join(10)
-        if consumer is not None:
-            consumer.stop()
-            if consumer.error is not None:
-                errors.append(f"consumer: {consumer.error!r}")
-        if runtime is not None:
-            runtime.close()
-        counter.close()
-    samples, screens = report.samples, report.screens
+        after = meter.read(before)
+        snapshot = recorder.snapshot()
+        backfill_done = count(url, f"{BACKFILL_USERS} AND status = 'done'") - backfill_before
+        if not serve.alive():
+            raise Aborted(f"serve exited during the run (log: {serve.log})")
 
-    backfill_done = count(url, f"{BACKFILL_USERS} AND status = 'done'") - backfill_before
-    quiet_rows_unchanged = all(rows_after_quiet.get(i) == rows_before.get(i) for i in watched)
-    probe_moved = rows_after_quiet.get(probe) != rows_before.get(probe)
-    result_ids = [job_id(s.user, KIND, today) for s in screens if s.role != "waiting"]
-    rows_end = row_versions(url, result_ids)
-    result_rows_unchanged = all(rows_end.get(i) == rows_before.get(i) for i in result_ids)
-    result_polls = sum(1 for s in samples if s.finished and s.status in (200, 304))
-    snapshot = recorder.snapshot()
-    quiet = [s for s in samples if s.at < quiet_end]
-    busy = [s for s in samples if s.at >= busy_from]
-    waits = [
-        s.answered_at - s.opened_at
-        for s in screens
-        if s.opened_at is not None and s.answered_at is not None
-    ]
-    unanswered = sum(1 for s in screens if s.opened_at is not None and s.answered_at is None)
-    delta = final - baseline
-    return Result(
-        backend=backend,
-        quiet=quiet,
-        quiet_seconds=quiet_end - start,
-        api_cpu_ms=cpu_spent(cpu_before[0], cpu_after[0]) * 1000 / max(len(quiet), 1),
-        database_cpu_ms=None
-        if backend == "sqlite"
-        else cpu_spent(cpu_before[1], cpu_after[1]) * 1000 / max(len(quiet), 1),
-        lag_ms=report.lag_ms,
-        busy=busy,
-        quiet_writes=delta - 1,
-        probe_seen=delta >= 1 and probe_moved,
-        write_check="PRAGMA data_version"
-        if backend == "sqlite"
-        else "pg_stat_user_tables ins+upd+del",
-        quiet_rows_unchanged=quiet_rows_unchanged,
-        quiet_rows=len(watched),
-        result_rows_unchanged=result_rows_unchanged,
-        result_rows=len(result_ids),
-        result_polls=result_polls,
-        backfill_done=backfill_done,
-        backfill_total=backfill_total,
-        waits=waits,
-        unanswered=unanswered,
-        calls=snapshot.count,
+    process, database = meter.spent(before, after)
+    polls = max(len(report.samples), 1)
+    return PartB(
+        report=report,
+        api_cpu_ms=process * 1000 / polls,
+        database_cpu_ms=None if database is None else database * 1000 / polls,
+        calls=snapshot.count - calls_before,
         peak=snapshot.peak_in_flight,
+        min_gap=snapshot.min_gap,
         concurrency=settings.concurrency,
-        errors=errors,
+        gap=settings.gap_seconds,
+        backfill_total=backfill_total,
+        backfill_done=backfill_done,
     )
 
 
-# -- reporting -------------------------------------------------------------------------------------
+def stop_child(child: Any, stop: Any) -> None:
+    """The screens' process: asked to stop, then ended by its PID if it has not."""
+    stop.set()
+    if child.pid is None:
+        return
+    child.join(10)
+    if child.is_alive():
+        child.terminate()
+        child.join(10)
 
 
-def describe(samples: Sequence[Sample], seconds: float) -> str:
-    answered = [s.ms for s in samples if s.status in (200, 304)]
-    inside = [s.store_ms for s in samples if s.store_ms is not None]
-    statuses = collections.Counter(s.status for s in samples)
-    shown = ", ".join(f"{status or 'none'}: {n}" for status, n in sorted(statuses.items()))
-    return (
-        f"{len(samples)} polls, {len(samples) / seconds:.0f}/s ({shown}); "
-        f"ms p50 {percentile(answered, 0.5):.1f}, "
-        f"p95 {percentile(answered, 0.95):.1f}, max {max(answered, default=float('nan')):.1f}; "
-        f"of which in the store p50 {percentile(inside, 0.5):.1f}, "
-        f"p95 {percentile(inside, 0.95):.1f}"
-    )
+# -- reporting ------------------------------------------------------------------------------------
 
 
-def report(result: Result, args: argparse.Namespace) -> list[str]:
-    quiet_polls = len([s for s in result.quiet if s.status in (200, 304)])
-    per_poll = result.quiet_writes / quiet_polls if quiet_polls else float("nan")
-    bad = [s for s in [*result.quiet, *result.busy] if s.status not in (200, 304)]
-    waits = sorted(result.waits)
+def ms(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def report_a(part: PartA, args: argparse.Namespace, postgres: bool) -> list[str]:
     lines = [
-        f"== {result.backend}",
-        f"quiet {result.quiet_seconds:.0f} s (no consumer): "
-        f"{describe(result.quiet, result.quiet_seconds)}",
-        f"  writes per unchanged poll: {result.quiet_writes} in {quiet_polls} polls = "
-        f"{per_poll:.4f} ({result.write_check}; the probe's one write "
-        f"{'seen' if result.probe_seen else 'NOT SEEN'}); "
-        f"{result.quiet_rows} polled rows' revision/updated_at "
-        f"{'unchanged' if result.quiet_rows_unchanged else 'CHANGED'}",
-        f"  CPU per quiet poll: API process {result.api_cpu_ms:.2f} ms"
+        f"A. CPU per request: {args.requests} sequential requests per case and server, after "
+        f"{part.warmup} to warm up, over one keep-alive connection (ms per request)",
+    ]
+    header = f"  {'case':<24} {'status':>6} {'API':>7} {'bare':>7} {'API/bare':>8}"
+    if postgres:
+        header += f" {'API db':>7} {'bare db':>7} {'with db':>8}"
+    header += f" {'wall API':>9} {'wall bare':>9}  first answer"
+    lines.append(header)
+    for case in part.cases:
+        api, bare = case.api, case.bare
+        line = (
+            f"  {case.name:<24} {case.status:>6} {api.process_ms:>7.3f} {bare.process_ms:>7.3f} "
+            f"{ratio(api.process_ms, bare.process_ms):>8}"
+        )
+        if postgres:
+            line += (
+                f" {ms(api.database_ms, 3):>7} {ms(bare.database_ms, 3):>7} "
+                f"{ratio(api.total_ms, bare.total_ms):>8}"
+            )
+        line += f" {api.wall_ms:>9.3f} {bare.wall_ms:>9.3f}  {case.note}"
+        lines.append(line)
+    lines.append(
+        "  API, bare: CPU of the server process (utime+stime)"
+        + (
+            "; API db, bare db: of the PostgreSQL backends serving it; with db: the ratio of "
+            "process plus backends"
+            if postgres
+            else ""
+        )
+    )
+    lines += [f"  error (standing-by consumer): {e}" for e in part.errors]
+    return lines
+
+
+def ratio(a: float, b: float) -> str:
+    return f"{a / b:.1f}x" if b > 0 else "-"
+
+
+def report_b(part: PartB, args: argparse.Namespace) -> list[str]:
+    samples = part.report.samples
+    seconds = part.report.seconds
+    answered = [s for s in samples if s.status]
+    times = [s.ms for s in answered]
+    statuses = collections.Counter(s.status for s in samples)
+    fivexx = sum(n for status, n in statuses.items() if status >= 500)
+    other = sum(n for status, n in statuses.items() if status not in (200, 304, 503))
+    inside = [s.store_ms for s in answered if s.store_ms is not None]
+    dominated = sum(1 for s in answered if s.store_ms is not None and s.store_ms >= s.ms / 2)
+    waiting = [s for s in part.report.screens if s.waiting]
+    lags = part.report.lag_ms
+    lines = [
+        f"B. {args.screens} screens beside serve for {seconds:.0f} s, each polling every "
+        f"{args.interval:g} s ({args.waiting} waiting, the rest on a result made earlier); "
+        f"API workers {args.workers}; gateway call {args.call_seconds:g} s",
+        f"  polls: {len(samples)} ({len(samples) / seconds:.0f}/s); by status: "
+        f"200 {statuses.get(200, 0)}, 304 {statuses.get(304, 0)}, 503 {statuses.get(503, 0)}, "
+        f"other {other}"
+        + (f" (no answer {statuses[0]})" if statuses.get(0) else "")
+        + f"; 5xx {fivexx}",
+        f"  latency ms: p50 {ms(percentile(times, 0.5), 1)}, p95 {ms(percentile(times, 0.95), 1)}, "
+        f"max {ms(max(times, default=None), 1)}",
+        f"  store time (Server-Timing) ms: p50 {ms(percentile(inside, 0.5), 1)}, "
+        f"p95 {ms(percentile(inside, 0.95), 1)}; at least half of the response time in "
+        f"{dominated} of {len(answered)} polls ({percent(dominated, len(answered))})",
+        f"  gateway (recorder): {part.calls} calls during the run; peak in flight {part.peak} "
+        f"(AI_JOB_CONCURRENCY {part.concurrency}); smallest gap between calls "
+        f"{ms(part.min_gap, 3)} s (AI_JOB_GAP_SECONDS {part.gap:g})",
+        f"  backfill: {part.backfill_done} of {part.backfill_total} jobs done during the run; "
+        f"waiting screens that got their result: {sum(s.answered for s in waiting)} of "
+        f"{len(waiting)}",
+        f"  API CPU per poll: {part.api_cpu_ms:.3f} ms (process"
+        + ("es" if args.workers > 1 else "")
+        + ")"
         + (
             ""
-            if result.database_cpu_ms is None
-            else f", PostgreSQL backends {result.database_cpu_ms:.2f} ms"
+            if part.database_cpu_ms is None
+            else f" + {part.database_cpu_ms:.3f} ms (its PostgreSQL backends)"
         ),
-        f"busy {args.seconds:g} s (consumer draining): {describe(result.busy, args.seconds)}",
-        f"  {result.result_rows} rows of finished results, polled {result.result_polls} times "
-        f"in both phases: {'unchanged' if result.result_rows_unchanged else 'CHANGED'}",
-        f"  backfill: {result.backfill_done} of {result.backfill_total} jobs done in the busy "
-        f"phase; gateway calls {result.calls}, peak in flight {result.peak} "
-        f"(AI_JOB_CONCURRENCY {result.concurrency})",
-        f"  switching screens: {len(waits)} got their new result, wait p50 "
-        f"{percentile(waits, 0.5):.1f} s, max {max(waits, default=float('nan')):.1f} s; "
-        f"{result.unanswered} still waiting at the end",
-        f"  failed requests: {len(bad)}; the screens' event loop was late by at most "
-        f"{max(result.lag_ms, default=0):.0f} ms (p99 {percentile(result.lag_ms, 0.99):.0f} ms)",
+        f"  the screens' event loop was late by at most {ms(max(lags, default=None), 0)} ms "
+        f"(p99 {ms(percentile(lags, 0.99), 0)} ms)",
     ]
-    lines += [f"  error: {e}" for e in result.errors]
-    for error, n in collections.Counter(s.error for s in bad).items():
+    for error, n in collections.Counter(s.error for s in samples if not s.status).items():
         lines.append(f"  no answer ({n}x): {error[:200]}")
     return lines
 
 
-@contextmanager
+def percent(part: int, whole: int) -> str:
+    return f"{100 * part / whole:.1f}%" if whole else "-"
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    name: str
+    measured: str
+    met: bool
+
+
+def targets(part_a: PartA | None, part_b: PartB | None, args: argparse.Namespace) -> list[Target]:
+    found = []
+    if part_a is not None:
+        waiting, not_modified = part_a.cases[0].api, part_a.cases[1].api
+        found += [
+            Target(
+                f"API process CPU per waiting-job poll <= {WAITING_CPU_TARGET_MS:g} ms",
+                f"{waiting.process_ms:.3f} ms",
+                waiting.process_ms <= WAITING_CPU_TARGET_MS,
+            ),
+            Target(
+                f"API process CPU per 304 <= {NOT_MODIFIED_CPU_TARGET_MS:g} ms",
+                f"{not_modified.process_ms:.3f} ms",
+                not_modified.process_ms <= NOT_MODIFIED_CPU_TARGET_MS,
+            ),
+        ]
+    if part_b is not None:
+        times = [s.ms for s in part_b.report.samples if s.status]
+        p95 = percentile(times, 0.95)
+        fivexx = sum(1 for s in part_b.report.samples if s.status >= 500)
+        found += [
+            Target(
+                f"{args.screens} screens: p95 < {P95_TARGET_MS:g} ms",
+                f"{p95:.1f} ms",
+                p95 < P95_TARGET_MS,
+            ),
+            Target("no 5xx", f"{fivexx}", fivexx == 0),
+            Target(
+                f"recorder peak in flight <= AI_JOB_CONCURRENCY ({part_b.concurrency})",
+                f"{part_b.peak}",
+                part_b.peak <= part_b.concurrency,
+            ),
+        ]
+    return found
+
+
+@contextlib.contextmanager
 def database(backend: str, postgres_url: str) -> Iterator[str]:
     if backend == "sqlite":
         with sqlite_database() as url:
@@ -699,47 +986,77 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--postgres-url",
         default=os.environ.get("AI_JOB_TEST_POSTGRES_URL") or DEFAULT_POSTGRES_URL,
     )
+    parser.add_argument("--requests", type=int, default=2000, help="per case and server (A)")
     parser.add_argument("--screens", type=int, default=200)
-    parser.add_argument("--waiting", type=int, default=20, help="screens waiting from the start")
-    parser.add_argument("--switching", type=int, default=30, help="screens moving on when busy")
+    parser.add_argument("--waiting", type=int, default=20, help="screens waiting on a queued job")
     parser.add_argument("--interval", type=float, default=2.0, help="seconds between polls")
-    parser.add_argument("--quiet-seconds", type=float, default=10.0)
-    parser.add_argument("--seconds", type=float, default=60.0, help="length of the busy phase")
+    parser.add_argument("--seconds", type=float, default=60.0, help="length of the screens' run")
     parser.add_argument("--backfill-users", type=int, default=10)
-    parser.add_argument("--call-seconds", type=float, default=0.5)
-    parser.add_argument("--gap-seconds", type=float, default=0.25)
-    parser.add_argument("--concurrency", type=int, default=1)
+    parser.add_argument("--call-seconds", type=float, default=0.5, help="per gateway call")
+    parser.add_argument("--gap", type=float, default=1.0, help="AI_JOB_GAP_SECONDS")
+    parser.add_argument("--concurrency", type=int, default=1, help="AI_JOB_CONCURRENCY")
+    parser.add_argument("--workers", type=int, default=1, help="the API's uvicorn workers (B)")
     args = parser.parse_args(argv)
-    if args.waiting + args.switching > args.screens:
-        parser.error("--waiting plus --switching must not exceed --screens")
+    if args.waiting > args.screens:
+        parser.error("--waiting must not exceed --screens")
+    if args.requests < 1 or args.screens < 1:
+        parser.error("--requests and --screens must be at least 1")
     return args
+
+
+def run(args: argparse.Namespace, summary: list[tuple[str, list[Target]]]) -> None:
+    for backend in [b.strip() for b in args.backends.split(",") if b.strip()]:
+        if backend not in ("sqlite", "postgresql"):
+            raise Aborted(f"--backends: unknown backend {backend!r}")
+        print(f"== {backend}", flush=True)
+        part_a: PartA | None = None
+        part_b: PartB | None = None
+        try:
+            with database(backend, args.postgres_url) as url:
+                part_a = run_part_a(url, args)
+            for line in report_a(part_a, args, backend == "postgresql"):
+                print(line, flush=True)
+            with database(backend, args.postgres_url) as url:
+                part_b = run_part_b(url, args)
+            for line in report_b(part_b, args):
+                print(line, flush=True)
+        finally:
+            summary.append((backend, targets(part_a, part_b, args)))
+
+
+def print_summary(summary: list[tuple[str, list[Target]]]) -> None:
+    print("== summary: targets", flush=True)
+    for backend, found in summary:
+        for target in found:
+            verdict = "met" if target.met else "MISSED"
+            print(f"  {backend:<10} {target.name:<55} {target.measured:>12}  {verdict}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     print(
-        f"api_load: {args.screens} screens every {args.interval:g} s; quiet "
-        f"{args.quiet_seconds:g} s, busy {args.seconds:g} s; calls {args.call_seconds:g} s, "
-        f"gap {args.gap_seconds:g} s, AI_JOB_CONCURRENCY {args.concurrency}; "
-        f"{os.cpu_count()} cores, load {loadavg()}",
+        f"api_load: backends {args.backends}; A: {args.requests} requests per case; B: "
+        f"{args.screens} screens every {args.interval:g} s for {args.seconds:g} s, backfill "
+        f"of {args.backfill_users} users, calls {args.call_seconds:g} s, gap {args.gap:g} s, "
+        f"AI_JOB_CONCURRENCY {args.concurrency}; {os.cpu_count()} cores, load {loadavg()}",
         flush=True,
     )
-    failed = False
-    for backend in [b.strip() for b in args.backends.split(",") if b.strip()]:
-        with database(backend, args.postgres_url) as url:
-            result = run_backend(backend, url, args)
-        for line in report(result, args):
-            print(line, flush=True)
-        failed |= (
-            result.quiet_writes != 0
-            or not result.probe_seen
-            or not result.quiet_rows_unchanged
-            or not result.result_rows_unchanged
-            or result.peak > result.concurrency
-            or bool(result.errors)
-        )
-    print(f"load at the end: {loadavg()}")
-    return 1 if failed else 0
+    summary: list[tuple[str, list[Target]]] = []
+    status = 0
+    try:
+        with processes.stop_signals():
+            run(args, summary)
+    except Aborted as exc:
+        print(f"ABORTED: {exc}", flush=True)
+        status = 2
+    except KeyboardInterrupt:
+        print("ABORTED: interrupted; every process started was stopped", flush=True)
+        status = 2
+    print_summary(summary)
+    print(f"load at the end: {loadavg()}", flush=True)
+    if status == 0 and not all(t.met for _, found in summary for t in found):
+        status = 1
+    return status
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ The workers are `tests.support.worker` processes (the store and the
 self-fencing runner, without Prefect); the gateway is the simulator behind
 the recording proxy, whose record gives the retried call's start. A consumer
 that also held a Prefect `gateway` slot (`serve`, `consume`) adds the slot's
-lease on top when it dies (`flows.history.SLOT_LEASE_SECONDS`), unless its
+lease on top when it dies (`flows.guard.SLOT_LEASE_SECONDS`), unless its
 successor is the same `serve` restarted, which gives its old slots back.
 
 Run from the repository root (about two minutes):

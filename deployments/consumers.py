@@ -44,7 +44,9 @@ def consume_command(ctx: click.Context) -> None:
     it: the call in flight is stopped and its job handed back.
     """
     from flows.consumer import worker_name
-    from flows.history import PrefectLedger, PrefectSlotGuard
+    from flows.flows import generate
+    from flows.guard import PrefectSlotGuard
+    from flows.history import PrefectLedger
     from flows.runtime import Runtime
 
     settings = settings_from(ctx)
@@ -52,7 +54,7 @@ def consume_command(ctx: click.Context) -> None:
     runtime = Runtime.open(settings)
     runtime.redact_logs()
     worker = worker_name("consumer")
-    ledger = PrefectLedger(worker, runtime.redactor)
+    ledger = PrefectLedger(worker, runtime.redactor, generate)
     consumer = runtime.consumer(
         standby=True, ledger=ledger, guard=PrefectSlotGuard(), worker=worker
     )

@@ -244,7 +244,9 @@ class _ConsumerThread(threading.Thread):
 
 def serve(settings: Settings, options: ServeOptions) -> None:
     """Run until a signal; stop everything started, within seconds."""
-    from flows.history import PrefectLedger, PrefectSlotGuard
+    from flows.flows import generate
+    from flows.guard import PrefectSlotGuard
+    from flows.history import PrefectLedger
 
     server: PrefectServer | None = None
     state: ServeState | None = None
@@ -280,7 +282,7 @@ def serve(settings: Settings, options: ServeOptions) -> None:
                     # Where a restart after a crash finds the slots to give back.
                     dataclasses.replace(state, leases=tuple(sorted(held))).write(settings)
 
-                ledger = PrefectLedger(worker, runtime.redactor)
+                ledger = PrefectLedger(worker, runtime.redactor, generate)
                 consumer = runtime.consumer(
                     standby=True,
                     ledger=ledger,

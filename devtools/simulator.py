@@ -1100,31 +1100,7 @@ class GatewaySimulator(ThreadedListener):
 
         fault, release = self._take_fault(job)
         kind = None if fault is None else fault.kind
-        if fault is not None and kind == "drop":
-            # Closing without a byte of answer, as a crashed worker would.
-            await self._close(exchange, DROPPED)
-            return
-        if fault is not None and kind == "status":
-            assert fault.status is not None
-            error = _error_body("simulated gateway fault", "simulator_fault", fault.status)
-            extra = [
-                (name.encode("latin-1"), value.encode("latin-1")) for name, value in fault.headers
-            ]
-            await self._answer(exchange, fault.status, _json_bytes(error), INJECTED_STATUS, extra)
-            return
-        if fault is not None and kind == "echo_token":
-            assert fault.status is not None
-            authorization = headers.get("authorization", "")
-            token = authorization[7:] if authorization[:7].lower() == "bearer " else authorization
-            extra = [(b"x-echoed-token", token.encode("latin-1"))]
-            await self._answer(exchange, fault.status, _token_echo(token), ECHOED_TOKEN, extra)
-            return
-        if fault is not None and kind == "redirect":
-            assert fault.status is not None
-            location = fault.location or f"{DEFAULT_REDIRECT_HOST}{self._path}"
-            moved = _error_body(f"moved to {location}", "redirect", fault.status)
-            extra = [(b"location", location.encode("latin-1"))]
-            await self._answer(exchange, fault.status, _json_bytes(moved), REDIRECTED, extra)
+        if fault is not None and await self._answered_at_once(exchange, fault, headers):
             return
 
         if not await self._take_worker(exchange):
@@ -1165,6 +1141,35 @@ class GatewaySimulator(ThreadedListener):
                 _pattern_chunks(b"\xff\xfe<not json> \x00{[", fault.size),
                 HUGE_RAW,
             )
+
+    async def _answered_at_once(
+        self, exchange: _Exchange, fault: _Fault, headers: Mapping[str, str]
+    ) -> bool:
+        """Answer a fault that needs no worker (a drop, a status, an echo, a redirect)."""
+        if fault.kind == "drop":
+            # Closing without a byte of answer, as a crashed worker would.
+            await self._close(exchange, DROPPED)
+            return True
+        if fault.kind not in ("status", "echo_token", "redirect"):
+            return False
+        assert fault.status is not None
+        if fault.kind == "status":
+            error = _error_body("simulated gateway fault", "simulator_fault", fault.status)
+            extra = [
+                (name.encode("latin-1"), value.encode("latin-1")) for name, value in fault.headers
+            ]
+            await self._answer(exchange, fault.status, _json_bytes(error), INJECTED_STATUS, extra)
+        elif fault.kind == "echo_token":
+            authorization = headers.get("authorization", "")
+            token = authorization[7:] if authorization[:7].lower() == "bearer " else authorization
+            extra = [(b"x-echoed-token", token.encode("latin-1"))]
+            await self._answer(exchange, fault.status, _token_echo(token), ECHOED_TOKEN, extra)
+        else:
+            location = fault.location or f"{DEFAULT_REDIRECT_HOST}{self._path}"
+            moved = _error_body(f"moved to {location}", "redirect", fault.status)
+            extra = [(b"location", location.encode("latin-1"))]
+            await self._answer(exchange, fault.status, _json_bytes(moved), REDIRECTED, extra)
+        return True
 
     async def _ended_early(self, exchange: _Exchange, why: str) -> bool:
         """Finish a request whose wait ended by stop or by its client going."""

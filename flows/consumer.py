@@ -29,7 +29,8 @@ import uuid
 from typing import Any
 
 from flows.guard import Guard, GuardUnavailable, Held, NullGuard
-from flows.runner import JobRunner, Outcome, Report
+from flows.ledger import Outcome, Report
+from flows.runner import JobRunner
 from queue_store import Blocked, JobStore, PauseKind, Settings, StoreError
 
 logger = logging.getLogger(__name__)

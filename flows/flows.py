@@ -12,7 +12,9 @@ flows are about the people who asked:
 - `<kind>:<subject>` (a screen's run): puts the insight at the front, follows
   it, and ends with the screen's story: which run generated it (a link), how
   long the user waited, and the outcome.
-- `drain`: runs what is runnable, then stops (the safety net of a work pool).
+- `drain`: runs what is runnable, then stops (the safety net of a work pool);
+- `generate`: the record of one generation attempt, written by the consumer
+  that makes the call.
 
 When a warm consumer says it is standing by (`insight-queue serve` or
 `consume`), the backfill and screen runs only follow: the consumer takes their
@@ -43,7 +45,8 @@ from prefect.runtime import flow_run
 from prefect.states import Completed, Failed
 
 from flows.consumer import Consumer, standing_by, worker_name
-from flows.history import PrefectLedger, PrefectSlotGuard, run_url
+from flows.guard import PrefectSlotGuard
+from flows.history import PrefectLedger, run_url
 from flows.runtime import Runtime
 from queue_store import INTERACTIVE, PREFETCH, EnqueueRequest, Job, Status, StoreError, job_id
 
@@ -95,7 +98,7 @@ async def _consuming(rt: Runtime, *, role: str) -> AsyncIterator[Consumer | None
         yield None
         return
     worker = worker_name(role)
-    ledger = PrefectLedger(worker, rt.redactor, parent_flow_run_id=flow_run.get_id())
+    ledger = PrefectLedger(worker, rt.redactor, generate, parent_flow_run_id=flow_run.get_id())
     consumer = rt.consumer(role=role, ledger=ledger, guard=PrefectSlotGuard(), worker=worker)
     with _stop_on_signals(consumer):
         yield consumer
@@ -208,6 +211,26 @@ async def _interactive(
     return outcome
 
 
+@flow(name="generate", flow_run_name="{kind}:{subject}", log_prints=False)
+async def generate(
+    user_id: str,
+    kind: str,
+    subject: str,
+    fingerprint: str | None = None,
+    attempt: int | None = None,
+    worker: str | None = None,
+) -> State[Any]:
+    """One generation of an insight: the run history's record of each attempt.
+
+    A consumer makes the call first and records the attempt as a run of this
+    flow beside it (`flows.history`), with the attempt and the worker as
+    parameters. Run by hand, it asks for the insight as a screen does and
+    sees it through.
+    """
+    with _runtime() as rt:
+        return await _interactive(rt, user_id, kind, subject, fingerprint)
+
+
 @flow(name="drain", log_prints=False)
 async def drain(max_jobs: int | None = None) -> dict[str, Any]:
     """Run what is runnable in priority order, then stop (the safety net of a work pool)."""
@@ -217,7 +240,7 @@ async def drain(max_jobs: int | None = None) -> dict[str, Any]:
 
 async def _drain(rt: Runtime, max_jobs: int | None) -> dict[str, Any]:
     worker = worker_name("drain")
-    ledger = PrefectLedger(worker, rt.redactor, parent_flow_run_id=flow_run.get_id())
+    ledger = PrefectLedger(worker, rt.redactor, generate, parent_flow_run_id=flow_run.get_id())
     consumer = rt.consumer(
         role="drain", max_jobs=max_jobs, ledger=ledger, guard=PrefectSlotGuard(), worker=worker
     )

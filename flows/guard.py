@@ -7,18 +7,31 @@ before the claim, so the job claimed is the most urgent one at the moment the
 gateway frees up.
 
 `NullGuard` takes nothing (tests, and the store-only paths);
-`flows.history.PrefectSlotGuard` takes a slot of the tag limit through
-Prefect's concurrency API, the same slots Prefect's engine takes for task runs
-tagged `gateway`.
+`PrefectSlotGuard` takes a slot of the tag limit through Prefect's concurrency
+API, the same slots Prefect's engine takes for task runs tagged `gateway`, with
+a lease that Prefect renews while it is held and that expires on its own if
+this process dies.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+import logging
+import uuid
+from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
+import httpx
+
+logger = logging.getLogger(__name__)
+
 GATEWAY_TAG = "gateway"
+# Seconds the gateway slot's lease lasts without renewal; Prefect renews it
+# while held, and frees it this long after a holder died.
+SLOT_LEASE_SECONDS = 60.0
+# Renewals per lease: a missed one or two still leave the lease alive.
+SLOT_RENEWALS_PER_LEASE = 4
 
 
 class GuardUnavailable(Exception):
@@ -46,3 +59,92 @@ class NullGuard:
     @contextlib.asynccontextmanager
     async def slot(self) -> AsyncIterator[Held]:
         yield Held()
+
+
+class PrefectSlotGuard:
+    """Holds one slot of the `gateway` tag limit per `slot()` block."""
+
+    def __init__(
+        self,
+        tag: str = GATEWAY_TAG,
+        lease_seconds: float = SLOT_LEASE_SECONDS,
+        on_change: Callable[[frozenset[str]], None] | None = None,
+    ) -> None:
+        self._name = f"tag:{tag}"
+        self._lease_seconds = lease_seconds
+        # The leases held now: `on_change` records them where a restart after
+        # a crash finds them, to give them back at once.
+        self.lease_ids: set[str] = set()
+        self._on_change = on_change
+
+    def _changed(self) -> None:
+        if self._on_change is not None:
+            try:
+                self._on_change(frozenset(self.lease_ids))
+            except Exception as exc:  # noqa: BLE001 - bookkeeping never blocks a call
+                logger.warning("could not record the gateway slot leases: %s", exc)
+
+    @contextlib.asynccontextmanager
+    async def slot(self) -> AsyncIterator[Held]:
+        from prefect.concurrency._asyncio import (
+            ConcurrencySlotAcquisitionError,
+            aacquire_concurrency_slots_with_lease,
+            arelease_concurrency_slots_with_lease,
+        )
+
+        try:
+            response = await aacquire_concurrency_slots_with_lease(
+                [self._name],
+                1,
+                lease_duration=self._lease_seconds,
+                strict=False,
+                suppress_warnings=True,
+            )
+        except ConcurrencySlotAcquisitionError as exc:
+            cause = exc.__cause__ or exc
+            raise GuardUnavailable(
+                f"no `{self._name}` slot could be asked for ({type(cause).__name__}: {cause})"
+            ) from exc
+        held = Held()
+        if not response.limits:
+            # No `gateway` limit exists: nothing to hold (setup-limit creates it).
+            yield held
+            return
+        lease_id = response.lease_id
+        self.lease_ids.add(str(lease_id))
+        self._changed()
+        keeper = asyncio.create_task(self._renew(lease_id, held), name="gateway-slot-lease")
+        try:
+            yield held
+        finally:
+            keeper.cancel()
+            await asyncio.gather(keeper, return_exceptions=True)
+            with contextlib.suppress(Exception):
+                await asyncio.shield(arelease_concurrency_slots_with_lease(lease_id))
+            self.lease_ids.discard(str(lease_id))
+            self._changed()
+
+    async def _renew(self, lease_id: uuid.UUID, held: Held) -> None:
+        """Renew the lease for as long as the slot is held; say when it is gone.
+
+        Prefect's own renewal gives up after a few failures, and the lease then
+        lapses while its holder goes on as if it held the slot. Here renewals
+        go on through a server outage; if the lease lapsed meanwhile, the
+        server says so and the holder learns that it must take a new slot.
+        """
+        from prefect.client.orchestration import get_client
+
+        interval = self._lease_seconds / SLOT_RENEWALS_PER_LEASE
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                async with get_client() as client:
+                    await client.renew_concurrency_lease(lease_id, self._lease_seconds)
+            except httpx.HTTPStatusError as exc:
+                if exc.response.status_code in (404, 410):
+                    logger.warning("the `%s` slot lease lapsed; a new slot is needed", self._name)
+                    held.lost = True
+                    return
+                logger.warning("renewing the `%s` slot lease failed: %s", self._name, exc)
+            except Exception as exc:  # noqa: BLE001 - the server may be restarting: keep trying
+                logger.warning("renewing the `%s` slot lease failed: %s", self._name, exc)

@@ -1,61 +1,45 @@
-"""Prefect as the ledger of generations, and its `gateway` tag limit as the second guard.
+"""Prefect as the ledger of generations: a flow run per attempt.
 
-`PrefectLedger` writes every generation attempt as a flow run of its own, of
-the flow `generate`, named `kind:subject`, tagged `user:<id>`, `kind:<kind>`,
-`priority:interactive|prefetch` and `attempt:<n>`, its parameters the job's
-key. It is Running from the claim, its log says what happened, and it ends
-Completed, or Failed/Cancelled with a one-line reason as its state message:
-what the UI's run list shows without opening anything.
+`PrefectLedger` writes every generation attempt as a run of the flow
+`generate` (`flows.flows.generate`): named `kind:subject`, tagged `user:<id>`,
+`kind:<kind>`, `priority:interactive|prefetch` and `attempt:<n>`, Running
+from the claim, its log saying what happened, ending Completed, or
+Failed/Cancelled with a one-line reason as its state message: what the UI's
+run list shows without opening anything.
 
-Why a flow run per attempt, recorded by the consumer rather than executed by
-Prefect's engine: a screen's insight must reach the gateway within a second,
-and the engine would put several API round trips (and, on the embedded SQLite
-server, "database is locked" retries) between the claim and the call. Here
-the call starts first and the record is written beside it, by one background
-task per consumer, in order; a Prefect server that is slow or down delays or
-drops history, never a generation.
-
-`PrefectSlotGuard` takes a slot of the `gateway` tag limit (the global
-concurrency limit `tag:gateway`, which Prefect's engine also takes for task
-runs tagged `gateway`) with a lease that Prefect renews while it is held and
-that expires on its own if this process dies.
+The call starts first and its record is written beside it, by one background
+task per consumer, in order: a Prefect server that is slow or down delays or
+drops history, never a generation (the engine would put several API round
+trips, and on the embedded SQLite server "database is locked" retries,
+between the claim and the call).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import datetime as dt
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-import httpx
-
-from flows.guard import GATEWAY_TAG, GuardUnavailable, Held
 from flows.ledger import LedgerEntry
 from queue_store import Job, Redactor
 
 if TYPE_CHECKING:
+    from prefect import Flow
     from prefect.client.orchestration import PrefectClient
 
-    from flows.runner import Report
+    from flows.ledger import Report
 
 logger = logging.getLogger(__name__)
 
-GENERATE_FLOW = "generate"
 # How long a result waits for its history entry's id before it is stored without it.
 RUN_ID_WAIT_SECONDS = 2.0
 # History writes waiting beyond this are dropped (the Prefect server is away).
 MAX_PENDING_WRITES = 1000
-# Seconds the gateway slot's lease lasts without renewal; Prefect renews it
-# while held, and frees it this long after a holder died.
-SLOT_LEASE_SECONDS = 60.0
-# Renewals per lease: a missed one or two still leave the lease alive.
-SLOT_RENEWALS_PER_LEASE = 4
 TAG_PREFIX_USER = "user:"
 
 
@@ -73,16 +57,6 @@ def generation_tags(job: Job) -> list[str]:
         f"priority:{job.priority_class}",
         f"attempt:{job.attempts}",
     ]
-
-
-@dataclasses.dataclass(frozen=True)
-class _FlowRecord:
-    """What Prefect's `create_flow_run` reads of a flow: the record of `generate`."""
-
-    name: str = GENERATE_FLOW
-    version: str | None = None
-    retries: int = 0
-    retry_delay_seconds: float = 0
 
 
 class _Writer:
@@ -165,12 +139,14 @@ class PrefectLedger:
         self,
         worker: str,
         redactor: Redactor,
+        flow: Flow[..., Any],
         *,
         parent_flow_run_id: str | None = None,
         client_factory: Callable[[], Any] | None = None,
     ) -> None:
         self.worker = worker
         self.redact = redactor
+        self._flow = flow
         self._parent = parent_flow_run_id
         if client_factory is None:
             from prefect.client.orchestration import get_client
@@ -190,7 +166,7 @@ class PrefectLedger:
 
             try:
                 run = await client.create_flow_run(
-                    flow=_FlowRecord(),  # type: ignore[arg-type]
+                    flow=self._flow,
                     name=job.run_name,
                     parameters={
                         "user_id": job.user_id,
@@ -219,7 +195,7 @@ class PrefectLedger:
         return entry
 
     def _close(self, entry: _PrefectEntry, report: Report) -> None:
-        from flows.runner import Outcome
+        from flows.ledger import Outcome
 
         logs = list(entry._logs)
         name = entry._job.run_name
@@ -307,92 +283,3 @@ def _failed_message(report: Report) -> str:
         "unrecorded": "outcome not recorded",
     }.get(str(report.outcome), str(report.outcome))
     return f"{what}: {first}"[:500]
-
-
-class PrefectSlotGuard:
-    """Holds one slot of the `gateway` tag limit per `slot()` block."""
-
-    def __init__(
-        self,
-        tag: str = GATEWAY_TAG,
-        lease_seconds: float = SLOT_LEASE_SECONDS,
-        on_change: Callable[[frozenset[str]], None] | None = None,
-    ) -> None:
-        self._name = f"tag:{tag}"
-        self._lease_seconds = lease_seconds
-        # The leases held now: `on_change` records them where a restart after
-        # a crash finds them, to give them back at once.
-        self.lease_ids: set[str] = set()
-        self._on_change = on_change
-
-    def _changed(self) -> None:
-        if self._on_change is not None:
-            try:
-                self._on_change(frozenset(self.lease_ids))
-            except Exception as exc:  # noqa: BLE001 - bookkeeping never blocks a call
-                logger.warning("could not record the gateway slot leases: %s", exc)
-
-    @contextlib.asynccontextmanager
-    async def slot(self) -> AsyncIterator[Held]:
-        from prefect.concurrency._asyncio import (
-            ConcurrencySlotAcquisitionError,
-            aacquire_concurrency_slots_with_lease,
-            arelease_concurrency_slots_with_lease,
-        )
-
-        try:
-            response = await aacquire_concurrency_slots_with_lease(
-                [self._name],
-                1,
-                lease_duration=self._lease_seconds,
-                strict=False,
-                suppress_warnings=True,
-            )
-        except ConcurrencySlotAcquisitionError as exc:
-            cause = exc.__cause__ or exc
-            raise GuardUnavailable(
-                f"no `{self._name}` slot could be asked for ({type(cause).__name__}: {cause})"
-            ) from exc
-        held = Held()
-        if not response.limits:
-            # No `gateway` limit exists: nothing to hold (setup-limit creates it).
-            yield held
-            return
-        lease_id = response.lease_id
-        self.lease_ids.add(str(lease_id))
-        self._changed()
-        keeper = asyncio.create_task(self._renew(lease_id, held), name="gateway-slot-lease")
-        try:
-            yield held
-        finally:
-            keeper.cancel()
-            await asyncio.gather(keeper, return_exceptions=True)
-            with contextlib.suppress(Exception):
-                await asyncio.shield(arelease_concurrency_slots_with_lease(lease_id))
-            self.lease_ids.discard(str(lease_id))
-            self._changed()
-
-    async def _renew(self, lease_id: uuid.UUID, held: Held) -> None:
-        """Renew the lease for as long as the slot is held; say when it is gone.
-
-        Prefect's own renewal gives up after a few failures, and the lease then
-        lapses while its holder goes on as if it held the slot. Here renewals
-        go on through a server outage; if the lease lapsed meanwhile, the
-        server says so and the holder learns that it must take a new slot.
-        """
-        from prefect.client.orchestration import get_client
-
-        interval = self._lease_seconds / SLOT_RENEWALS_PER_LEASE
-        while True:
-            await asyncio.sleep(interval)
-            try:
-                async with get_client() as client:
-                    await client.renew_concurrency_lease(lease_id, self._lease_seconds)
-            except httpx.HTTPStatusError as exc:
-                if exc.response.status_code in (404, 410):
-                    logger.warning("the `%s` slot lease lapsed; a new slot is needed", self._name)
-                    held.lost = True
-                    return
-                logger.warning("renewing the `%s` slot lease failed: %s", self._name, exc)
-            except Exception as exc:  # noqa: BLE001 - the server may be restarting: keep trying
-                logger.warning("renewing the `%s` slot lease failed: %s", self._name, exc)

@@ -11,12 +11,44 @@ has started, and a history that cannot be written is logged and dropped.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+import dataclasses
+import enum
+from typing import Protocol
 
-from queue_store import Job
+from queue_store import Failure, Job, Settlement
 
-if TYPE_CHECKING:
-    from flows.runner import Report
+
+class Outcome(enum.StrEnum):
+    DONE = "done"
+    REQUEUED = "requeued"  # the attempt was spent; queued again below the limit
+    FAILED = "failed"  # the attempt was spent, and it was the last allowed
+    RELEASED = "released"  # handed back without spending the attempt
+    LOST = "lost"  # the claim was taken over: nothing recorded
+    UNRECORDED = "unrecorded"  # the store could not be reached to record it
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+    """What became of one claimed job."""
+
+    job: Job
+    outcome: Outcome
+    message: str  # one line, secrets removed
+    failure: Failure | None = None
+    settlement: Settlement | None = None
+    called: bool = False  # a request was sent to the gateway
+    call_started_at: float | None = None  # wall-clock time the call began
+    call_seconds: float | None = None
+    seconds: float = 0.0  # from the claim to the recorded outcome
+    flow_run_id: str | None = None
+
+    @property
+    def pause_seconds(self) -> float | None:
+        return self.settlement.pause_seconds if self.settlement else None
+
+    @property
+    def succeeded(self) -> bool:
+        return self.outcome is Outcome.DONE
 
 
 class LedgerEntry(Protocol):

@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
-import enum
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -36,7 +34,7 @@ from types import TracebackType
 from typing import Any, Self
 
 from flows.gateway import Completion, GatewayClient, GatewayError, GatewayRateLimited
-from flows.ledger import Ledger, LedgerEntry, NullLedger
+from flows.ledger import Ledger, LedgerEntry, NullLedger, Outcome, Report
 from flows.registry import Registry
 from queue_store import (
     ClaimLost,
@@ -61,39 +59,6 @@ RECORD_BACKOFF_SECONDS = (0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 15.0, 15.0)
 STOP_RUN_ID_WAIT_SECONDS = 5.0
 # Less than this left before the deadline: do not start a call.
 MIN_CALL_SECONDS = 1.0
-
-
-class Outcome(enum.StrEnum):
-    DONE = "done"
-    REQUEUED = "requeued"  # the attempt was spent; queued again below the limit
-    FAILED = "failed"  # the attempt was spent, and it was the last allowed
-    RELEASED = "released"  # handed back without spending the attempt
-    LOST = "lost"  # the claim was taken over: nothing recorded
-    UNRECORDED = "unrecorded"  # the store could not be reached to record it
-
-
-@dataclasses.dataclass(frozen=True)
-class Report:
-    """What became of one claimed job."""
-
-    job: Job
-    outcome: Outcome
-    message: str  # one line, secrets removed
-    failure: Failure | None = None
-    settlement: Settlement | None = None
-    called: bool = False  # a request was sent to the gateway
-    call_started_at: float | None = None  # wall-clock time the call began
-    call_seconds: float | None = None
-    seconds: float = 0.0  # from the claim to the recorded outcome
-    flow_run_id: str | None = None
-
-    @property
-    def pause_seconds(self) -> float | None:
-        return self.settlement.pause_seconds if self.settlement else None
-
-    @property
-    def succeeded(self) -> bool:
-        return self.outcome is Outcome.DONE
 
 
 class LeaseEnded(Exception):

@@ -21,6 +21,28 @@ WORKER_LOST = (
 )
 
 
+# No claim on a job: what every way back into the queue writes.
+UNCLAIMED: dict[str, Any] = {
+    "holder": None,
+    "worker": None,
+    "claimed_at": None,
+    "heartbeat_at": None,
+}
+
+
+def queued_anew(now: dt.datetime, **more: Any) -> dict[str, Any]:
+    """A finished job back in the queue as if new: no claim, no attempts, no error (R5, R10)."""
+    return {
+        "status": Status.PENDING,
+        **UNCLAIMED,
+        "attempts": 0,
+        "error": None,
+        "unavailable_since": None,
+        "queued_at": now,
+        **more,
+    }
+
+
 @dataclasses.dataclass(frozen=True)
 class Decision:
     status: Status  # what `enqueue` returns
@@ -65,10 +87,7 @@ def decide(
 
     requeue: dict[str, Any] = {
         "status": Status.PENDING,
-        "holder": None,
-        "worker": None,
-        "claimed_at": None,
-        "heartbeat_at": None,
+        **UNCLAIMED,
         "priority": promoted,
         "fingerprint": fingerprint or row.fingerprint,
     }
@@ -76,17 +95,8 @@ def decide(
         gave_up = row.finished_at or row.updated_at
         if now - gave_up < dt.timedelta(seconds=settings.retry_after_seconds):
             return Decision(Status.FAILED)  # R5: still cooling down
-        return Decision(
-            Status.PENDING,
-            {
-                **requeue,
-                "attempts": 0,
-                "error": None,
-                "unavailable_since": None,
-                "queued_at": now,
-                "requested_at": now if asked_now else None,
-            },
-        )
+        requested = now if asked_now else None
+        return Decision(Status.PENDING, queued_anew(now, **requeue, requested_at=requested))
 
     # R6: (re-)queue; promote, never demote.
     changes = {**requeue, "attempts": 0 if stale else row.attempts}

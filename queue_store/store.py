@@ -73,7 +73,7 @@ from queue_store.models import (
     job_id,
 )
 from queue_store.redact import Redactor
-from queue_store.rules import decide, lapsed
+from queue_store.rules import decide, lapsed, queued_anew
 from queue_store.schema import from_row
 from queue_store.settings import Settings
 
@@ -379,17 +379,15 @@ class JobStore:
             return int(
                 connection.execute(
                     query.values(
-                        status=Status.PENDING,
-                        priority=func.min(jobs.c.priority, PREFETCH)
-                        if self._is_sqlite
-                        else func.least(jobs.c.priority, PREFETCH),
-                        attempts=0,
-                        error=None,
-                        unavailable_since=None,
-                        queued_at=now,
-                        requested_at=None,
-                        updated_at=now,
-                        revision=jobs.c.revision + 1,
+                        **queued_anew(
+                            now,
+                            priority=case(
+                                (jobs.c.priority < PREFETCH, jobs.c.priority), else_=PREFETCH
+                            ),
+                            requested_at=None,
+                            updated_at=now,
+                            revision=jobs.c.revision + 1,
+                        )
                     )
                 ).rowcount
             )
@@ -573,19 +571,7 @@ class JobStore:
                 connection.execute(
                     update(jobs)
                     .where(jobs.c.user_id == user_id, jobs.c.status == Status.FAILED)
-                    .values(
-                        status=Status.PENDING,
-                        attempts=0,
-                        error=None,
-                        holder=None,
-                        worker=None,
-                        claimed_at=None,
-                        heartbeat_at=None,
-                        unavailable_since=None,
-                        queued_at=now,
-                        updated_at=now,
-                        revision=jobs.c.revision + 1,
-                    )
+                    .values(**queued_anew(now, updated_at=now, revision=jobs.c.revision + 1))
                 ).rowcount
             )
 

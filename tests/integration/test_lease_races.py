@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 from sqlalchemy import text
 
-from queue_store import INTERACTIVE, Blocked, JobStore, Renewal, Settings, Status
+from queue_store import INTERACTIVE, Blocked, Failure, JobStore, Renewal, Settings, Status
 from queue_store.engine import SQLITE_BEGIN, create_store_engine
 from tests.conftest import StoreFactory
 from tests.support.databases import FakeClock
@@ -172,29 +172,7 @@ class Actor:
 def _round(actors: list[Actor], rng: random.Random, now: float, keys: int) -> None:
     """One round: some actors each run one random call, all at once."""
     chosen = rng.sample(actors, rng.randint(1, len(actors)))
-    sent: list[tuple[Actor, str]] = []
-    for a in chosen:
-        held = a.belief
-        choices = ["enqueue", "recover"]
-        if held is None or held.until <= now:
-            # One claim per worker: a new one only once its last could be over.
-            choices.append("claim")
-        if held is not None:
-            choices += ["heartbeat", "heartbeat", "finish", "fail"]
-        op = rng.choice(choices)
-        if op == "claim":
-            a.send("claim_next", a.name)
-        elif op == "enqueue":
-            a.send("enqueue", U, "k", f"s{rng.randrange(keys)}", None, rng.choice([0, 10]))
-        elif op == "recover":
-            a.send("recover")
-        elif op == "heartbeat" and held is not None:
-            a.send("heartbeat", held.job, held.holder)
-        elif op == "finish" and held is not None:
-            a.send("finish", held.job, held.holder, result=None)
-        elif held is not None:
-            a.send("release", held.job, held.holder)
-        sent.append((a, op))
+    sent = [(a, _send_one(a, rng, now, keys)) for a in chosen]
     for a, op in sent:
         reply = a.receive()
         if reply[0] != "ok":
@@ -202,17 +180,46 @@ def _round(actors: list[Actor], rng: random.Random, now: float, keys: int) -> No
                 a.belief = None
                 continue
             raise AssertionError(f"{a.name} {op}: {reply}")
-        value = reply[1]
-        if op == "claim" and value.job is not None:
-            assert a.belief is None or a.belief.until <= now
-            a.belief = Belief(value.job.id, value.job.holder, now + LEASE - MARGIN)
-        elif op == "heartbeat" and a.belief is not None:
-            if value is Renewal.RENEWED or value == Renewal.RENEWED:
-                a.belief.until = now + LEASE - MARGIN
-            else:
-                a.belief = None
-        elif op in ("finish", "fail"):
+        _believe(a, op, reply[1], now)
+
+
+def _send_one(a: Actor, rng: random.Random, now: float, keys: int) -> str:
+    """Send one random call the actor may make now; returns which."""
+    held = a.belief
+    choices = ["enqueue", "recover"]
+    if held is None or held.until <= now:
+        # One claim per worker: a new one only once its last could be over.
+        choices.append("claim")
+    if held is not None:
+        choices += ["heartbeat", "heartbeat", "finish", "fail"]
+    op = rng.choice(choices)
+    if op == "claim":
+        a.send("claim_next", a.name)
+    elif op == "enqueue":
+        a.send("enqueue", U, "k", f"s{rng.randrange(keys)}", None, rng.choice([0, 10]))
+    elif op == "recover":
+        a.send("recover")
+    elif held is not None and op == "heartbeat":
+        a.send("heartbeat", held.job, held.holder)
+    elif held is not None and op == "finish":
+        a.send("finish", held.job, held.holder, result=None)
+    elif held is not None:
+        a.send("fail", held.job, held.holder, Failure.STOPPED, "handed back")
+    return op
+
+
+def _believe(a: Actor, op: str, value: Any, now: float) -> None:
+    """What the actor believes it holds after its call answered `value`."""
+    if op == "claim" and value.job is not None:
+        assert a.belief is None or a.belief.until <= now
+        a.belief = Belief(value.job.id, value.job.holder, now + LEASE - MARGIN)
+    elif op == "heartbeat" and a.belief is not None:
+        if value is Renewal.RENEWED or value == Renewal.RENEWED:
+            a.belief.until = now + LEASE - MARGIN
+        else:
             a.belief = None
+    elif op in ("finish", "fail"):
+        a.belief = None
 
 
 @pytest.mark.slow

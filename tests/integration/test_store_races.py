@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from sqlalchemy import text
 
-from queue_store import INTERACTIVE, PREFETCH, JobStore, Renewal, Settings, Status, job_id
+from queue_store import INTERACTIVE, PREFETCH, Failure, JobStore, Renewal, Settings, Status, job_id
 from queue_store.engine import create_store_engine
 from tests.support.race_worker import actor, claim_loop, dump_tables
 
@@ -222,13 +222,13 @@ def test_a_worker_whose_claim_was_taken_over_cannot_touch_the_job(database_url: 
         assert a.call("heartbeat", jid, token_a) == Renewal.LOST
         assert a.refused("finish", jid, token_a, result={"by": "a"}) == "ClaimLost"
         assert a.refused("finish", jid, token_a, error="TimeoutError: gave up") == "ClaimLost"
-        assert a.refused("release", jid, token_a) == "ClaimLost"
-        assert a.refused("release", jid, token_a, error="shutting down") == "ClaimLost"
+        assert a.refused("fail", jid, token_a, Failure.STOPPED, "shutting down") == "ClaimLost"
+        assert a.refused("fail", jid, token_a, Failure.UNAVAILABLE, "no gateway") == "ClaimLost"
         assert a.refused("set_flow_run", jid, token_a, "flow-run-a") == "ClaimLost"
         assert a.call("heartbeat", jid, token_a) == Renewal.LOST
 
         assert dump_tables(engine) == before
-        row = a.call("get", jid)
+        row = a.call("jobs", [jid])[jid]
         assert (row.holder, row.status, row.attempts) == (token_b, Status.RUNNING, 2)
         assert row.flow_run_id is None
         assert a.call("result_of", USER, "race", "only") is None
@@ -237,7 +237,7 @@ def test_a_worker_whose_claim_was_taken_over_cannot_touch_the_job(database_url: 
         assert b.call("heartbeat", jid, token_b) == Renewal.RENEWED
         b.call("set_flow_run", jid, token_b, "flow-run-b")
         assert b.call("finish", jid, token_b, result={"by": "b"}) == Status.DONE
-        done = b.call("get", jid)
+        done = b.call("jobs", [jid])[jid]
         assert (done.status, done.attempts, done.holder) == (Status.DONE, 2, None)
         assert done.flow_run_id == "flow-run-b"
         assert b.call("result_of", USER, "race", "only").output == {"by": "b"}

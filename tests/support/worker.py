@@ -29,7 +29,7 @@ import sys
 from typing import Any
 
 from flows.consumer import Consumer, worker_name
-from flows.runner import Report
+from flows.ledger import Report
 from flows.runtime import Runtime
 
 

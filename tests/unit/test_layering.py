@@ -1,4 +1,5 @@
-"""The store is a pure library: it never imports Prefect, httpx, flows or deployments."""
+"""The layers import downwards only: the store nothing of ours, flows not deployments, and
+the product never the development tools."""
 
 from __future__ import annotations
 
@@ -7,15 +8,23 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import queue_store
 
 FORBIDDEN = ("prefect", "httpx", "flows", "deployments")
+ROOT = Path(queue_store.__file__).parents[1]
+LAYERS = {
+    "queue_store": (*FORBIDDEN, "devtools"),
+    "flows": ("deployments", "devtools"),
+    "deployments": ("devtools",),
+}
 
 
-def test_queue_store_source_never_imports_the_outer_layers() -> None:
-    package = Path(queue_store.__file__).parent
+@pytest.mark.parametrize("package", list(LAYERS))
+def test_no_layer_imports_one_above_it(package: str) -> None:
     offenders = []
-    for path in package.rglob("*.py"):
+    for path in (ROOT / package).rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             names: list[str] = []
             if isinstance(node, ast.Import):
@@ -23,7 +32,9 @@ def test_queue_store_source_never_imports_the_outer_layers() -> None:
             elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
                 names = [node.module]
             offenders += [
-                f"{path.name}: {name}" for name in names if name.split(".")[0] in FORBIDDEN
+                f"{path.relative_to(ROOT)}: {name}"
+                for name in names
+                if name.split(".")[0] in LAYERS[package]
             ]
     assert offenders == []
 

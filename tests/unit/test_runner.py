@@ -23,8 +23,9 @@ import pytest
 from pydantic import SecretStr
 
 from flows.gateway import GatewayClient
+from flows.ledger import Outcome, Report
 from flows.registry import Registry
-from flows.runner import JobRunner, Outcome, Report
+from flows.runner import JobRunner
 from queue_store import (
     Blocked,
     DatabaseError,
