@@ -45,7 +45,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import Dialect
 
-from queue_store import schema
+from queue_store import places, schema
 from queue_store.models import INTERACTIVE, EnqueueRequest, Status, job_id
 from queue_store.rules import decide
 from queue_store.settings import Settings
@@ -55,6 +55,7 @@ jobs = schema.jobs
 # The columns an enqueue can change on an existing row (`rules.decide`), and
 # the two every write sets.
 CHANGED_COLUMNS = (
+    "turn",
     "status",
     "holder",
     "worker",
@@ -92,6 +93,38 @@ class Plan:
     @property
     def writes_nothing(self) -> bool:
         return not (self.deletes or self.inserts or self.updates)
+
+
+@dataclasses.dataclass
+class Turns:
+    """The turns a chunk deals (R8b): after the turn being served and each user's last."""
+
+    fair: bool
+    served: int = 0
+    last: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def read(cls, connection: Connection, settings: Settings, users: set[str]) -> Turns:
+        if settings.order != "fair":
+            return cls(False)
+        served = connection.execute(select(schema.gate.c.turn)).scalar_one()
+        rows = connection.execute(
+            select(jobs.c.user_id, func.max(jobs.c.turn))
+            .where(
+                jobs.c.user_id.in_(sorted(users)),
+                jobs.c.status == Status.PENDING,
+                jobs.c.priority > INTERACTIVE,
+            )
+            .group_by(jobs.c.user_id)
+        )
+        return cls(True, int(served), {str(user): int(turn) for user, turn in rows})
+
+    def deal(self, user_id: str, priority: int) -> int:
+        if not self.fair or priority <= INTERACTIVE:
+            return 0
+        turn = places.turn_after(self.served, self.last.get(user_id))
+        self.last[user_id] = turn
+        return turn
 
 
 class Raced(Exception):
@@ -208,6 +241,7 @@ def plan(
     rows: dict[str, dict[str, Any]],
     start: dt.datetime,
     settings: Settings,
+    turns: Turns,
 ) -> Plan:
     """Decide every request of the chunk in order, on the rows as the earlier ones left them.
 
@@ -240,6 +274,7 @@ def plan(
                     request.fingerprint,
                     request.priority,
                     at,
+                    turns.deal(request.user_id, request.priority),
                 )
             )
             current[jid] = inserts[jid] = job
@@ -251,7 +286,11 @@ def plan(
             # A lapsed claim is reported as it will be once taken back, and
             # left to the next lease decision to take back (under the gate lock).
             if decision.changes is not None and not decision.reap_first:
-                vars(job).update(decision.changes, updated_at=at, revision=job.revision + 1)
+                changes = dict(decision.changes)
+                priority = changes.get("priority", job.priority)
+                if "queued_at" in changes or priority != job.priority:
+                    changes["turn"] = turns.deal(request.user_id, priority)
+                vars(job).update(changes, updated_at=at, revision=job.revision + 1)
                 if jid not in inserts:
                     changed.add(jid)
         if request.supersede:  # R7
@@ -363,9 +402,11 @@ def new_job(
     fingerprint: str | None,
     priority: int,
     now: dt.datetime,
+    turn: int = 0,
 ) -> dict[str, Any]:
-    """A new key's row: pending, no attempts (R2)."""
+    """A new key's row: pending, no attempts (R2), in its turn (R8b)."""
     return {
+        "turn": turn,
         "id": job_id(user_id, kind, subject),
         "user_id": user_id,
         "kind": kind,

@@ -24,7 +24,7 @@ from typing import Any
 
 from sqlalchemy import Connection, Row, select, update
 
-from queue_store import schema
+from queue_store import places, schema
 from queue_store.models import (
     HOLDER_NONCE_HEX,
     Blocked,
@@ -131,7 +131,7 @@ def claim(
     # "unavailable" itself, so one poisoned job cannot pass for an outage (G2).
     probing = state.outages_in_a_row > 0
     while True:
-        candidate = _first_pending(connection, avoid_suspects=probing)
+        candidate = _first_pending(connection, settings, avoid_suspects=probing)
         if candidate is None:
             return Claim(None, Blocked.EMPTY, None)
         if candidate.attempts >= settings.max_attempts:
@@ -163,15 +163,21 @@ def claim(
             .where(jobs.c.id == candidate.id)
             .values(**claimed, revision=candidate.revision + 1)
         )
+        if candidate.turn > state.turn:  # the turn being served moves on (R8b)
+            connection.execute(
+                update(gate).where(gate.c.id == schema.GATE_ROW_ID).values(turn=candidate.turn)
+            )
         job = schema.from_row(Job, candidate)
         return Claim(dataclasses.replace(job, **claimed))
 
 
-def _first_pending(connection: Connection, *, avoid_suspects: bool) -> Row[Any] | None:
+def _first_pending(
+    connection: Connection, settings: Settings, *, avoid_suspects: bool
+) -> Row[Any] | None:
     # The id breaks ties of age: the claim takes jobs in the very order that
-    # places in line are counted in (`positions`), the queue index's order.
+    # places in line are counted in (`places`), a queue index's order.
     query = select(jobs).where(jobs.c.status == Status.PENDING)
-    order = (jobs.c.priority, jobs.c.queued_at, jobs.c.id)
+    order = places.order(settings)
     if avoid_suspects:
         probe = connection.execute(
             query.where(jobs.c.unavailable_since.is_(None))
@@ -295,7 +301,14 @@ def settle_failure(
             # The gateway has answered other calls since this job started
             # failing "unavailable": the job is the problem, not the gateway.
             text = f"the gateway answers other calls but keeps failing this one: {error}"
-            _settle_row(connection, row, now, status=spent_status, error=text, queued_at=now)
+            _settle_row(
+                connection,
+                row,
+                now,
+                status=spent_status,
+                error=text,
+                **_behind(connection, settings, row, now),
+            )
             _ended_call(connection, now)
             return Settlement(
                 spent_status, True, None, f"attempt {row.attempts} spent: not an outage, this job"
@@ -309,9 +322,9 @@ def settle_failure(
             status=Status.PENDING,
             attempts=max(row.attempts - 1, 0),
             error=error,
-            queued_at=now,
             claimed_at=None,
             unavailable_since=since or now,
+            **_behind(connection, settings, row, now),
         )
         seconds = _backoff(settings, streak + 1)
         _ended_call(connection, now)
@@ -352,6 +365,16 @@ def settle_failure(
     _refund(connection, row, now, error)
     _ended_call(connection, now)
     return Settlement(Status.PENDING, False, None, "handed back; the attempt is not spent")
+
+
+def _behind(
+    connection: Connection, settings: Settings, row: Row[Any], now: dt.datetime
+) -> dict[str, Any]:
+    """Back in the queue behind the jobs of its priority: queued now, in a new turn (R8b)."""
+    return {
+        "queued_at": now,
+        "turn": places.next_turn(connection, settings, row.user_id, row.priority),
+    }
 
 
 def _refund(connection: Connection, row: Row[Any], now: dt.datetime, error: str) -> None:

@@ -135,6 +135,7 @@ class Job:
     requested_at: dt.datetime | None  # when a screen last asked for it while it waited
     unavailable_since: dt.datetime | None  # first "unavailable" of its current streak (G2)
     flow_run_id: str | None
+    turn: int = 0  # its turn in the fair order (R8b); 0 for interactive jobs and under fifo
 
     def __post_init__(self) -> None:
         # Rows hand over the status as text, and the original's rows may lack `queued_at`.

@@ -1,8 +1,14 @@
-"""Place in line and ETA (N3, P2): exact up to `PLACE_BOUND` jobs ahead, "more than" beyond.
+"""The queue's order (R8, R8b), and place in line and ETA (N3, P2), bounded at any backlog.
 
-The worker takes pending jobs in the queue's order (`ORDER`: priority, then
-age, then id). A job's place is the number of pending jobs before it in that
-order. Counting them reads the queue index from its head and stops after
+The worker takes pending jobs in the queue's order: priority, then age, then
+id (`AI_JOB_ORDER=fifo`); or priority, then turn, then age, then id (`fair`,
+the default). A prefetch job's turn is the turn being served (the last
+claimed job's) for a user with nothing waiting, else the one after its user's
+last waiting job's: users who sync together alternate, each user's jobs in
+their own order, and a user who comes later joins the round being served.
+Interactive jobs have turn 0 (first come, first served, before all else). Each
+order is an index. A job's place is the number of pending jobs before it in
+that order. Counting them reads the queue index from its head and stops after
 `PLACE_BOUND + 1` entries, so a place at the back of a 100k backlog costs what
 a place 1,000 deep costs; beyond the bound a place says "more than
 `PLACE_BOUND`", and its ETA counts only those, a lower bound.
@@ -23,23 +29,50 @@ from typing import Any
 from sqlalchemy import Connection, Row, func, select, tuple_
 
 from queue_store import schema
-from queue_store.models import Job, Position, QueueEntry, Status
+from queue_store.models import INTERACTIVE, Job, Position, QueueEntry, Status
 from queue_store.rules import lapsed
 from queue_store.settings import Settings
 
 jobs = schema.jobs
+gate = schema.gate
 durations = schema.kind_durations
 
 # Jobs counted ahead of one before its place becomes "more than".
 PLACE_BOUND = 1000
 # Weight of the newest sample in a kind's moving mean, once it has this many.
 DURATION_WINDOW = 20
-# The claim order: the order of the queue index.
-ORDER = (jobs.c.priority, jobs.c.queued_at, jobs.c.id)
+FIFO = (jobs.c.priority, jobs.c.queued_at, jobs.c.id)  # ix_ai_jobs_queue
+FAIR = (jobs.c.priority, jobs.c.turn, jobs.c.queued_at, jobs.c.id)  # ix_ai_jobs_fair
 
 
-def order_key(job: Job) -> tuple[Any, ...]:
-    return (job.priority, job.queued_at, job.id)
+def order(settings: Settings) -> tuple[Any, ...]:
+    """The claim order's columns: the order of one of the queue's indexes."""
+    return FAIR if settings.order == "fair" else FIFO
+
+
+def order_key(job: Job, settings: Settings) -> tuple[Any, ...]:
+    return tuple(getattr(job, column.name) for column in order(settings))
+
+
+def next_turn(connection: Connection, settings: Settings, user_id: str, priority: int) -> int:
+    """The turn of a job entering the queue now (R8b): 0 for an interactive job; else the
+    turn being served for a user with nothing waiting, or the one after its last job's."""
+    if settings.order != "fair" or priority <= INTERACTIVE:
+        return 0
+    served = connection.execute(select(gate.c.turn).where(gate.c.id == schema.GATE_ROW_ID))
+    last = connection.execute(
+        select(func.max(jobs.c.turn)).where(
+            jobs.c.user_id == user_id,
+            jobs.c.status == Status.PENDING,
+            jobs.c.priority > INTERACTIVE,
+        )
+    )
+    return turn_after(int(served.scalar_one()), last.scalar())
+
+
+def turn_after(served: int, last: int | None) -> int:
+    """A job's turn, after the turn being served and its user's last waiting job's."""
+    return served if last is None else max(served, int(last) + 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,19 +153,22 @@ def outlook(
     return Outlook(len(live), remaining, held_back, means, default, settings)
 
 
-def _pending_before(key: tuple[Any, ...] | None) -> Any:
-    """The pending jobs before `key` in claim order (all of them without one), head first."""
-    query = select(jobs.c.id, jobs.c.kind).where(jobs.c.status == Status.PENDING)
-    if key is not None:
-        # The plain comparison on the priority adds nothing to the row comparison
-        # but a row estimate that keeps PostgreSQL on the index.
-        query = query.where(tuple_(*ORDER) < tuple_(*key), jobs.c.priority <= key[0])
-    return query.order_by(*ORDER)
+def _pending_before(settings: Settings, key: tuple[Any, ...]) -> Any:
+    """The pending jobs before `key` in claim order, head first."""
+    columns = order(settings)
+    # The plain comparison on the priority adds nothing to the row comparison
+    # but a row estimate that keeps PostgreSQL on the index.
+    return (
+        select(jobs.c.id, jobs.c.kind)
+        .where(jobs.c.status == Status.PENDING)
+        .where(tuple_(*columns) < tuple_(*key), jobs.c.priority <= key[0])
+        .order_by(*columns)
+    )
 
 
-def ahead_of(connection: Connection, job: Job) -> tuple[int, dict[str, int]]:
+def ahead_of(connection: Connection, settings: Settings, job: Job) -> tuple[int, dict[str, int]]:
     """How many pending jobs are before `job` (up to the bound plus one), and their kinds."""
-    ahead = _pending_before(order_key(job)).limit(PLACE_BOUND + 1).subquery()
+    ahead = _pending_before(settings, order_key(job, settings)).limit(PLACE_BOUND + 1).subquery()
     kinds = {
         str(kind): int(count)
         for kind, count in connection.execute(
@@ -147,11 +183,14 @@ def positions(
 ) -> dict[str, Position]:
     """Positions of the listed jobs that are pending or running, by job id: one bounded read."""
     found = {j.id: view.running(j, now) for j in listed if j.status == Status.RUNNING}
-    waiting = sorted((j for j in listed if j.status == Status.PENDING), key=order_key)
+    settings = view.settings
+    pending = [j for j in listed if j.status == Status.PENDING]
+    waiting = sorted(pending, key=lambda j: order_key(j, settings))
     if not waiting:
         return found
     # The head of the queue up to the last job asked about, at most the bound and one.
-    head = connection.execute(_pending_before(order_key(waiting[-1])).limit(PLACE_BOUND + 1)).all()
+    last = order_key(waiting[-1], settings)
+    head = connection.execute(_pending_before(settings, last).limit(PLACE_BOUND + 1)).all()
     index = {row.id: n for n, row in enumerate(head)}
     kinds: dict[str, int] = {}
     counted = 0

@@ -130,9 +130,20 @@ def forms_of(secret: str) -> set[str]:
     return {secret} | _base64_cores(secret.encode())
 
 
+_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*)://([^/@\s\"':]*)(:[^/@\s\"']*)?@")
+
+
+def _masked(found: re.Match[str]) -> str:
+    scheme, user, password = found.groups()
+    if scheme.lower() in ("http", "https"):  # a gateway's user name may be its key
+        return f"{scheme}://***@"
+    return f"{scheme}://{user}:***@" if password else found.group()
+
+
 def mask_url(url: str) -> str:
-    """A URL (or a text holding URLs) with user names, passwords and `password=` masked."""
-    return _PASSWORD_IN_QUERY.sub(r"\1***", _CREDENTIALS_IN_URL.sub("***@", url))
+    """A URL (or a text holding URLs) with its credentials masked: a database's
+    `user:***@`, a gateway's `***@`, and `password=***`."""
+    return _PASSWORD_IN_QUERY.sub(r"\1***", _USERINFO.sub(_masked, url))
 
 
 class Redactor:

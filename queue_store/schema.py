@@ -13,6 +13,7 @@ import json
 from typing import Any, TypeVar
 
 from sqlalchemy import (
+    BigInteger,
     Column,
     DateTime,
     Dialect,
@@ -29,7 +30,7 @@ from sqlalchemy import (
 )
 
 # The migration this code expects; `JobStore` refuses an older database.
-SCHEMA_REVISION = "0004"
+SCHEMA_REVISION = "0005"
 VERSION_TABLE = "insight_queue_version"
 
 GATE_ROW_ID = 1
@@ -110,6 +111,8 @@ jobs = Table(
     # First "gateway unavailable" of its current streak: tells an outage from
     # a job the gateway keeps failing while it answers others (G2).
     Column("unavailable_since", UTCDateTime),
+    # The job's turn in the fair order (R8b): users alternate within a priority.
+    Column("turn", BigInteger, nullable=False, server_default=text("0")),
 )
 
 # The queue in claim order: status, priority, age, and the id that breaks ties.
@@ -134,6 +137,16 @@ Index(
     postgresql_where=text("status = 'running'"),
 )
 # list_jobs, retry_failed, pending_count(user) and supersede.
+# The queue in the fair order (AI_JOB_ORDER=fair): priority, turn, then age.
+Index(
+    "ix_ai_jobs_fair",
+    jobs.c.status,
+    jobs.c.priority,
+    jobs.c.turn,
+    jobs.c.queued_at,
+    jobs.c.id,
+    jobs.c.kind,
+)
 Index("ix_ai_jobs_user", jobs.c.user_id, jobs.c.kind, jobs.c.status)
 
 results = Table(
@@ -150,6 +163,9 @@ results = Table(
     # The run history entry of the generation that produced it.
     Column("flow_run_id", String(64)),
     Column("size_bytes", Integer),
+    # The answer's usage; NULL when the gateway sent none (unknown, never zero).
+    Column("prompt_tokens", BigInteger),
+    Column("completion_tokens", BigInteger),
 )
 
 # Recent durations per kind, for the ETA.
@@ -173,6 +189,8 @@ gate = Table(
     Column("clock_boot_id", String(64)),
     Column("clock_anchor_wall", UTCDateTime),
     Column("clock_anchor_mono", Float),
+    # The turn being served in the fair order: the last claimed job's.
+    Column("turn", BigInteger, nullable=False, server_default=text("0")),
 )
 
 # The mean call duration per kind, kept as a moving average by every finish:
@@ -183,6 +201,33 @@ kind_durations = Table(
     Column("kind", String(100), primary_key=True),
     Column("mean_seconds", Float, nullable=False),
     Column("samples", Integer, nullable=False),
+)
+
+# Tokens the gateway's answers used, per user and kind; `unknown` counts the
+# answers that did not say.
+usage = Table(
+    "ai_job_usage",
+    metadata,
+    Column("user_id", String(200), primary_key=True),
+    Column("kind", String(100), primary_key=True),
+    Column("answers", BigInteger, nullable=False, server_default=text("0")),
+    Column("unknown", BigInteger, nullable=False, server_default=text("0")),
+    Column("prompt_tokens", BigInteger, nullable=False, server_default=text("0")),
+    Column("completion_tokens", BigInteger, nullable=False, server_default=text("0")),
+)
+
+# Counters and histograms for /metrics, kept by the writes that settle
+# attempts and claim screens' jobs: every API process reads the same figures.
+tallies = Table(
+    "ai_job_tallies",
+    metadata,
+    Column("name", String(32), primary_key=True),
+    Column("kind", String(100), primary_key=True),
+    Column("outcome", String(32), primary_key=True),
+    Column("count", BigInteger, nullable=False, server_default=text("0")),
+    Column("total", Float, nullable=False, server_default=text("0")),
+    # Cumulative counts per bound of the histogram, as JSON.
+    Column("buckets", Text, nullable=False, server_default=text("'[]'")),
 )
 
 # Consumers that said they are alive: the operator's view, and how a screen's

@@ -11,7 +11,7 @@ import re
 import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import platformdirs
 from pydantic import AliasChoices, Field, SecretStr, ValidationError, field_validator
@@ -50,8 +50,6 @@ def _f(default: Any, help: str, variable: str | None = None, **checks: Any) -> A
 
 
 class _Checked(BaseSettings):
-    """A construction error is one `SettingsError` line naming the variable."""
-
     def __init__(self, **values: Any) -> None:
         try:
             super().__init__(**values)
@@ -129,6 +127,7 @@ class Settings(_Checked):
     )
     max_result_bytes: int = _f(MIB, "largest stored result, as JSON bytes", ge=KIB)
     plugins: str = _f("flows.demo", "comma-separated modules that register generators and scopes")
+    order: Literal["fair", "fifo"] = _f("fair", "fair: users take turns in a priority; fifo")
     gateway: GatewaySettings = Field(default_factory=GatewaySettings)
     api: ApiSettings = Field(default_factory=ApiSettings)
 

@@ -36,8 +36,10 @@ from pathlib import Path
 from typing import Any
 
 from sqlalchemy import (
+    ColumnElement,
     Connection,
     Row,
+    and_,
     case,
     delete,
     func,
@@ -284,7 +286,8 @@ class JobStore:
             try:
                 with self._write("enqueue") as connection:
                     now = self._now(connection)
-                    values = bulk.new_job(*key, fingerprint, priority, now)
+                    turn = places.next_turn(connection, self._settings, key[0], priority)
+                    values = bulk.new_job(*key, fingerprint, priority, now, turn)
                     connection.execute(insert(jobs).values(values))
             except IntegrityError:
                 return None  # another caller inserted it first: decide again
@@ -295,11 +298,17 @@ class JobStore:
             return None
         if decision.changes is None:
             return decision.status
+        changes = dict(decision.changes)
         with self._write("enqueue") as connection:
+            if "queued_at" in changes or changes.get("priority", row.priority) != row.priority:
+                # Into the queue again, or promoted: a turn of its own (R8b).
+                changes["turn"] = places.next_turn(
+                    connection, self._settings, row.user_id, changes.get("priority", row.priority)
+                )
             written = connection.execute(
                 update(jobs)
                 .where(jobs.c.id == row.id, jobs.c.revision == row.revision)
-                .values(**decision.changes, updated_at=now, revision=row.revision + 1)
+                .values(**changes, updated_at=now, revision=row.revision + 1)
             ).rowcount
         return decision.status if written == 1 else None
 
@@ -352,7 +361,9 @@ class JobStore:
         with self._read("enqueue_many") as connection:
             now = self._now(connection)
             rows = bulk.read(connection, chunk)
-            decided = bulk.plan(chunk, rows, bulk.starting_after(now, after), self._settings)
+            turns = bulk.Turns.read(connection, self._settings, {r.user_id for r in chunk})
+            start = bulk.starting_after(now, after)
+            decided = bulk.plan(chunk, rows, start, self._settings, turns)
             if decided.writes_nothing:
                 return decided
             if not self._is_sqlite:
@@ -371,11 +382,13 @@ class JobStore:
         Returns how many were queued.
         """
         checked = [validation.kind(k) for k in kinds] if kinds is not None else None
+        finished: ColumnElement[bool] = jobs.c.status.in_([Status.DONE, Status.FAILED])
+        if checked is not None:
+            finished = and_(finished, jobs.c.kind.in_(checked))
         with self._write("requeue") as connection:
             now = self._now(connection)
-            query = update(jobs).where(jobs.c.status.in_([Status.DONE, Status.FAILED]))
-            if checked is not None:
-                query = query.where(jobs.c.kind.in_(checked))
+            self._deal_turns(connection, finished, None)
+            query = update(jobs).where(finished)
             return int(
                 connection.execute(
                     query.values(
@@ -391,6 +404,25 @@ class JobStore:
                     )
                 ).rowcount
             )
+
+    def _deal_turns(self, connection: Connection, where: Any, user_id: str | None) -> None:
+        """Turns for the prefetch jobs `where` picks, about to be queued again together (R8b):
+        each user's in their order, after the turn being served (and, for one user, after
+        their jobs waiting already)."""
+        if self._settings.order != "fair":
+            return
+        base = places.next_turn(connection, self._settings, user_id, PREFETCH) - 1 if user_id else 0
+        if not user_id:
+            base = connection.execute(
+                select(gate.c.turn).where(gate.c.id == schema.GATE_ROW_ID)
+            ).scalar_one()
+        rank = func.row_number().over(partition_by=jobs.c.user_id, order_by=places.FIFO)
+        dealt = (
+            select(jobs.c.id, (rank + base).label("turn"))
+            .where(where, jobs.c.priority > INTERACTIVE)
+            .subquery()
+        )
+        connection.execute(update(jobs).where(jobs.c.id == dealt.c.id).values(turn=dealt.c.turn))
 
     # -- reads: one job, its state, a user's queue -------------------------------
 
@@ -474,7 +506,7 @@ class JobStore:
         if job.status == Status.RUNNING:
             position = view.running(job, now)
         elif job.status == Status.PENDING:
-            position = view.waiting(*places.ahead_of(connection, job), job.kind)
+            position = view.waiting(*places.ahead_of(connection, self._settings, job), job.kind)
         produced = row.result_produced_at
         fresh = produced is not None and _fresh(row.result_fingerprint, produced, fingerprint, job)
         gate_state = _gate_state(gate_row, now)
@@ -522,7 +554,7 @@ class JobStore:
                 for r in connection.execute(
                     select(jobs)
                     .where(jobs.c.user_id == user_id)
-                    .order_by(order, *places.ORDER)
+                    .order_by(order, *places.order(self._settings))
                     .limit(limit)
                 )
             ]
@@ -546,12 +578,14 @@ class JobStore:
         with self._read("pending_count") as connection:
             return int(connection.execute(query).scalar_one())
 
-    def has_work(self) -> bool:
+    def has_work(self, *, or_running: bool = False) -> bool:
         """Whether a claim could find something: a queued job, or a claim that lapsed.
 
         The cheapest question a standing-by consumer can ask: two indexed
         reads, never a write. A lapsed claim counts as work because only a
-        claim takes it back (and restarts its job).
+        claim takes it back (and restarts its job). `or_running`: any claim
+        counts, live or not, for a drain that stays until every call is over
+        (a live claim may be a dead worker's, until its lease runs out).
         """
         with self._read("has_work") as connection:
             queued = connection.execute(
@@ -559,14 +593,19 @@ class JobStore:
             ).first()
             if queued is not None:
                 return True
+            running = lease.running_rows(connection)
+            if or_running:
+                return bool(running)
             now = self._now(connection)
-            return any(lapsed(row, now, self._settings) for row in lease.running_rows(connection))
+            return any(lapsed(row, now, self._settings) for row in running)
 
     def retry_failed(self, user_id: str) -> int:
         """Every failed job of the user back in the queue now (R10); returns how many."""
         user_id = validation.user_id(user_id)
         with self._write("retry_failed") as connection:
             now = self._now(connection)
+            failed = and_(jobs.c.user_id == user_id, jobs.c.status == Status.FAILED)
+            self._deal_turns(connection, failed, user_id)
             return int(
                 connection.execute(
                     update(jobs)
@@ -784,7 +823,7 @@ class JobStore:
                 for r in connection.execute(
                     select(jobs)
                     .where(jobs.c.status == Status.PENDING)
-                    .order_by(*places.ORDER)
+                    .order_by(*places.order(self._settings))
                     .limit(limit)
                 )
             ]

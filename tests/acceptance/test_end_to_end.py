@@ -47,6 +47,7 @@ GAP = 0.5
 INSIGHT_STATE_KEYS = {
     "status",
     "ahead",
+    "ahead_exact",
     "in_flight",
     "eta_seconds",
     "result",

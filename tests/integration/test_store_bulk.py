@@ -478,8 +478,11 @@ def test_queue_view_shows_the_queue_in_worker_order_with_places_and_etas(
 # -- positions ------------------------------------------------------------------------
 
 
-def test_positions_equal_a_count_of_the_queue(make_store: StoreFactory, clock: FakeClock) -> None:
-    store = make_store(concurrency=1, default_duration_seconds=50.0)
+@pytest.mark.parametrize("order", ["fair", "fifo"])
+def test_positions_equal_a_count_of_the_queue_in_the_order_the_worker_takes(
+    make_store: StoreFactory, clock: FakeClock, order: str
+) -> None:
+    store = make_store(concurrency=1, default_duration_seconds=50.0, order=order)
     for kind, seconds in {"a": 7.0, "b": 11.0}.items():
         store.enqueue("teacher", kind, "0")
         jid, holder = _claim(store)
@@ -507,13 +510,13 @@ def test_positions_equal_a_count_of_the_queue(make_store: StoreFactory, clock: F
 
     means = _means(store)
     assert "z" not in means
-    pending = [
-        (row["priority"], row["queued_at"], row["id"], row["kind"])
-        for row in _rows(store).values()
-        if row["status"] == "pending"
-    ]
-    pending.sort()
+    rows = [row for row in _rows(store).values() if row["status"] == "pending"]
+    fair = order == "fair"
+    # The rule as docs/rules.md writes it: priority, (the turn,) age, id.
+    rows.sort(key=lambda r: (r["priority"], r["turn"] if fair else 0, r["queued_at"], r["id"]))
+    pending = [(r["priority"], r["queued_at"], r["id"], r["kind"]) for r in rows]
     assert len({(p, q) for p, q, _, _ in pending}) < len(pending)  # ties of age exist
+    assert fair == any(r["turn"] for r in rows)
     place = {jid: n for n, (_, _, jid, _) in enumerate(pending)}
     work = {}
     total = 0.0
@@ -534,11 +537,20 @@ def test_positions_equal_a_count_of_the_queue(make_store: StoreFactory, clock: F
             assert state.position.ahead == place[entry["id"]]
     view = store.queue_view(limit=1000)
     assert [e.job.id for e in view.waiting] == [jid for _, _, jid, _ in pending]
+    # And the worker takes them in that very order.
+    taken = []
+    while (claim := store.claim_next("w")).job is not None:
+        taken.append(claim.job.id)
+        store.finish(claim.job.id, claim.job.holder or "", result="x")
+    assert taken == [jid for _, _, jid, _ in pending]
 
 
 def test_a_job_queued_at_a_moment_another_was_is_placed_by_its_id(
-    store: JobStore, clock: FakeClock
+    make_store: StoreFactory, clock: FakeClock
 ) -> None:
+    # First come, first served: a tie of age is broken by the id (in the fair
+    # order a user's own jobs keep the order they were queued in).
+    store = make_store(order="fifo")
     fixed = dt.datetime(2026, 1, 5, 9, 0, tzinfo=dt.UTC)
     pinned = JobStore(
         store._engine.url.render_as_string(hide_password=False),

@@ -196,6 +196,86 @@ def test_claim_order_is_priority_then_age(store: JobStore, clock: FakeClock) -> 
     assert order == ["c", "a", "b"]
 
 
+def _taken(store: JobStore) -> list[str]:
+    """Every job, as `user:subject`, in the order the worker takes them (each done at once)."""
+    order = []
+    while (claim := store.claim_next("w")).job is not None:
+        order.append(f"{claim.job.user_id}:{claim.job.subject}")
+        store.finish(claim.job.id, claim.job.holder or "", result=None)
+    return order
+
+
+def _sync(store: JobStore, user: str, scopes: int, clock: FakeClock) -> None:
+    """A post-sync hook: the user's scopes queued at prefetch priority, in one call."""
+    store.enqueue_many([EnqueueRequest(user, "k", f"s{n}") for n in range(scopes)])
+    clock.advance(1)
+
+
+@pytest.mark.parametrize("order", ["fair", "fifo"])
+def test_fair_users_take_turns_and_fifo_keeps_the_first_come_order(
+    make_store: StoreFactory, clock: FakeClock, order: str
+) -> None:
+    store = make_store(order=order)
+    _sync(store, "ann", 3, clock)
+    _sync(store, "bob", 3, clock)
+    store.enqueue("cid", "k", "s0")  # one job at a time, as a screen would queue them
+    clock.advance(1)
+    store.enqueue("cid", "k", "s1")
+    clock.advance(1)
+    store.enqueue("dee", "k", "now", priority=INTERACTIVE)  # a screen: first, always
+    taken = _taken(store)
+    if order == "fifo":  # R8 exactly: priority, then age
+        assert taken == [
+            "dee:now", "ann:s0", "ann:s1", "ann:s2", "bob:s0", "bob:s1", "bob:s2",
+            "cid:s0", "cid:s1",
+        ]  # fmt: skip
+    else:  # R8b: within a priority, users take turns, each in their own order
+        assert taken == [
+            "dee:now", "ann:s0", "bob:s0", "cid:s0", "ann:s1", "bob:s1", "cid:s1",
+            "ann:s2", "bob:s2",
+        ]  # fmt: skip
+
+
+def test_a_user_who_syncs_late_waits_about_one_call_per_user_for_a_first_insight(
+    make_store: StoreFactory, clock: FakeClock
+) -> None:
+    store = make_store()
+    for user in ("ann", "bob", "cid"):
+        _sync(store, user, 8, clock)
+    for _ in range(4):  # the queue works a while
+        claim = store.claim_next("w")
+        assert claim.job is not None
+        store.finish(claim.job.id, claim.job.holder or "", result=None)
+    _sync(store, "late", 8, clock)
+    taken = _taken(store)
+    assert taken.index("late:s0") <= 3, taken  # within about one call per user
+    assert [t for t in taken if t.startswith("late:")] == [f"late:s{n}" for n in range(8)]
+    # A screen still goes first, whoever's turn it is.
+    _sync(store, "ann", 0, clock)
+    store.enqueue_many([EnqueueRequest("eve", "k", f"s{n}") for n in range(3)])
+    store.enqueue("ann", "k", "screen", priority=INTERACTIVE)
+    assert _taken(store)[0] == "ann:screen"
+
+
+def test_a_job_that_goes_back_in_the_queue_takes_a_new_turn_but_a_refund_keeps_its_own(
+    make_store: StoreFactory, clock: FakeClock
+) -> None:
+    store = make_store(max_attempts=3)
+    _sync(store, "ann", 2, clock)
+    _sync(store, "bob", 2, clock)
+    first = store.claim_next("w").job
+    assert first is not None and (first.user_id, first.subject) == ("ann", "s0")
+    # A rate limit hands it back in its place: it is taken again next.
+    store.fail(first.id, first.holder or "", Failure.RATE_LIMITED, "429", retry_after=0)
+    again = store.claim_next("w").job
+    assert again is not None and again.id == first.id
+    # A spent attempt queues it again in its old place too (R9); a stale
+    # re-queue of a finished job takes the turn after its user's last.
+    store.finish(again.id, again.holder or "", result=None)
+    store.enqueue("ann", "k", "s0", "new-data")
+    assert _taken(store) == ["bob:s0", "ann:s1", "bob:s1", "ann:s0"]
+
+
 def test_a_job_gets_at_most_max_attempts(make_store: StoreFactory) -> None:
     store = make_store(max_attempts=3)
     store.enqueue(U, "sleep", "d1")
@@ -703,7 +783,8 @@ def _position(store: JobStore, user_id: str, kind: str, subject: str) -> Positio
 
 
 def test_position_and_eta(make_store: StoreFactory, clock: FakeClock) -> None:
-    store = make_store(gap_seconds=10, default_duration_seconds=100)
+    # First come, first served: the places below are R8's (the fair order has its tests).
+    store = make_store(gap_seconds=10, default_duration_seconds=100, order="fifo")
     # Teach the store that "fast" takes 30 s.
     store.enqueue("x", "fast", "0")
     job = store.claim_next("w").job

@@ -1,0 +1,72 @@
+"""Users take turns, token usage is kept, and the store keeps what metrics read.
+
+- `ai_jobs.turn`: the job's turn in the fair order (R8b): the claim takes the
+  lowest turn within a priority, so users syncing together alternate. 0 for
+  interactive jobs, and for every job under `AI_JOB_ORDER=fifo`.
+  `ix_ai_jobs_fair` is the queue index in that order.
+- `ai_job_gate.turn`: the turn being served (the last claimed job's).
+- `ai_job_results.prompt_tokens`, `completion_tokens`: the answer's usage;
+  NULL when the gateway sent none (unknown, never zero).
+- `ai_job_usage`: tokens and attempts summed per user and kind.
+- `ai_job_tallies`: counters and histograms of attempts (by kind and outcome)
+  and of screens' waits, kept by the writes that settle and claim them.
+
+Jobs already queued keep their place: their turn is 0, before any new one.
+
+Revision ID: 0005
+Revises: 0004
+"""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+from alembic import op
+
+revision = "0005"
+down_revision = "0004"
+branch_labels = None
+depends_on = None
+
+
+def upgrade() -> None:
+    with op.batch_alter_table("ai_jobs") as batch:
+        batch.add_column(sa.Column("turn", sa.BigInteger, nullable=False, server_default="0"))
+    op.create_index(
+        "ix_ai_jobs_fair", "ai_jobs", ["status", "priority", "turn", "queued_at", "id", "kind"]
+    )
+    with op.batch_alter_table("ai_job_gate") as batch:
+        batch.add_column(sa.Column("turn", sa.BigInteger, nullable=False, server_default="0"))
+    with op.batch_alter_table("ai_job_results") as batch:
+        batch.add_column(sa.Column("prompt_tokens", sa.BigInteger))
+        batch.add_column(sa.Column("completion_tokens", sa.BigInteger))
+    op.create_table(
+        "ai_job_usage",
+        sa.Column("user_id", sa.String(200), primary_key=True),
+        sa.Column("kind", sa.String(100), primary_key=True),
+        sa.Column("answers", sa.BigInteger, nullable=False, server_default="0"),
+        sa.Column("unknown", sa.BigInteger, nullable=False, server_default="0"),
+        sa.Column("prompt_tokens", sa.BigInteger, nullable=False, server_default="0"),
+        sa.Column("completion_tokens", sa.BigInteger, nullable=False, server_default="0"),
+    )
+    op.create_table(
+        "ai_job_tallies",
+        sa.Column("name", sa.String(32), primary_key=True),
+        sa.Column("kind", sa.String(100), primary_key=True),
+        sa.Column("outcome", sa.String(32), primary_key=True),
+        sa.Column("count", sa.BigInteger, nullable=False, server_default="0"),
+        sa.Column("total", sa.Float, nullable=False, server_default="0"),
+        sa.Column("buckets", sa.Text, nullable=False, server_default="[]"),
+    )
+
+
+def downgrade() -> None:
+    op.drop_table("ai_job_tallies")
+    op.drop_table("ai_job_usage")
+    with op.batch_alter_table("ai_job_results") as batch:
+        batch.drop_column("completion_tokens")
+        batch.drop_column("prompt_tokens")
+    with op.batch_alter_table("ai_job_gate") as batch:
+        batch.drop_column("turn")
+    op.drop_index("ix_ai_jobs_fair", table_name="ai_jobs")
+    with op.batch_alter_table("ai_jobs") as batch:
+        batch.drop_column("turn")
