@@ -51,6 +51,11 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "deploy_command",
         "Scale-out: register the flows on a process work pool.",
     ),
+    "worker": (
+        "deployments.consumers",
+        "worker_command",
+        "One machine of a work pool: Prefect's worker and a warm consumer.",
+    ),
     "consume": (
         "deployments.consumers",
         "consume_command",

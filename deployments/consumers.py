@@ -1,4 +1,4 @@
-"""Commands that run consumers and flows in this process: `consume`, `drain`, `setup-limit`.
+"""The commands of a machine beside Prefect: `worker`, `consume`, `drain`, `setup-limit`.
 
 Prefect is imported inside the commands, never at module level, so the
 store's verbs start without it.
@@ -10,12 +10,20 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
+from collections.abc import Callable
 
 import click
 
+from deployments import processes, table
 from deployments.prefect_api import api_url
+from deployments.stack import executable
 from queue_store import JobStore, Settings
 from queue_store.cli import fails_cleanly, settings_from
+
+# How often a machine's worker looks for flow runs (Prefect's default is 10 s):
+# a drain that a lost machine's work needs starts within seconds.
+WORKER_QUERY_SECONDS = "2"
 
 
 def _echo(value: object) -> None:
@@ -33,27 +41,19 @@ def _require_prefect(settings: Settings) -> None:
     os.environ.setdefault("PREFECT_SERVER_ALLOW_EPHEMERAL_MODE", "false")
 
 
-@click.command("consume")
-@click.pass_context
-@fails_cleanly
-def consume_command(ctx: click.Context) -> None:
-    """Stand by and run queued jobs until stopped (a warm consumer beside Prefect workers).
-
-    Every attempt goes to the run history of the Prefect server named by
-    PREFECT_API_URL, and holds a `gateway` slot. SIGTERM, SIGINT or SIGHUP stop
-    it: the call in flight is stopped and its job handed back.
-    """
+def _stand_by(settings: Settings, role: str, beside: Callable[[], None] | None = None) -> None:
+    """A warm consumer in this process until SIGTERM, SIGINT or SIGHUP; `beside` runs
+    once it stands by (in a thread of its own, stopped by the caller's own means)."""
     from flows.consumer import worker_name
     from flows.flows import generate
     from flows.guard import PrefectSlotGuard
     from flows.history import PrefectLedger
     from flows.runtime import Runtime
 
-    settings = settings_from(ctx)
     _require_prefect(settings)
     runtime = Runtime.open(settings)
     runtime.redact_logs()
-    worker = worker_name("consumer")
+    worker = worker_name(role)
     ledger = PrefectLedger(worker, runtime.redactor, generate)
     consumer = runtime.consumer(
         standby=True, ledger=ledger, guard=PrefectSlotGuard(), worker=worker
@@ -69,8 +69,59 @@ def consume_command(ctx: click.Context) -> None:
             await ledger.flush(timeout=5.0)
 
     click.echo(f"{worker} standing by; Ctrl-C stops it", err=True)
-    asyncio.run(main())
+    try:
+        if beside is not None:
+            beside()
+        asyncio.run(main())
+    finally:
+        runtime.close()
     click.echo(json.dumps(consumer.summary.as_dict()))
+
+
+@click.command("consume")
+@click.pass_context
+@fails_cleanly
+def consume_command(ctx: click.Context) -> None:
+    """Stand by and run queued jobs until stopped (a warm consumer beside Prefect workers).
+
+    Every attempt goes to the run history of the Prefect server named by
+    PREFECT_API_URL, and holds a `gateway` slot. SIGTERM, SIGINT or SIGHUP stop
+    it: the call in flight is stopped and its job handed back.
+    """
+    _stand_by(settings_from(ctx), "consumer")
+
+
+@click.command("worker")
+@click.option("--pool", default=table.POOL, show_default=True, help="the process work pool")
+@click.option(
+    "--limit", type=click.IntRange(1), default=None, help="flow runs of the pool at once here"
+)
+@click.pass_context
+@fails_cleanly
+def worker_command(ctx: click.Context, pool: str, limit: int | None) -> None:
+    """One machine of a work pool: Prefect's process worker, and a warm consumer beside it.
+
+    The consumer takes a screen's job within a fraction of a second, and the
+    jobs a lost machine left once their lease runs out; the worker runs the
+    pool's flow runs (backfills following their jobs, drains). SIGTERM, SIGINT
+    or SIGHUP stop both: the call in flight is stopped and its job handed
+    back, and the worker stops with its runs.
+    """
+    settings = settings_from(ctx)
+    started: list[subprocess.Popen[bytes]] = []
+
+    def start_worker() -> None:
+        command = [executable("prefect"), "worker", "start", "--pool", pool, "--type", "process"]
+        env = {"PREFECT_WORKER_QUERY_SECONDS": WORKER_QUERY_SECONDS, **os.environ}
+        started.append(
+            processes.start([*command, *(["--limit", str(limit)] if limit else [])], env=env)
+        )
+
+    try:
+        _stand_by(settings, "consumer", beside=start_worker)
+    finally:
+        for process in started:
+            processes.interrupt_group(process)
 
 
 @click.command("drain")

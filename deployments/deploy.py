@@ -23,12 +23,33 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime as dt
 import logging
-from typing import Any
+import uuid
+from typing import TYPE_CHECKING, Any
 
 from deployments import table
+from flows.history import (
+    CONSUMER_ALIVE,
+    CONSUMER_STOPPED,
+    PROJECT_TAG,
+    RUN_HEARTBEAT_SECONDS,
+)
 from flows.limits import ensure_gateway_limit
 from queue_store import Settings
+
+if TYPE_CHECKING:
+    from prefect.automations import Automation
+
+# A run that sent no heartbeat for this long is Crashed: three beats missed.
+CRASH_AFTER_SECONDS = 3 * RUN_HEARTBEAT_SECONDS
+# A run Pending this long was lost while its worker started it.
+PENDING_SECONDS = 120.0
+# A consumer silent this long (it says it is alive every AI_JOB_HEARTBEAT_SECONDS,
+# 5 s by default) is lost: a drain starts, well before its claims' lease runs out.
+CONSUMER_LOST_SECONDS = 30.0
+# State names a run ends in (events are named after the state's name).
+FINAL_STATES = ("Completed", "Failed", "Crashed", "Cancelled", "TimedOut", "Cached")
 
 logger = logging.getLogger(__name__)
 
@@ -67,11 +88,20 @@ def deploy(
     pool: str = table.POOL,
     job_variables: dict[str, Any] | None = None,
 ) -> Deployed:
-    """Register every deployment of the table on the pool; returns their ids."""
+    """Register every deployment of the table on the pool, and the automations that heal it.
+
+    Every flow run on the pool sends heartbeats (`RUN_HEARTBEAT_SECONDS`).
+    Returns the deployments' ids.
+    """
     from flows import flows
 
     ensure_pool(pool)
     ensure_gateway_limit(Settings().concurrency)
+    variables = dict(job_variables or {})
+    variables["env"] = {
+        "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": str(int(RUN_HEARTBEAT_SECONDS)),
+        **variables.get("env", {}),
+    }
     ids: dict[str, str] = {}
     for entry in table.DEPLOYMENTS:
         flow_object = getattr(flows, entry.function)
@@ -87,7 +117,7 @@ def deploy(
             work_queue_name=entry.queue,
             tags=["insight-queue"],
             description=entry.description,
-            job_variables=job_variables or {},
+            job_variables=variables,
             build=False,
             push=False,
             print_next_steps=False,
@@ -95,4 +125,101 @@ def deploy(
         )
         ids[entry.name] = str(deployment_id)
         logger.info("deployed %s to %s/%s", entry.name, pool, entry.queue)
+    ensure_automations(ids[table.DRAIN.name])
     return Deployed(pool, ids)
+
+
+def automations(drain_deployment_id: str) -> list[Automation]:
+    """Prefect automations that end a lost machine's runs and restart its work elsewhere.
+
+    - a run of ours that stops sending heartbeats for `CRASH_AFTER_SECONDS`
+      is marked Crashed (its machine is gone: nothing else would ever end it);
+    - a run stuck Pending for `PENDING_SECONDS` (its worker died starting it)
+      is marked Crashed;
+    - a consumer that stops saying it is alive without saying it stopped
+      makes a `drain` run, which any live machine's worker picks up: the
+      queue never waits for a schedule, whichever machine is lost.
+    """
+    from prefect.automations import Automation
+    from prefect.client.schemas.objects import StateType
+    from prefect.events.actions import ChangeFlowRunState, RunDeployment
+    from prefect.events.schemas.automations import EventTrigger, Posture
+
+    ours = {"prefect.resource.role": "tag", "prefect.resource.id": f"prefect.tag.{PROJECT_TAG}"}
+    ended = {f"prefect.flow-run.{state}" for state in FINAL_STATES}
+
+    def crash(after: str, expect: set[str], within: float, why: str) -> Automation:
+        return Automation(
+            name=f"{PROJECT_TAG}: crash runs {why}",
+            description=f"A run of {PROJECT_TAG} {why} for {within:g} s: its machine is gone.",
+            trigger=EventTrigger(
+                posture=Posture.Proactive,
+                after={after},
+                expect=expect | ended,
+                match={"prefect.resource.id": "prefect.flow-run.*"},
+                match_related=ours,
+                for_each={"prefect.resource.id"},
+                threshold=1,
+                within=dt.timedelta(seconds=within),
+            ),
+            actions=[
+                ChangeFlowRunState(
+                    state=StateType.CRASHED,
+                    message=f"its machine was lost: {why} for {within:g} s",
+                )
+            ],
+        )
+
+    return [
+        crash(
+            "prefect.flow-run.heartbeat",
+            {"prefect.flow-run.heartbeat"},
+            CRASH_AFTER_SECONDS,
+            "that sent no heartbeat",
+        ),
+        crash(
+            "prefect.flow-run.Pending",
+            {"prefect.flow-run.Running"},
+            PENDING_SECONDS,
+            "that stayed pending",
+        ),
+        Automation(
+            name=f"{PROJECT_TAG}: drain when a consumer is lost",
+            description="A consumer stopped saying it is alive: a drain takes its work.",
+            trigger=EventTrigger(
+                posture=Posture.Proactive,
+                after={CONSUMER_ALIVE},
+                expect={CONSUMER_ALIVE, CONSUMER_STOPPED},
+                match={"prefect.resource.id": "insight-queue.consumer.*"},
+                for_each={"prefect.resource.id"},
+                threshold=1,
+                within=dt.timedelta(seconds=CONSUMER_LOST_SECONDS),
+            ),
+            actions=[
+                RunDeployment(
+                    source="selected", deployment_id=uuid.UUID(drain_deployment_id), parameters={}
+                )
+            ],
+        ),
+    ]
+
+
+def ensure_automations(drain_deployment_id: str) -> list[str]:
+    """Create or update the automations by name; idempotent. Returns their ids."""
+    from prefect.automations import Automation
+    from prefect.utilities.asyncutils import run_coro_as_sync
+
+    async def upsert(wanted: Automation) -> str:
+        try:
+            existing = await Automation.aread(name=wanted.name)
+        except ValueError:
+            return str((await wanted.acreate()).id)
+        wanted.id = existing.id
+        await wanted.aupdate()
+        return str(existing.id)
+
+    ids = []
+    for wanted in automations(drain_deployment_id):
+        ids.append(str(run_coro_as_sync(upsert(wanted))))
+        logger.info("automation %r in place", wanted.name)
+    return ids

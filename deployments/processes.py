@@ -97,6 +97,21 @@ def stop_group(process: subprocess.Popen[Any], grace_seconds: float = STOP_GRACE
     _reap_group(process.pid)
 
 
+def interrupt_group(
+    process: subprocess.Popen[Any], grace_seconds: float = STOP_GRACE_SECONDS
+) -> None:
+    """Stop a process that stops on Ctrl-C (SIGINT; again after half the grace), then as
+    `stop_group` does. Prefect's worker stops its runs on SIGINT, not on SIGTERM."""
+    for _ in range(2):
+        if process.poll() is not None:
+            break
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(process.pid, signal.SIGINT)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(grace_seconds / 2)
+    stop_group(process, grace_seconds=5)
+
+
 def _reap_group(pgid: int) -> None:
     """Anything left in the group after its leader ended gets SIGKILL."""
     with contextlib.suppress(ProcessLookupError, PermissionError):

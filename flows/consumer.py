@@ -150,7 +150,7 @@ class Consumer:
         if not self._settings.enabled:
             self.summary.stopped_because = "disabled by AI_JOBS"
             return self.summary
-        presence = asyncio.create_task(self._say_alive()) if self._standby else None
+        presence = asyncio.create_task(self._say_alive())
         self._lanes = [
             asyncio.create_task(self._lane(n), name=f"lane-{n}")
             for n in range(self._settings.concurrency)
@@ -158,11 +158,11 @@ class Consumer:
         try:
             await asyncio.gather(*self._lanes, return_exceptions=True)
         finally:
-            if presence is not None:
-                presence.cancel()
-                await asyncio.gather(presence, return_exceptions=True)
-                with contextlib.suppress(StoreError):
-                    await asyncio.to_thread(self._store.worker_gone, self.worker)
+            presence.cancel()
+            await asyncio.gather(presence, return_exceptions=True)
+            self._runner.ledger.stopped(self.worker)
+            with contextlib.suppress(StoreError):
+                await asyncio.to_thread(self._store.worker_gone, self.worker)
         for lane in self._lanes:
             if not lane.cancelled() and (error := lane.exception()) is not None:
                 raise error
@@ -234,13 +234,12 @@ class Consumer:
                 return None
             if claim.blocked in (Blocked.GAP, Blocked.PAUSED):
                 return min(claim.retry_in or self._settings.poll_seconds, MAX_WAIT_SECONDS)
-            if claim.blocked is Blocked.CONCURRENCY and self._standby:
-                # Another consumer is mid-call; it takes the next job itself.
+            if claim.blocked is Blocked.CONCURRENCY:
+                # Another consumer is mid-call. A drain stays too: that call may
+                # be a dead machine's, whose job only a claim takes back once
+                # its lease runs out. It ends when no job waits and no call runs.
                 return self._settings.poll_seconds
-            if self._standby:
-                return STANDBY_POLL_SECONDS
-            self._finished(str(claim.blocked))
-            return None
+            return STANDBY_POLL_SECONDS
         self._busy[lane] = job.run_name
         try:
             report = await self._runner.run(job, claim_sent)
@@ -306,9 +305,13 @@ class Consumer:
         return None
 
     async def _work_waiting(self) -> bool:
-        """Whether a claim could find something (indexed reads; never a write)."""
+        """Whether a claim could find something (indexed reads; never a write).
+
+        A drain counts every call in flight too, so that it stays until every
+        call is over, its own or anyone's.
+        """
         try:
-            return await asyncio.to_thread(self._store.has_work)
+            return await asyncio.to_thread(self._store.has_work, or_running=not self._standby)
         except StoreError:
             return True  # let the claim find out, and ride out the outage there
 
@@ -318,6 +321,7 @@ class Consumer:
             await asyncio.wait_for(self._stopping.wait(), seconds)
 
     async def _say_alive(self) -> None:
+        """Say, in the store and in the run history, that this consumer is alive and working."""
         while True:
             try:
                 await asyncio.to_thread(
@@ -328,4 +332,5 @@ class Consumer:
                 )
             except StoreError as exc:
                 logger.debug("could not say the consumer is alive: %s", exc)
+            self._runner.ledger.alive(self.worker, self._role)
             await asyncio.sleep(self._settings.heartbeat_seconds)

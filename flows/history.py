@@ -12,6 +12,12 @@ task per consumer, in order: a Prefect server that is slow or down delays or
 drops history, never a generation (the engine would put several API round
 trips, and on the embedded SQLite server "database is locked" retries,
 between the claim and the call).
+
+Every consumer also speaks to Prefect's event system, so that Prefect's own
+automations (created by `insight-queue deploy`) see a machine stop: its open
+generation runs send `prefect.flow-run.heartbeat` like the runs Prefect's
+engine executes, and the consumer sends `insight-queue.consumer.alive` every
+heartbeat and `insight-queue.consumer.stopped` when it stops on purpose.
 """
 
 from __future__ import annotations
@@ -49,8 +55,18 @@ def run_url(ui_url: str | None, run_id: str) -> str:
     return f"{ui_url.rstrip('/')}{path}" if ui_url else path
 
 
+# Every run of ours carries this tag: the automations match on it.
+PROJECT_TAG = "insight-queue"
+CONSUMER_ALIVE = "insight-queue.consumer.alive"
+CONSUMER_STOPPED = "insight-queue.consumer.stopped"
+# How often an open generation run says it is alive: as often as the runs
+# Prefect's engine executes on our deployments (PREFECT_FLOWS_HEARTBEAT_FREQUENCY).
+RUN_HEARTBEAT_SECONDS = 30.0
+
+
 def generation_tags(job: Job) -> list[str]:
     return [
+        PROJECT_TAG,
         "generation",
         f"{TAG_PREFIX_USER}{job.user_id}",
         f"kind:{job.kind}",
@@ -105,6 +121,8 @@ class _PrefectEntry:
         self._run: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
         self._opened = time.time()
         self._logs: list[tuple[float, int, str]] = []
+        self.flow_id: str | None = None  # known once the run is recorded
+        self.beat_at = time.monotonic()
 
     def _log(self, level: int, message: str) -> None:
         self._logs.append((time.time(), level, self._ledger.redact(message)))
@@ -156,9 +174,38 @@ class PrefectLedger:
         # Per job id: the history entry of its last attempt here, for flows
         # that follow jobs (a backfill's table, a screen's story).
         self.runs: dict[str, str] = {}
+        self._open: set[_PrefectEntry] = set()
+
+    def alive(self, worker: str, role: str) -> None:
+        """Say that `worker` is alive, and that each of its open runs is."""
+        _emit(CONSUMER_ALIVE, _consumer(worker, role))
+        now = time.monotonic()
+        for entry in list(self._open):
+            run_id = entry._run.result() if entry._run.done() else None
+            if run_id is not None and now - entry.beat_at >= RUN_HEARTBEAT_SECONDS:
+                entry.beat_at = now
+                _emit(
+                    "prefect.flow-run.heartbeat",
+                    {
+                        "prefect.resource.id": f"prefect.flow-run.{run_id}",
+                        "prefect.resource.name": entry._job.run_name,
+                    },
+                    [
+                        {
+                            "prefect.resource.id": f"prefect.flow.{entry.flow_id}",
+                            "prefect.resource.role": "flow",
+                            "prefect.resource.name": self._flow.name,
+                        },
+                        *_tags(generation_tags(entry._job)),
+                    ],
+                )
+
+    def stopped(self, worker: str) -> None:
+        _emit(CONSUMER_STOPPED, _consumer(worker, ""))
 
     def open(self, job: Job) -> LedgerEntry:
         entry = _PrefectEntry(self, job)
+        self._open.add(entry)
         claimed = job.claimed_at or dt.datetime.now(dt.UTC)
 
         async def create(client: PrefectClient) -> None:
@@ -187,16 +234,18 @@ class PrefectLedger:
                 entry._run.set_result(None)
                 raise
             self.runs[job.id] = str(run.id)
+            entry.flow_id = str(run.flow_id)
             entry._run.set_result(str(run.id))
+            if job.attempts > 1 or job.flow_run_id:
+                await _close_earlier_attempts(client, job, run.id, self._flow.name)
 
         self._writer.submit(create)
-        if job.flow_run_id:
-            self._writer.submit(_crash_if_running(job.flow_run_id))
         return entry
 
     def _close(self, entry: _PrefectEntry, report: Report) -> None:
         from flows.ledger import Outcome
 
+        self._open.discard(entry)
         logs = list(entry._logs)
         name = entry._job.run_name
         if report.outcome is Outcome.DONE:
@@ -247,21 +296,67 @@ class PrefectLedger:
         await self._writer.flush(timeout)
 
 
-def _crash_if_running(run_id: str) -> Callable[[PrefectClient], Awaitable[None]]:
-    """The previous attempt's run, if its worker never ended it: it died, say so."""
+async def _close_earlier_attempts(
+    client: PrefectClient, job: Job, current: uuid.UUID, flow_name: str
+) -> None:
+    """Earlier attempts of this job whose worker never ended their run: it died, say so.
 
-    async def crash(client: PrefectClient) -> None:
-        from prefect.states import Crashed
+    Found by their record (the flow, the run's name, the user's tag, a state
+    that is not final), not by the id the dying worker may not have written.
+    """
+    from prefect.client.schemas.filters import (
+        FlowFilter,
+        FlowFilterName,
+        FlowRunFilter,
+        FlowRunFilterName,
+        FlowRunFilterState,
+        FlowRunFilterStateType,
+        FlowRunFilterTags,
+    )
+    from prefect.client.schemas.objects import StateType
+    from prefect.states import Crashed
 
-        run = await client.read_flow_run(uuid.UUID(run_id))
-        if run.state is not None and not run.state.is_final():
-            await client.set_flow_run_state(
-                run.id,
-                Crashed(message="its worker stopped renewing the claim; the job was taken over"),
-                force=True,
-            )
+    runs = await client.read_flow_runs(
+        flow_filter=FlowFilter(name=FlowFilterName(any_=[flow_name])),
+        flow_run_filter=FlowRunFilter(
+            name=FlowRunFilterName(any_=[job.run_name]),
+            tags=FlowRunFilterTags(all_=[PROJECT_TAG, f"{TAG_PREFIX_USER}{job.user_id}"]),
+            state=FlowRunFilterState(
+                type=FlowRunFilterStateType(any_=[StateType.RUNNING, StateType.PENDING])
+            ),
+        ),
+        limit=20,
+    )
+    for run in runs:
+        if run.id != current:
+            message = "its worker stopped while this attempt was in flight; the job was taken over"
+            await client.set_flow_run_state(run.id, Crashed(message=message), force=True)
 
-    return crash
+
+def _tags(tags: list[str]) -> list[dict[str, str]]:
+    return [
+        {"prefect.resource.id": f"prefect.tag.{t}", "prefect.resource.role": "tag"} for t in tags
+    ]
+
+
+def _consumer(worker: str, role: str) -> dict[str, str]:
+    return {
+        "prefect.resource.id": f"insight-queue.consumer.{worker}",
+        "prefect.resource.name": worker,
+        **({"insight-queue.role": role} if role else {}),
+    }
+
+
+def _emit(
+    event: str, resource: dict[str, str], related: list[dict[str, str]] | None = None
+) -> None:
+    """Send an event to Prefect (queued, never blocking); a failure is logged, not raised."""
+    from prefect.events import emit_event
+
+    try:
+        emit_event(event=event, resource=resource, related=related or _tags([PROJECT_TAG]))
+    except Exception as exc:  # noqa: BLE001 - events never break a generation
+        logger.debug("event %s not sent: %s", event, exc)
 
 
 def _done_message(report: Report) -> str:

@@ -71,6 +71,12 @@ class Ledger(Protocol):
     def open(self, job: Job) -> LedgerEntry:
         """Start the entry for a job just claimed (never blocks)."""
 
+    def alive(self, worker: str, role: str) -> None:
+        """The consumer `worker` is alive (said every heartbeat; never blocks)."""
+
+    def stopped(self, worker: str) -> None:
+        """The consumer `worker` stops, on purpose (never blocks)."""
+
 
 class _NullEntry:
     def call_started(self, at: float) -> None:
@@ -91,3 +97,9 @@ class NullLedger:
 
     def open(self, job: Job) -> LedgerEntry:
         return _NullEntry()
+
+    def alive(self, worker: str, role: str) -> None:
+        return None
+
+    def stopped(self, worker: str) -> None:
+        return None

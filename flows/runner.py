@@ -212,7 +212,7 @@ class JobRunner:
         self._settings = settings
         self._registry = registry
         self._client = client
-        self._ledger = ledger or NullLedger()
+        self.ledger = ledger or NullLedger()
         self._redact = redactor or Redactor.for_settings(settings)
 
     async def run(self, job: Job, claim_sent: float) -> Report:
@@ -224,7 +224,7 @@ class JobRunner:
         back without spending its attempt, and re-raises the cancellation.
         """
         started = time.monotonic()
-        entry = self._ledger.open(job)
+        entry = self.ledger.open(job)
         noted = asyncio.create_task(self._note_run(job, entry))
         keeper = LeaseKeeper(self._store, job, self._settings, claim_sent)
         phase = "build"

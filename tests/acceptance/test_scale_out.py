@@ -17,7 +17,6 @@ which says how many calls were open at once, whatever ran them.
 from __future__ import annotations
 
 import json
-import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
 from functools import partial
@@ -26,16 +25,13 @@ from typing import Any
 
 import httpx
 import pytest
-from sqlalchemy import create_engine, text
-from sqlalchemy.engine import make_url
 
-from deployments.processes import free_port
 from devtools.simulator import HUNG, OK
 from flows.consumer import standing_by
 from flows.demo import demo_scopes
 from queue_store import JobStore
 from tests.support import waiting
-from tests.support.databases import POSTGRES_URL, PostgresDatabases
+from tests.support.databases import PostgresDatabases
 from tests.support.faults import Gateway
 from tests.support.services import BIN, ROOT, PrefectServer, cli, client_env, run_cli, running
 from tests.support.settings import settings_from
@@ -44,36 +40,6 @@ pytestmark = [pytest.mark.prefect, pytest.mark.slow, pytest.mark.postgres]
 
 GAP = 0.2
 DEADLINE = 240.0  # seconds for the queue to drain through the pool
-
-
-@pytest.fixture(scope="module")
-def pg_prefect(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrefectServer]:
-    """A Prefect server on a PostgreSQL database of its own, dropped afterwards."""
-    if not POSTGRES_URL:
-        pytest.skip("AI_JOB_TEST_POSTGRES_URL is not set")
-    name = f"iq_prefect_{uuid.uuid4().hex[:8]}"
-    admin = create_engine(
-        POSTGRES_URL.replace("postgresql://", "postgresql+psycopg://", 1),
-        isolation_level="AUTOCOMMIT",
-    )
-    with admin.connect() as connection:
-        connection.execute(text(f"CREATE DATABASE {name}"))
-    url = make_url(POSTGRES_URL).set(drivername="postgresql+asyncpg", database=name)
-    server = PrefectServer(
-        tmp_path_factory.mktemp("prefect-pg"),
-        free_port(),
-        ui=False,
-        database_url=url.render_as_string(hide_password=False),
-        reuse=False,
-    )
-    try:
-        server.start()
-        yield server
-    finally:
-        server.stop()
-        with admin.connect() as connection:
-            connection.execute(text(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
-        admin.dispose()
 
 
 @pytest.fixture

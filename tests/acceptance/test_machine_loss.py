@@ -1,0 +1,273 @@
+"""Losing a machine of a work pool: the queue heals, and the lost machine's runs end.
+
+Two machines on one host, each with its own working directory, PREFECT_HOME
+and data directory; Prefect's server and the store on PostgreSQL; the gateway
+is the simulator behind the independent recorder. Each machine is what the
+README's recipe runs (`insight-queue worker`: Prefect's process worker and a
+warm consumer), or, workers only, `prefect worker start` alone. Backfills for
+three users and a screen go in; while a call is in flight, every process of
+the machine making it gets SIGKILL (Prefect starts flow runs in sessions of
+their own: the machine's processes are its process tree).
+
+At the recorder: every job is done, never more than one call at once, and no
+job called twice but the one whose call was cut. In Prefect: no run of ours is
+left Running or Pending once the automations `deploy` created had time to
+see the machine gone. The healing time (kill to the next call) and a screen's
+pickup on an idle gateway are printed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import time
+from collections import Counter
+from collections.abc import Iterator
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from deployments import processes
+from deployments.deploy import CRASH_AFTER_SECONDS
+from deployments.triggers import Triggers
+from devtools.recorder import RecorderSnapshot
+from flows.consumer import standing_by
+from flows.demo import demo_scopes
+from queue_store import JobStore
+from tests.support import waiting
+from tests.support.databases import PostgresDatabases
+from tests.support.faults import Gateway
+from tests.support.services import BIN, ROOT, PrefectServer, client_env, run_cli
+from tests.support.settings import settings_from
+
+pytestmark = [pytest.mark.prefect, pytest.mark.slow, pytest.mark.postgres]
+
+GAP = 0.3
+CALL_SECONDS = 1.5  # each call at the gateway: long enough to be cut mid-way
+LEASE = 10.0
+DEADLINE = 300.0  # seconds for every job to be done after the kill
+# After the kill, a lost run is Crashed once it missed its heartbeats for
+# CRASH_AFTER_SECONDS, within the automations' evaluation (every 5 s).
+RUNS_END_SECONDS = CRASH_AFTER_SECONDS + 60.0
+
+wait_for = partial(waiting.wait_for, every=0.5)
+
+
+class Machine:
+    """One machine of the pool: its processes, started in a directory of its own."""
+
+    def __init__(self, name: str, command: list[str], env: dict[str, str], root: Path) -> None:
+        self.name = name
+        self.home = root / name
+        self.home.mkdir()
+        self.log = self.home / "machine.log"
+        self.env = {
+            **os.environ,
+            **env,
+            "PREFECT_HOME": str(self.home / "prefect"),
+            "AI_JOB_DATA_DIR": str(self.home / "data"),
+        }
+        self.process = processes.start(command, env=self.env, log=self.log, cwd=self.home)
+
+    def family(self) -> set[int]:
+        """Every process of this machine: its first, and all it started, whatever the session."""
+        found = {self.process.pid}
+        while True:
+            more = {pid for pid, parent, _ in processes._processes() if parent in found}
+            if more <= found:
+                return found
+            found |= more
+
+    def kill(self) -> set[int]:
+        """SIGKILL to every process of the machine at once, as a power cut would."""
+        family = self.family()
+        for pid in family:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        self.process.wait(10)
+        return family
+
+    def stop(self) -> None:
+        """Stop what is left of it: its first process, and by their PIDs the others."""
+        left = self.family() if self.process.poll() is None else set()
+        processes.interrupt_group(self.process)
+        for pid in left - {self.process.pid}:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture
+def store_url(postgres: PostgresDatabases) -> Iterator[str]:
+    url = postgres.migrated()
+    try:
+        yield url
+    finally:
+        postgres.drop(url)
+
+
+def pool_env(server: PrefectServer, store_url: str, gateway: Gateway, home: Path) -> dict[str, str]:
+    """What every machine is given: the same Prefect server and AI_JOB_* settings."""
+    return {
+        **client_env(server.api_url, home / "deployer"),
+        "AI_JOB_DATABASE_URL": store_url,
+        "AI_GATEWAY_URL": gateway.url,
+        "AI_JOB_GAP_SECONDS": str(GAP),
+        "AI_JOB_HEARTBEAT_SECONDS": "1",
+        "AI_JOB_LEASE_SECONDS": str(LEASE),
+        "AI_JOB_POLL_SECONDS": "0.5",
+        "AI_JOB_PLUGINS": "flows.demo",
+        "PREFECT_LOGGING_LEVEL": "WARNING",
+    }
+
+
+def flow_runs(api_url: str) -> list[dict[str, Any]]:
+    """Every run of ours (tagged insight-queue)."""
+    body = {"limit": 200, "flow_runs": {"tags": {"all_": ["insight-queue"]}}}
+    response = httpx.post(f"{api_url}/flow_runs/filter", json=body, timeout=10)
+    response.raise_for_status()
+    found: list[dict[str, Any]] = response.json()
+    return found
+
+
+def open_runs(api_url: str) -> list[str]:
+    return [
+        f"{r['name']} {r['state']['type']}"
+        for r in flow_runs(api_url)
+        if r["state"]["type"] in ("RUNNING", "PENDING")
+    ]
+
+
+def calls(gateway: Gateway) -> Counter[str]:
+    return Counter(r.job or "" for r in gateway.simulator.stats().requests)
+
+
+def holder_pid(store: JobStore) -> int | None:
+    """The process whose claim is in flight: the pid in its worker name (role@host:pid:nonce)."""
+    view = store.queue_view(1)
+    for entry in view.running:
+        worker = entry.job.worker or ""
+        try:
+            return int(worker.split(":")[1])
+        except (IndexError, ValueError):
+            return None
+    return None
+
+
+def first_call_after(snapshot_at: float, gateway: Gateway) -> float | None:
+    assert gateway.recorder is not None
+    opened = [i.opened for i in gateway.recorder.intervals() if i.opened > snapshot_at]
+    return min(opened, default=None)
+
+
+@pytest.mark.parametrize("recipe", ["worker-and-consumer", "workers-only"])
+def test_a_machine_killed_mid_call_stalls_nothing_and_leaves_no_run_open(
+    pg_prefect: PrefectServer, store_url: str, tmp_path: Path, recipe: str
+) -> None:
+    with Gateway(latency=CALL_SECONDS) as gateway:
+        env = pool_env(pg_prefect, store_url, gateway, tmp_path)
+        run_cli("deploy", "--source", str(ROOT), env=env, timeout=300)
+        if recipe == "workers-only":
+            command = [str(BIN / "prefect"), "worker", "start", "--pool", "insight-queue"]
+            env["PREFECT_WORKER_QUERY_SECONDS"] = "2"
+        else:
+            command = [str(BIN / "insight-queue"), "worker", "--pool", "insight-queue"]
+        machines = [Machine(name, command, env, tmp_path) for name in ("a", "b")]
+        try:
+            with JobStore(store_url, settings=settings_from(env)) as store:
+                _lose_a_machine(pg_prefect, store, gateway, env, machines, recipe)
+        finally:
+            for machine in machines:
+                machine.stop()
+
+
+def _lose_a_machine(
+    server: PrefectServer,
+    store: JobStore,
+    gateway: Gateway,
+    env: dict[str, str],
+    machines: list[Machine],
+    recipe: str,
+) -> None:
+    assert gateway.recorder is not None
+    logs = " ".join(str(m.log) for m in machines)
+    pickup: float | None = None
+    first = demo_scopes("first-screen")[0]
+    if recipe == "worker-and-consumer":
+        wait_for(lambda: len(standing_by(store)) == 2, 120, "both consumers standing by")
+        # A screen on an idle gateway: how soon its call starts.
+        with Triggers.open(settings_from(env), prefect_url=server.api_url) as triggers:
+            asked = time.monotonic()
+            state = triggers.request_insight("first-screen", first.kind, first.subject)
+        assert state.status == "pending" and state.flow_run_id is None, state
+        gateway.recorder.wait_until(lambda s: s.count >= 1, 60, "the screen's call")
+        pickup = min(i.opened for i in gateway.recorder.intervals()) - asked
+        gateway.recorder.wait_until_idle(60)
+
+    users = ("ann", "ben", "cid")
+    for user in users:
+        hook = json.loads(run_cli("trigger-backfill", user, env=env).stdout)
+        assert hook["flow_run_id"] and hook["error"] is None, hook
+    screen = demo_scopes("ben")[-1]
+    run_cli("request-insight", "ben", screen.kind, screen.subject, env=env)
+    keys = [(u, s.kind, s.subject) for u in users for s in demo_scopes(u)]
+
+    # Once three calls were made, kill the machine making the fourth, mid-call.
+    gateway.recorder.wait_until(lambda s: s.count >= 3, 240, f"three calls (logs: {logs})")
+    pid: int | None = None
+
+    def in_flight_on_a_machine() -> bool:
+        nonlocal pid
+        pid = holder_pid(store)
+        snapshot: RecorderSnapshot = gateway.snapshot()
+        return pid is not None and snapshot.in_flight == 1
+
+    wait_for(in_flight_on_a_machine, 120, "a call in flight")
+    lost = next(m for m in machines if pid in m.family())
+    cut = next(r.job for r in gateway.simulator.stats().requests if r.ended is None)
+    killed_at = time.monotonic()
+    killed = lost.kill()
+    print(f"\nkilled machine {lost.name} ({len(killed)} processes) in the call of {cut}")
+
+    def every_job_done() -> bool:
+        jobs = [store.job(*key) for key in keys]
+        return all(j is not None and j.status == "done" for j in jobs)
+
+    wait_for(every_job_done, DEADLINE, f"every job done (logs: {logs})")
+    healed = first_call_after(killed_at, gateway)
+    healing = None if healed is None else healed - killed_at
+
+    # No run of ours stays Running or Pending once the lost machine's missed
+    # heartbeats were seen; the live machine's runs end by themselves.
+    wait_for(
+        lambda: not open_runs(server.api_url),
+        max(RUNS_END_SECONDS - (time.monotonic() - killed_at), 10) + 60,
+        "no run left open",
+    )
+
+    seen = gateway.assert_kept(concurrency=1, gap=GAP)
+    assert seen.peak_in_flight == 1
+    # Calls are labelled kind:subject, which users share: count them per label.
+    expected = Counter(f"{kind}:{subject}" for _, kind, subject in keys)
+    if pickup is not None:
+        expected[f"{first.kind}:{first.subject}"] += 1
+    made = calls(gateway)
+    again = made - expected
+    assert not expected - made, ("jobs never called", expected - made)
+    assert set(again) <= {cut} and again[cut or ""] <= 1, ("called again", again, cut)
+    crashed = [
+        f"{r['name']}: {r['state']['message']}"
+        for r in flow_runs(server.api_url)
+        if r["state"]["type"] == "CRASHED"
+    ]
+    assert healing is not None
+    shown_pickup = "-" if pickup is None else f"{pickup:.2f} s"
+    print(
+        f"FIGURES machine loss ({recipe}): healing {healing:.1f} s (kill to the next call; "
+        f"lease {LEASE:g} s), pickup of a screen on an idle gateway {shown_pickup}; "
+        f"crashed runs: {crashed}"
+    )
