@@ -56,7 +56,10 @@ def _stand_by(settings: Settings, role: str, beside: Callable[[], None] | None =
     worker = worker_name(role)
     ledger = PrefectLedger(worker, runtime.redactor, generate)
     consumer = runtime.consumer(
-        standby=True, ledger=ledger, guard=PrefectSlotGuard(), worker=worker
+        standby=True,
+        ledger=ledger,
+        guard=PrefectSlotGuard.for_settings(settings),
+        worker=worker,
     )
 
     async def main() -> None:

@@ -286,7 +286,7 @@ def serve(settings: Settings, options: ServeOptions) -> None:
                 consumer = runtime.consumer(
                     standby=True,
                     ledger=ledger,
-                    guard=PrefectSlotGuard(on_change=record_leases),
+                    guard=PrefectSlotGuard.for_settings(settings, on_change=record_leases),
                     worker=worker,
                     hold_slot_when_idle=options.hold_slot_when_idle,
                 )

@@ -99,7 +99,12 @@ async def _consuming(rt: Runtime, *, role: str) -> AsyncIterator[Consumer | None
         return
     worker = worker_name(role)
     ledger = PrefectLedger(worker, rt.redactor, generate, parent_flow_run_id=flow_run.get_id())
-    consumer = rt.consumer(role=role, ledger=ledger, guard=PrefectSlotGuard(), worker=worker)
+    consumer = rt.consumer(
+        role=role,
+        ledger=ledger,
+        guard=PrefectSlotGuard.for_settings(rt.settings),
+        worker=worker,
+    )
     with _stop_on_signals(consumer):
         yield consumer
     await ledger.flush()
@@ -242,7 +247,11 @@ async def _drain(rt: Runtime, max_jobs: int | None) -> dict[str, Any]:
     worker = worker_name("drain")
     ledger = PrefectLedger(worker, rt.redactor, generate, parent_flow_run_id=flow_run.get_id())
     consumer = rt.consumer(
-        role="drain", max_jobs=max_jobs, ledger=ledger, guard=PrefectSlotGuard(), worker=worker
+        role="drain",
+        max_jobs=max_jobs,
+        ledger=ledger,
+        guard=PrefectSlotGuard.for_settings(rt.settings),
+        worker=worker,
     )
     with _stop_on_signals(consumer):
         summary = await consumer.run()

@@ -24,11 +24,15 @@ from typing import Protocol
 
 import httpx
 
+from queue_store import Settings
+
 logger = logging.getLogger(__name__)
 
 GATEWAY_TAG = "gateway"
-# Seconds the gateway slot's lease lasts without renewal; Prefect renews it
-# while held, and frees it this long after a holder died.
+# Seconds the gateway slot's lease lasts without renewal: Prefect renews it
+# while held, and frees it this long after a holder died. Consumers use
+# AI_JOB_LEASE_SECONDS, so a lost machine's slot frees when its claim does,
+# but never less than Prefect's shortest lease.
 SLOT_LEASE_SECONDS = 60.0
 # Renewals per lease: a missed one or two still leave the lease alive.
 SLOT_RENEWALS_PER_LEASE = 4
@@ -83,6 +87,13 @@ class PrefectSlotGuard:
                 self._on_change(frozenset(self.lease_ids))
             except Exception as exc:  # noqa: BLE001 - bookkeeping never blocks a call
                 logger.warning("could not record the gateway slot leases: %s", exc)
+
+    @classmethod
+    def for_settings(
+        cls, settings: Settings, on_change: Callable[[frozenset[str]], None] | None = None
+    ) -> PrefectSlotGuard:
+        lease = max(settings.lease_seconds, SLOT_LEASE_SECONDS)
+        return cls(lease_seconds=lease, on_change=on_change)
 
     @contextlib.asynccontextmanager
     async def slot(self) -> AsyncIterator[Held]:
