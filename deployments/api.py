@@ -39,12 +39,13 @@ from fastapi import APIRouter, Depends, FastAPI, Header, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.staticfiles import StaticFiles
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, SecretStr
 from starlette.exceptions import HTTPException
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from deployments import prefect_api, queue_page
+from deployments import metrics, prefect_api, queue_page
 from deployments.triggers import InsightState, Triggers
 from queue_store import InvalidArgument, Settings, SettingsError, Status, StoreError
 from queue_store.cli import fails_cleanly, settings_from
@@ -207,6 +208,17 @@ async def operator(request: Request) -> None:
 async def page_operator(request: Request) -> None:
     """The page: the bearer token, or Basic credentials a browser remembers."""
     _access(request).require(request, basic=True)
+
+
+async def scraper(request: Request) -> None:
+    """/metrics: the operator's token where one is set, else any caller on this machine."""
+    access = _access(request)
+    if not access.configured:
+        client = request.client.host if request.client else ""
+        if not is_loopback(client):
+            raise Refused(403, "metrics are served to loopback only: set AI_API_TOKEN")
+        return
+    access.require(request)
 
 
 async def same_site(request: Request) -> None:
@@ -552,6 +564,13 @@ def create_app(
         pending = await run_in_threadpool(store.pending_count, user)
         answer = {"user_id": user, "retried": retried, "pending": pending}
         return JSONResponse(answer, headers=NO_STORE)
+
+    scraped = metrics.registry_for(store)
+
+    @app.get("/metrics", dependencies=[Depends(scraper)])
+    async def metrics_route() -> Response:
+        body = await run_in_threadpool(generate_latest, scraped)
+        return Response(body, media_type=CONTENT_TYPE_LATEST, headers=NO_STORE)
 
     @app.get("/queue", dependencies=[Depends(page_operator)])
     async def page(

@@ -42,7 +42,7 @@ from typing import Any, ClassVar
 
 import httpx
 
-from queue_store import Failure, Redactor, Settings
+from queue_store import Failure, Redactor, Settings, Usage
 from queue_store.errors import SettingsError
 
 logger = logging.getLogger(__name__)
@@ -164,6 +164,19 @@ class Completion:
     elapsed_seconds: float
     size_bytes: int = 0
     status: int = 200
+
+    @property
+    def usage(self) -> Usage | None:
+        """The tokens the answer says it used (OpenAI's `usage`); None if it does not say."""
+        found = self.raw.get("usage")
+        if not isinstance(found, dict):
+            return None
+        prompt, completion = found.get("prompt_tokens"), found.get("completion_tokens")
+        if type(prompt) is not int or type(completion) is not int:  # bool and float are not
+            return None
+        if not (0 <= prompt < 2**53 and 0 <= completion < 2**53):
+            return None
+        return Usage(prompt, completion)
 
 
 def parse_retry_after(headers: Mapping[str, str], now: float | None = None) -> float | None:

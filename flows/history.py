@@ -365,7 +365,14 @@ def _done_message(report: Report) -> str:
     job = report.job
     if job.requested_at is not None:
         waited = f"; the screen waited {max(0.0, time.time() - job.requested_at.timestamp()):.0f} s"
-    return f"generated{call} (attempt {job.attempts}){waited}"
+    return f"generated{call} (attempt {job.attempts}, {_tokens(report)}){waited}"
+
+
+def _tokens(report: Report) -> str:
+    used = report.usage
+    if used is None:
+        return "tokens unknown"
+    return f"{used.prompt_tokens + used.completion_tokens:,} tokens"
 
 
 def _failed_message(report: Report) -> str:
@@ -377,4 +384,5 @@ def _failed_message(report: Report) -> str:
         "lost": "claim taken over",
         "unrecorded": "outcome not recorded",
     }.get(str(report.outcome), str(report.outcome))
-    return f"{what}: {first}"[:500]
+    spent = f" ({_tokens(report)})" if report.answered else ""
+    return f"{what}{spent}: {first}"[:500]

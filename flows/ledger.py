@@ -15,7 +15,7 @@ import dataclasses
 import enum
 from typing import Protocol
 
-from queue_store import Failure, Job, Settlement
+from queue_store import Failure, Job, Settlement, Usage
 
 
 class Outcome(enum.StrEnum):
@@ -41,6 +41,8 @@ class Report:
     call_seconds: float | None = None
     seconds: float = 0.0  # from the claim to the recorded outcome
     flow_run_id: str | None = None
+    answered: bool = False  # the gateway's answer came (it may have cost tokens)
+    usage: Usage | None = None  # the tokens it said it used; None: unknown
 
     @property
     def pause_seconds(self) -> float | None:

@@ -27,9 +27,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from types import TracebackType
 from typing import Any, Self
 
@@ -48,6 +49,7 @@ from queue_store import (
     Settlement,
     Status,
     StoreError,
+    Usage,
 )
 
 logger = logging.getLogger(__name__)
@@ -222,177 +224,153 @@ class JobRunner:
         requested: the lease's first deadline counts from it. Cancelling the
         task that awaits this (a graceful stop) stops the call, hands the job
         back without spending its attempt, and re-raises the cancellation.
+        Once an outcome is in hand, recording it runs to its end whatever
+        arrives meanwhile.
         """
-        started = time.monotonic()
-        entry = self.ledger.open(job)
-        noted = asyncio.create_task(self._note_run(job, entry))
+        attempt = _Attempt(job, self.ledger.open(job))
+        noted = asyncio.create_task(self._note_run(attempt))
         keeper = LeaseKeeper(self._store, job, self._settings, claim_sent)
-        phase = "build"
-        call_started: float | None = None
-        call_clock: float | None = None
-        answer: Completion | None = None
+        recording: Coroutine[Any, Any, Report]
         try:
-            async with keeper:
-                try:
-                    async with keeper.scope():
-                        generator = self._registry.generator_for(job.kind)
-                        messages = await asyncio.to_thread(
-                            generator.build, job.user_id, job.subject
-                        )
-                        await keeper.confirm()
-                        phase = "call"
-                        call_started, call_clock = time.time(), time.monotonic()
-                        entry.call_started(call_started)
-                        timeout = keeper.hard_deadline - asyncio.get_running_loop().time()
-                        answer = await self._client.complete(
-                            messages, job=job.run_name, timeout=timeout, **generator.options
-                        )
-                        phase = "parse"
-                        entry.note(
-                            f"the gateway answered in {answer.elapsed_seconds:.1f} s "
-                            f"({answer.size_bytes:,} bytes)"
-                        )
-                        result = await asyncio.to_thread(generator.parse, answer)
-                except TimeoutError:
-                    if not keeper.ended():
-                        raise
-                    raise LeaseEnded("the attempt's deadline passed") from None
+            result = await self._attempt(attempt, keeper)
         except asyncio.CancelledError:
-            report = await self._settle(
-                job,
-                entry,
-                Failure.STOPPED,
-                "stopped: the consumer is shutting down; the job was handed back",
-                started,
-                call_started,
-                call_clock,
-            )
-            noted.cancel()
-            entry.close(report)
+            stopped = "stopped: the consumer is shutting down; the job was handed back"
+            await self._close(attempt, noted, self._settle(attempt, Failure.STOPPED, stopped))
             raise
         except LeaseEnded as ended:
-            failure, message = keeper.why_ended(phase, started)
-            if failure is None:
-                report = self._report(job, Outcome.LOST, message, started, call_started, call_clock)
-            else:
-                report = await self._settle(
-                    job, entry, failure, message, started, call_started, call_clock
-                )
-            logger.warning("%s: %s (%s)", job.run_name, report.message, ended)
+            recording = self._lease_ended(attempt, keeper, ended)
         except GatewayError as exc:
             retry_after = exc.retry_after if isinstance(exc, GatewayRateLimited) else None
             if retry_after is not None:
                 # The store pauses at most this long (G1) and refuses absurd waits.
                 retry_after = min(retry_after, self._settings.backoff_max_seconds)
-            report = await self._settle(
-                job, entry, exc.failure, str(exc), started, call_started, call_clock, retry_after
-            )
+            recording = self._settle(attempt, exc.failure, str(exc), retry_after)
         except Exception as exc:  # noqa: BLE001 - a bad generator fails its job only
-            failure = Failure.BUILD if phase == "build" else Failure.PARSE
-            where = "building the prompt" if phase == "build" else "parsing the answer"
+            building = attempt.phase == "build"
+            failure = Failure.BUILD if building else Failure.PARSE
+            where = "building the prompt" if building else "parsing the answer"
             message = f"generator {job.kind!r} failed {where}: {type(exc).__name__}: {exc}"
-            report = await self._settle(
-                job, entry, failure, message, started, call_started, call_clock
-            )
+            recording = self._settle(attempt, failure, message)
         else:
-            report = await self._finish(
-                job, entry, result, answer, started, call_started, call_clock
-            )
-        noted.cancel()
-        entry.close(report)
+            recording = self._finish(attempt, result)
+        return await self._close(attempt, noted, recording)
+
+    async def _attempt(self, attempt: _Attempt, keeper: LeaseKeeper) -> Any:
+        """Build the prompt, call, parse, all inside the lease's scope; returns the result."""
+        job, entry = attempt.job, attempt.entry
+        async with keeper:
+            try:
+                async with keeper.scope():
+                    generator = self._registry.generator_for(job.kind)
+                    messages = await asyncio.to_thread(generator.build, job.user_id, job.subject)
+                    await keeper.confirm()
+                    attempt.phase = "call"
+                    attempt.call_started, attempt.call_clock = time.time(), time.monotonic()
+                    entry.call_started(attempt.call_started)
+                    timeout = keeper.hard_deadline - asyncio.get_running_loop().time()
+                    answer = await self._client.complete(
+                        messages, job=job.run_name, timeout=timeout, **generator.options
+                    )
+                    attempt.phase, attempt.answer = "parse", answer
+                    entry.note(
+                        f"the gateway answered in {answer.elapsed_seconds:.1f} s "
+                        f"({answer.size_bytes:,} bytes; {_tokens(answer.usage)})"
+                    )
+                    return await asyncio.to_thread(generator.parse, answer)
+            except TimeoutError:
+                if not keeper.ended():
+                    raise
+                raise LeaseEnded("the attempt's deadline passed") from None
+
+    async def _lease_ended(
+        self, attempt: _Attempt, keeper: LeaseKeeper, ended: LeaseEnded
+    ) -> Report:
+        failure, message = keeper.why_ended(attempt.phase, attempt.started)
+        if failure is None:
+            report = self._report(attempt, Outcome.LOST, message)
+        else:
+            report = await self._settle(attempt, failure, message)
+        logger.warning("%s: %s (%s)", attempt.job.run_name, report.message, ended)
         return report
 
-    async def _note_run(self, job: Job, entry: LedgerEntry) -> None:
+    async def _close(
+        self,
+        attempt: _Attempt,
+        noted: asyncio.Task[None],
+        recording: Coroutine[Any, Any, Report],
+    ) -> Report:
+        """Record the outcome to its end, even through a stop; then close the history entry."""
+        task = asyncio.ensure_future(recording)
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            await asyncio.gather(task, return_exceptions=True)
+            if not task.cancelled() and task.exception() is None:
+                attempt.entry.close(task.result())
+            noted.cancel()
+            raise
+        noted.cancel()
+        report = task.result()
+        attempt.entry.close(report)
+        return report
+
+    async def _note_run(self, attempt: _Attempt) -> None:
         """Once the attempt's history entry exists, the job row points at it (N4)."""
-        run_id = await entry.run_id()
+        run_id = await attempt.entry.run_id()
         if run_id is None:
             return
+        job = attempt.job
         with contextlib.suppress(StoreError):
             await asyncio.to_thread(self._store.set_flow_run, job.id, job.holder or "", run_id)
 
-    async def _finish(
-        self,
-        job: Job,
-        entry: LedgerEntry,
-        result: Any,
-        answer: Completion | None,
-        started: float,
-        call_started: float | None,
-        call_clock: float | None,
-    ) -> Report:
-        run_id = await entry.run_id()
-        duration = answer.elapsed_seconds if answer else None
+    async def _finish(self, attempt: _Attempt, result: Any) -> Report:
+        job, answer = attempt.job, attempt.answer
+        run_id = await attempt.entry.run_id()
 
         def write() -> Status:
             return self._store.finish(
                 job.id,
                 job.holder or "",
                 result=result,
-                duration_seconds=duration,
+                duration_seconds=answer.elapsed_seconds if answer else None,
                 flow_run_id=run_id,
+                usage=answer.usage if answer else None,
             )
 
         try:
             status = await self._record(job, write)
         except ClaimLost:
-            return self._report(
-                job,
-                Outcome.LOST,
-                "the claim was taken over before the result was recorded",
-                started,
-                call_started,
-                call_clock,
-            )
-        except InvalidArgument as exc:  # too large, or not JSON: this result never fits
-            return await self._settle(
-                job,
-                entry,
-                Failure.PARSE,
-                f"the result could not be stored: {exc}",
-                started,
-                call_started,
-                call_clock,
-            )
+            taken = "the claim was taken over before the result was recorded"
+            return self._report(attempt, Outcome.LOST, taken)
         except StoreError as exc:
-            return self._report(
-                job,
-                Outcome.UNRECORDED,
-                f"the result could not be recorded: {exc}",
-                started,
-                call_started,
-                call_clock,
+            if not isinstance(exc, InvalidArgument):
+                unrecorded = f"the result could not be recorded: {exc}"
+                return self._report(attempt, Outcome.UNRECORDED, unrecorded)
+            # Too large, or not JSON: this result never fits.
+            return await self._settle(
+                attempt, Failure.PARSE, f"the result could not be stored: {exc}"
             )
         except Exception as exc:  # noqa: BLE001 - an unstorable result fails its job only
             return await self._settle(
-                job,
-                entry,
-                Failure.PARSE,
-                f"the result could not be stored: {exc}",
-                started,
-                call_started,
-                call_clock,
+                attempt, Failure.PARSE, f"the result could not be stored: {exc}"
             )
         assert status is Status.DONE
-        return self._report(
-            job, Outcome.DONE, "done", started, call_started, call_clock, flow_run_id=run_id
-        )
+        return self._report(attempt, Outcome.DONE, "done", flow_run_id=run_id)
 
     async def _settle(
         self,
-        job: Job,
-        entry: LedgerEntry,
+        attempt: _Attempt,
         failure: Failure,
         message: str,
-        started: float,
-        call_started: float | None,
-        call_clock: float | None,
         retry_after: float | None = None,
     ) -> Report:
+        job = attempt.job
         message = self._redact(" ".join(message.split()))
         # A stop can afford to wait a little longer for the history entry: the
         # job row then points at the run that says it was stopped.
         wait = STOP_RUN_ID_WAIT_SECONDS if failure is Failure.STOPPED else None
-        run_id = await entry.run_id(wait)
+        run_id = await attempt.entry.run_id(wait)
+        answer = attempt.answer
 
         def write() -> Settlement:
             return self._store.fail(
@@ -402,30 +380,18 @@ class JobRunner:
                 message,
                 retry_after=retry_after,
                 flow_run_id=run_id,
+                duration_seconds=attempt.call_seconds,
+                answer=(answer.usage or True) if answer is not None else False,
             )
 
         try:
             settlement = await self._record(job, write)
         except ClaimLost:
-            return self._report(
-                job,
-                Outcome.LOST,
-                f"{message} (the claim had been taken over; nothing recorded)",
-                started,
-                call_started,
-                call_clock,
-                failure=failure,
-            )
+            lost = f"{message} (the claim had been taken over; nothing recorded)"
+            return self._report(attempt, Outcome.LOST, lost, failure=failure)
         except StoreError as exc:
-            return self._report(
-                job,
-                Outcome.UNRECORDED,
-                f"{message} (not recorded: {exc})",
-                started,
-                call_started,
-                call_clock,
-                failure=failure,
-            )
+            unrecorded = f"{message} (not recorded: {exc})"
+            return self._report(attempt, Outcome.UNRECORDED, unrecorded, failure=failure)
         if not settlement.attempt_spent:
             outcome = Outcome.RELEASED
         elif settlement.status is Status.FAILED:
@@ -435,15 +401,7 @@ class JobRunner:
         if settlement.pause_seconds:
             logger.warning("%s: %s", job.run_name, settlement.verdict)
         return self._report(
-            job,
-            outcome,
-            message,
-            started,
-            call_started,
-            call_clock,
-            failure=failure,
-            settlement=settlement,
-            flow_run_id=run_id,
+            attempt, outcome, message, failure=failure, settlement=settlement, flow_run_id=run_id
         )
 
     async def _record(self, job: Job, write: Callable[[], Any]) -> Any:
@@ -463,26 +421,43 @@ class JobRunner:
                 await asyncio.sleep(pause)
         raise AssertionError("unreachable")
 
-    def _report(
-        self,
-        job: Job,
-        outcome: Outcome,
-        message: str,
-        started: float,
-        call_started: float | None,
-        call_clock: float | None,
-        **more: Any,
-    ) -> Report:
+    def _report(self, attempt: _Attempt, outcome: Outcome, message: str, **more: Any) -> Report:
+        answer = attempt.answer
         return Report(
-            job=job,
+            job=attempt.job,
             outcome=outcome,
             message=self._redact(message),
-            called=call_started is not None,
-            call_started_at=call_started,
-            call_seconds=None if call_clock is None else round(time.monotonic() - call_clock, 3),
-            seconds=round(time.monotonic() - started, 3),
+            called=attempt.call_started is not None,
+            call_started_at=attempt.call_started,
+            call_seconds=attempt.call_seconds,
+            seconds=round(time.monotonic() - attempt.started, 3),
+            answered=answer is not None,
+            usage=answer.usage if answer is not None else None,
             **more,
         )
+
+
+@dataclasses.dataclass
+class _Attempt:
+    """One attempt as the runner follows it: the job, its history entry, its phase and times."""
+
+    job: Job
+    entry: LedgerEntry
+    started: float = dataclasses.field(default_factory=time.monotonic)
+    phase: str = "build"  # build, call, parse
+    call_started: float | None = None  # wall-clock time the call began
+    call_clock: float | None = None  # the same moment on the monotonic clock
+    answer: Completion | None = None
+
+    @property
+    def call_seconds(self) -> float | None:
+        return None if self.call_clock is None else round(time.monotonic() - self.call_clock, 3)
+
+
+def _tokens(usage: Usage | None) -> str:
+    if usage is None:
+        return "tokens unknown: the answer did not say"
+    return f"{usage.prompt_tokens:,} prompt + {usage.completion_tokens:,} completion tokens"
 
 
 async def _shielded(awaitable: Awaitable[Any]) -> Any:

@@ -3,6 +3,7 @@
 A pure library: it never imports Prefect, httpx, `flows` or `deployments`.
 """
 
+from queue_store import tallies
 from queue_store.errors import (
     ClaimLost,
     DatabaseError,
@@ -30,6 +31,9 @@ from queue_store.models import (
     Result,
     Settlement,
     Status,
+    Tally,
+    Usage,
+    UsageRow,
     Worker,
     job_id,
     priority_class,
@@ -67,8 +71,12 @@ __all__ = [
     "Settlement",
     "Status",
     "StoreError",
+    "Tally",
+    "Usage",
+    "UsageRow",
     "Worker",
     "check_user_id",
     "job_id",
     "priority_class",
+    "tallies",
 ]

@@ -23,7 +23,7 @@ import click
 
 from queue_store import migrate
 from queue_store.errors import InvalidArgument, SettingsError, StoreError
-from queue_store.models import INTERACTIVE, PREFETCH, GateState, QueueView, iso
+from queue_store.models import INTERACTIVE, PREFETCH, GateState, QueueView, UsageRow, iso
 from queue_store.redact import mask_url
 from queue_store.settings import Settings
 from queue_store.store import JobStore
@@ -319,6 +319,15 @@ def render_queue(view: QueueView, run_link: Callable[[str], str] | None = None) 
         )
     if not view.recent_failures:
         out.append("  (none)")
+    out.append("")
+    out.append(f"TOKENS: {view.usage_total.described()} in all, by user and kind:")
+    by_user: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
+        ("USER", lambda u: u["user_id"]),
+        ("KIND", lambda u: u["kind"]),
+        ("ANSWERS", lambda u: str(u["answers"])),
+        ("TOKENS", lambda u: UsageRow(**u).described()),
+    ]
+    out.append(render_table(by_user, [u.as_dict() for u in view.usage], empty="(no answer yet)"))
     return "\n".join(out)
 
 

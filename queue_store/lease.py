@@ -24,7 +24,7 @@ from typing import Any
 
 from sqlalchemy import Connection, Row, select, update
 
-from queue_store import places, schema
+from queue_store import places, schema, tallies
 from queue_store.models import (
     HOLDER_NONCE_HEX,
     Blocked,
@@ -163,6 +163,9 @@ def claim(
             .where(jobs.c.id == candidate.id)
             .values(**claimed, revision=candidate.revision + 1)
         )
+        if candidate.requested_at is not None:  # a screen asked: how long it waited
+            waited = (now - candidate.requested_at).total_seconds()
+            tallies.count(connection, tallies.SCREEN_WAIT_SECONDS, candidate.kind, "", waited)
         if candidate.turn > state.turn:  # the turn being served moves on (R8b)
             connection.execute(
                 update(gate).where(gate.c.id == schema.GATE_ROW_ID).values(turn=candidate.turn)

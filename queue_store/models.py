@@ -182,6 +182,56 @@ class Job:
 
 
 @dataclasses.dataclass(frozen=True)
+class Usage:
+    """The tokens one answer says it used (M2). An answer that says nothing has no Usage:
+    unknown, never zero."""
+
+    prompt_tokens: int
+    completion_tokens: int
+
+    def as_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class UsageRow:
+    """Tokens the answers for one user and kind used; `unknown` answers did not say."""
+
+    user_id: str
+    kind: str
+    answers: int
+    unknown: int
+    prompt_tokens: int
+    completion_tokens: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def described(self) -> str:
+        """Tokens for people: unknown where the gateway did not say, never counted as zero."""
+        if not self.answers:
+            return "no answer yet"
+        if self.unknown == self.answers:
+            return "unknown"
+        total = f"{self.prompt_tokens + self.completion_tokens:,}"
+        detail = f" ({self.prompt_tokens:,} prompt + {self.completion_tokens:,} completion)"
+        unknown = f"; {self.unknown} answer(s) did not say" if self.unknown else ""
+        return total + detail + unknown
+
+
+@dataclasses.dataclass(frozen=True)
+class Tally:
+    """A counter or histogram the store keeps (see `queue_store.tallies`)."""
+
+    name: str
+    kind: str
+    outcome: str
+    count: int
+    total: float
+    buckets: tuple[int, ...]  # cumulative counts per upper bound
+
+
+@dataclasses.dataclass(frozen=True)
 class Claim:
     """What `claim_next` returns: a job, or why none and how long to wait."""
 
@@ -237,12 +287,8 @@ class Result:
     duration_seconds: float | None
     flow_run_id: str | None
     size_bytes: int
-
-    def is_fresh_for(self, fingerprint: str | None, job: Job | None) -> bool:
-        """Whether this answers the data `fingerprint` describes, with no newer request since."""
-        if fingerprint is not None and fingerprint != self.fingerprint:
-            return False
-        return job is None or job.status == Status.DONE or self.produced_at >= job.queued_at
+    prompt_tokens: int | None = None  # None: the gateway did not say (unknown, never zero)
+    completion_tokens: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -251,6 +297,9 @@ class Result:
             "produced_at": iso(self.produced_at),
             "duration_seconds": self.duration_seconds,
             "flow_run_id": self.flow_run_id,
+            "usage": None
+            if self.prompt_tokens is None or self.completion_tokens is None
+            else Usage(self.prompt_tokens, self.completion_tokens).as_dict(),
         }
 
 
@@ -393,6 +442,8 @@ class QueueView:
     workers: list[Worker]
     max_attempts: int
     concurrency: int
+    usage: list[UsageRow]  # tokens by user and kind, the most first (a few)
+    usage_total: UsageRow  # every user's and kind's (user_id and kind "")
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -405,4 +456,19 @@ class QueueView:
             "recent_failures": [e.as_dict(self.max_attempts) for e in self.recent_failures],
             "failed_total": self.failed_total,
             "workers": [w.as_dict() for w in self.workers],
+            "usage": {
+                "total": self.usage_total.as_dict(),
+                "by_user_and_kind": [u.as_dict() for u in self.usage],
+            },
         }
+
+
+@dataclasses.dataclass(frozen=True)
+class Metrics:
+    """What /metrics shows, read from the store in one transaction (M1)."""
+
+    gate: GateState
+    waiting: dict[str, tuple[int, dt.datetime | None]]  # class -> jobs, oldest queued_at
+    in_flight: int
+    tallies: list[Tally]
+    usage_by_kind: list[UsageRow]  # user_id ""

@@ -50,7 +50,7 @@ from sqlalchemy import (
 from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
-from queue_store import bulk, lease, migrate, places, schema, validation
+from queue_store import bulk, lease, migrate, places, schema, tallies, validation
 from queue_store.clock import Clock, ClockFunction, DatabaseClock, HostClock, InjectedClock
 from queue_store.engine import SQLITE_BEGIN, create_store_engine, shown_url, wrap_database_error
 from queue_store.errors import ClaimLost, DatabaseError, InvalidArgument, SchemaOutdated
@@ -63,6 +63,7 @@ from queue_store.models import (
     GateState,
     Job,
     JobState,
+    Metrics,
     PauseKind,
     Position,
     QueueEntry,
@@ -71,6 +72,7 @@ from queue_store.models import (
     Result,
     Settlement,
     Status,
+    Usage,
     Worker,
     job_id,
 )
@@ -97,8 +99,9 @@ MAX_ENQUEUE_ROUNDS = 8
 # stretch a chunk up to the most.
 BULK_CHUNK = 500
 MAX_BULK_CHUNK = 2000
-# Failed jobs shown by the queue view.
+# Failed jobs shown by the queue view, and rows of tokens by user and kind.
 RECENT_FAILURES = 20
+USAGE_SHOWN = 20
 # A worker not seen for this many leases is forgotten.
 FORGET_WORKERS_AFTER_LEASES = 60
 
@@ -659,10 +662,12 @@ class JobStore:
         error: str | None = None,
         duration_seconds: float | None = None,
         flow_run_id: str | None = None,
+        usage: Usage | None = None,
     ) -> Status:
         """Record the attempt's outcome; returns the job's status afterwards.
 
-        A result marks it done and becomes the key's latest result (N1). An
+        A result marks it done and becomes the key's latest result (N1), with
+        the tokens the answer said it used (`usage`; None: unknown, M2). An
         error spends the attempt (as `fail(..., Failure.BUILD, ...)`): below
         the limit the job is queued again in its old place, at the limit it is
         failed. Raises `ClaimLost` if the claim was taken over, having changed
@@ -696,6 +701,8 @@ class JobStore:
                 "duration_seconds": duration_seconds,
                 "flow_run_id": flow_run_id,
                 "size_bytes": size,
+                "prompt_tokens": usage.prompt_tokens if usage else None,
+                "completion_tokens": usage.completion_tokens if usage else None,
             }
             updated = connection.execute(
                 update(results).where(results.c.job_id == row.id).values(**values)
@@ -705,6 +712,9 @@ class JobStore:
             if duration_seconds is not None:
                 places.record_duration(connection, row.kind, duration_seconds)
             lease.settle_done(connection, now, row, flow_run_id)
+            _tally(
+                connection, row.kind, "done", duration_seconds, answered=True, usage=usage, row=row
+            )
         return Status.DONE
 
     def fail(
@@ -716,6 +726,8 @@ class JobStore:
         *,
         retry_after: float | None = None,
         flow_run_id: str | None = None,
+        duration_seconds: float | None = None,
+        answer: Usage | bool = False,
     ) -> Settlement:
         """Settle an attempt that ended without a result, by the rule for `failure`.
 
@@ -726,6 +738,8 @@ class JobStore:
         limit keeps it and pauses for `retry_after` (G1); refused credentials
         keep it and stop the line (G4); a stop on this side keeps it. Raises
         `ClaimLost` if the claim was taken over, having changed nothing.
+        `duration_seconds`: how long the call took, if one was made; `answer`:
+        the tokens an answer said it used, True if one came that did not say.
         """
         jid = validation.job_id(jid)
         holder = validation.holder(holder)
@@ -736,6 +750,8 @@ class JobStore:
             retry_after = validation.seconds("retry_after", retry_after)
         if flow_run_id is not None:
             flow_run_id = validation.run_id(flow_run_id)
+        if duration_seconds is not None:
+            duration_seconds = validation.seconds("duration_seconds", duration_seconds)
         with self._gated("fail") as (connection, now, state):
             row = lease.held_row(connection, jid, holder)
             if row is None:
@@ -744,9 +760,12 @@ class JobStore:
                 connection.execute(
                     update(jobs).where(jobs.c.id == jid).values(flow_run_id=flow_run_id)
                 )
-            return lease.settle_failure(
+            settled = lease.settle_failure(
                 connection, self._settings, now, state, row, failure, error, retry_after
             )
+            used = answer if isinstance(answer, Usage) else None
+            _tally(connection, row.kind, failure, duration_seconds, bool(answer), used, row)
+            return settled
 
     # -- N2, G1, G4: pauses, shared by every worker ------------------------------
 
@@ -847,6 +866,8 @@ class JobStore:
                 self._outlook(connection, now, state), now, running, waiting
             )
             present = self._workers(connection, now)
+            usage = list(tallies.usage_rows(connection, USAGE_SHOWN))
+            (usage_total,) = tallies.usage_by(connection)
         return QueueView(
             now=now,
             gate=_gate_state(state, now),
@@ -858,7 +879,34 @@ class JobStore:
             workers=present,
             max_attempts=self._settings.max_attempts,
             concurrency=self._settings.concurrency,
+            usage=usage,
+            usage_total=usage_total,
         )
+
+    def metrics(self) -> Metrics:
+        """What /metrics shows, in one read (M1): the waiting jobs by class and the oldest,
+        the calls in flight, the gate, the tallies, and tokens by kind."""
+        with self._read("metrics") as connection:
+            now = self._now(connection)
+            screen = (jobs.c.priority <= INTERACTIVE).label("screen")
+            waiting: dict[str, tuple[int, dt.datetime | None]] = {
+                "interactive": (0, None),
+                "prefetch": (0, None),
+            }
+            for row in connection.execute(
+                select(screen, func.count(), func.min(jobs.c.queued_at))
+                .where(jobs.c.status == Status.PENDING)
+                .group_by(screen)
+            ):
+                waiting["interactive" if row.screen else "prefetch"] = (int(row[1]), row[2])
+            running = lease.running_rows(connection)
+            return Metrics(
+                gate=_gate_state(self._gate_row(connection), now),
+                waiting=waiting,
+                in_flight=sum(1 for r in running if not lapsed(r, now, self._settings)),
+                tallies=tallies.read(connection),
+                usage_by_kind=tallies.usage_by(connection, schema.usage.c.kind),
+            )
 
     # -- presence of consumers ----------------------------------------------------
 
@@ -938,6 +986,23 @@ def _checked_request(request: object) -> EnqueueRequest:
         validation.priority(request.priority),
         bool(request.supersede),
     )
+
+
+def _tally(
+    connection: Connection,
+    kind: str,
+    outcome: str,
+    seconds: float | None,
+    answered: bool,
+    usage: Usage | None,
+    row: Row[Any],
+) -> None:
+    """Count a settled attempt, its call's time, and the tokens its answer used (M1, M2)."""
+    tallies.count(connection, tallies.ATTEMPTS, kind, str(outcome))
+    if seconds is not None:
+        tallies.count(connection, tallies.CALL_SECONDS, kind, str(outcome), seconds)
+    if answered:
+        tallies.spent_tokens(connection, row.user_id, kind, usage)
 
 
 def _fresh(

@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import math
 import os
+import re
 import shutil
 import subprocess
 from collections.abc import Iterator
@@ -24,6 +25,7 @@ from typing import Any
 import httpx
 import pytest
 from fastapi import FastAPI, Header, HTTPException
+from prometheus_client.parser import text_string_to_metric_families
 from pydantic import SecretStr
 from sqlalchemy import create_engine, event, select, text
 from sqlalchemy.engine import make_url
@@ -49,6 +51,7 @@ from queue_store import (
     Redactor,
     Settings,
     Status,
+    Usage,
     job_id,
     schema,
 )
@@ -613,6 +616,73 @@ def test_the_page_and_its_stylesheet_carry_their_security_headers(api: Served) -
     assert sheet.headers["x-content-type-options"] == "nosniff"
     assert ":root" in sheet.text
     assert api.poll(USER, "sleep", DAY).headers["x-content-type-options"] == "nosniff"
+
+
+def test_metrics_are_prometheus_text_read_from_the_store(
+    api: Served, runtime: Runtime, closed_prefect: str
+) -> None:
+    store = api.store
+    store.enqueue(USER, "sleep", DAY, None, INTERACTIVE)
+    store.enqueue("user-2", "hrv", DAY)
+    claim = store.claim_next("w")
+    assert claim.job is not None
+    store.finish(claim.job.id, claim.job.holder or "", result="x", usage=Usage(30, 12))
+    store.pause(60, "maintenance")
+
+    assert_refused(api.http.get("/metrics"), 401, "authorization")
+    scraped = api.http.get("/metrics", headers=OPERATOR)
+    assert scraped.status_code == 200
+    assert scraped.headers["content-type"].startswith("text/plain; version=")
+    families = {f.name: f for f in text_string_to_metric_families(scraped.text)}
+
+    def value(name: str, **labels: str) -> float:
+        family = families.get(name) or families[name.removesuffix("_total")]
+        found = [s.value for s in family.samples if s.labels == labels and s.name == name]
+        assert len(found) == 1, (name, labels, family.samples)
+        return float(found[0])
+
+    seen = store.metrics()
+    assert (
+        value("insight_queue_waiting_jobs", **{"class": "prefetch"})
+        == seen.waiting["prefetch"][0]
+        == 1
+    )
+    assert value("insight_queue_waiting_jobs", **{"class": "interactive"}) == 0
+    assert value("insight_queue_calls_in_flight") == 0
+    assert value("insight_queue_paused", cause="operator") == 1
+    assert value("insight_queue_paused", cause="outage") == 0
+    assert value("insight_queue_attempts_total", kind="sleep", outcome="done") == 1
+    assert value("insight_queue_tokens_total", kind="sleep", type="prompt") == 30
+    assert value("insight_queue_tokens_total", kind="sleep", type="completion") == 12
+    assert value("insight_queue_answers_without_usage_total", kind="sleep") == 0
+    calls = families["insight_queue_call_duration_seconds"]
+    counts = [s for s in calls.samples if s.name.endswith("_count")]
+    assert [(s.labels, s.value) for s in counts] == [({"kind": "sleep", "outcome": "done"}, 1)]
+    waits = families["insight_queue_screen_wait_seconds"]
+    assert [s.value for s in waits.samples if s.name.endswith("_count")] == [1]
+    # The example alert rules ask only for what is served.
+    served = {s.name for f in families.values() for s in f.samples}
+    rules = (ROOT / "docs" / "alerts.yml").read_text()
+    asked = set(re.findall(r"insight_queue_[a-z_]+", rules))
+    assert asked and asked <= served, asked - served
+    # Another API process on the same store reports the very same figures.
+    with serve(runtime, closed_prefect) as other:
+        again = other.http.get("/metrics", headers=OPERATOR).text
+    strip = [
+        line for line in again.splitlines() if "seconds_left" not in line and "oldest" not in line
+    ]
+    assert strip == [
+        line
+        for line in scraped.text.splitlines()
+        if "seconds_left" not in line and "oldest" not in line
+    ]
+
+
+def test_without_a_token_metrics_are_for_loopback_only(
+    runtime: Runtime, closed_prefect: str
+) -> None:
+    with serve(runtime, closed_prefect, token=SecretStr("")) as served:
+        assert served.http.get("/metrics").status_code == 200  # this test's client: loopback
 
 
 # -- hostile paths -------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from queue_store import (
     Renewal,
     Settings,
     Status,
+    Usage,
     job_id,
 )
 from queue_store.rules import WORKER_LOST
@@ -878,3 +879,90 @@ def test_a_stable_worker_name_taken_up_by_a_new_process_describes_the_new_one(
     same = next(w for w in store.workers() if w.name == "serve-main")
     assert (same.pid, same.started_at) == (again.pid, again.started_at)
     assert same.seen_at > again.seen_at
+
+
+# -- M1, M2: tallies and tokens ---------------------------------------------------
+
+
+def test_tokens_are_kept_per_result_and_summed_per_user_and_kind_unknown_apart(
+    make_store: StoreFactory, clock: FakeClock
+) -> None:
+    store = make_store(max_attempts=3)
+    for user, subject in (("ann", "d1"), ("ann", "d2"), ("bob", "d1")):
+        store.enqueue(user, "sleep", subject)
+    store.enqueue("ann", "hrv", "d1")
+    said = {("ann", "d1"): Usage(100, 20), ("ann", "d2"): None, ("bob", "d1"): Usage(7, 3)}
+    for _ in said:
+        job = store.claim_next("w").job
+        assert job is not None and job.kind == "sleep"
+        used = said[(job.user_id, job.subject)]
+        store.finish(job.id, job.holder or "", result="x", usage=used, duration_seconds=12.0)
+    # A parse failure after an answer that said its usage: the tokens count too.
+    job = store.claim_next("w").job
+    assert job is not None and job.kind == "hrv"
+    store.fail(
+        job.id, job.holder or "", Failure.PARSE, "bad", answer=Usage(50, 0), duration_seconds=3
+    )
+
+    kept = store.result_of("ann", "sleep", "d1")
+    assert kept is not None and kept.as_dict()["usage"] == {
+        "prompt_tokens": 100,
+        "completion_tokens": 20,
+    }
+    unknown = store.result_of("ann", "sleep", "d2")
+    assert unknown is not None and unknown.as_dict()["usage"] is None  # unknown, not zero
+
+    view = store.queue_view(10)
+    rows = {(u.user_id, u.kind): u for u in view.usage}
+    ann = rows[("ann", "sleep")]
+    assert (ann.answers, ann.unknown, ann.prompt_tokens, ann.completion_tokens) == (2, 1, 100, 20)
+    assert ann.described() == "120 (100 prompt + 20 completion); 1 answer(s) did not say"
+    assert rows[("ann", "hrv")].described() == "50 (50 prompt + 0 completion)"
+    assert (view.usage_total.answers, view.usage_total.unknown) == (4, 1)
+    assert view.usage_total.prompt_tokens == 157
+    assert view.as_dict()["usage"]["total"]["completion_tokens"] == 23
+    # Only answers count: an attempt that never got one adds nothing.
+    store.enqueue("cid", "sleep", "d1")
+    job = store.claim_next("w").job
+    assert job is not None
+    store.fail(job.id, job.holder or "", Failure.UNAVAILABLE, "connect refused")
+    assert store.queue_view(10).usage_total.answers == 4
+
+
+def test_the_store_tallies_attempts_calls_and_screens_waits(
+    make_store: StoreFactory, clock: FakeClock
+) -> None:
+    store = make_store(max_attempts=1)
+    store.enqueue("ann", "sleep", "d1", priority=INTERACTIVE)  # a screen asks
+    clock.advance(7)
+    job = store.claim_next("w").job
+    assert job is not None
+    clock.advance(30)
+    store.finish(job.id, job.holder or "", result="x", duration_seconds=30.0)
+    store.enqueue("ann", "sleep", "d2")
+    job = store.claim_next("w").job
+    assert job is not None
+    store.fail(job.id, job.holder or "", Failure.REJECTED, "HTTP 400", duration_seconds=2.0)
+    store.enqueue("ann", "hrv", "d1")
+    job = store.claim_next("w").job
+    assert job is not None
+    store.finish(job.id, job.holder or "", error="no data")  # no call made
+
+    seen = store.metrics()
+    kept = {(t.name, t.kind, t.outcome): t for t in seen.tallies}
+    assert kept[("attempts", "sleep", "done")].count == 1
+    assert kept[("attempts", "sleep", "rejected")].count == 1
+    assert kept[("attempts", "hrv", "build")].count == 1
+    calls = kept[("call_seconds", "sleep", "done")]
+    assert (calls.count, calls.total) == (1, 30.0)
+    assert calls.buckets == (0, 0, 0, 1, 1, 1, 1, 1, 1, 1)  # cumulative, 30 s <= 30
+    assert ("call_seconds", "hrv", "build") not in kept  # no call, no call time
+    wait = kept[("screen_wait_seconds", "sleep", "")]
+    assert wait.count == 1 and wait.total == pytest.approx(7.0, abs=0.01)
+    assert seen.in_flight == 0
+    assert seen.waiting == {"interactive": (0, None), "prefetch": (0, None)}
+    store.enqueue("bob", "sleep", "d1")
+    clock.advance(60)
+    waiting, oldest = store.metrics().waiting["prefetch"]
+    assert waiting == 1 and oldest is not None
+    assert (store.metrics().gate.now - oldest).total_seconds() == pytest.approx(60, abs=0.01)

@@ -37,7 +37,7 @@ from flows.gateway import (
     GatewayUnavailable,
     parse_retry_after,
 )
-from queue_store import Failure, Settings, SettingsError
+from queue_store import Failure, Settings, SettingsError, Usage
 from tests.support.echo import echo_body, echo_forms
 from tests.support.secrets import exposures
 
@@ -151,6 +151,30 @@ class Stream:
 
 
 # --- a completion and the request that asked for it ---------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("usage", "expected"),
+    [
+        ({"prompt_tokens": 120, "completion_tokens": 45, "total_tokens": 165}, Usage(120, 45)),
+        ({"prompt_tokens": 0, "completion_tokens": 0}, Usage(0, 0)),
+        (None, None),
+        ({}, None),
+        ({"total_tokens": 9}, None),
+        ({"prompt_tokens": 1, "completion_tokens": "45"}, None),
+        ({"prompt_tokens": True, "completion_tokens": 1}, None),
+        ({"prompt_tokens": 1.5, "completion_tokens": 1}, None),
+        ({"prompt_tokens": -1, "completion_tokens": 1}, None),
+        ({"prompt_tokens": 2**60, "completion_tokens": 1}, None),
+        ("lots", None),
+    ],
+)
+def test_an_answer_says_its_usage_or_it_is_unknown_never_zero(
+    usage: Any, expected: Usage | None
+) -> None:
+    body = answer("ok") if usage is None else answer("ok", usage=usage)
+    completion = Completion("ok", body, 0.1)
+    assert completion.usage == expected
 
 
 def test_an_answer_gives_its_text_json_size_and_time() -> None:

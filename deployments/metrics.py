@@ -1,0 +1,115 @@
+"""`GET /metrics`: the queue in Prometheus' text format, read from the store (M1).
+
+A collector on a registry of its own (never the process-global one) reads
+`JobStore.metrics()` at every scrape, so every API process reports the same
+figures: the waiting jobs by class and the age of the oldest, the calls in
+flight, whether claiming is paused and why, settled attempts and their calls'
+durations by kind and outcome, screens' waits, and the tokens the answers
+said they used (an answer that did not say is counted apart, never as zero).
+`docs/alerts.yml` has example alert rules.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+from queue_store import JobStore, PauseKind, Tally, tallies
+
+PREFIX = "insight_queue"
+
+
+class StoreCollector(Collector):
+    """The store's figures as Prometheus metrics, read at every scrape."""
+
+    def __init__(self, store: JobStore) -> None:
+        self._store = store
+
+    def collect(self) -> Iterator[Metric]:
+        seen = self._store.metrics()
+        gate = seen.gate
+        waiting = GaugeMetricFamily(f"{PREFIX}_waiting_jobs", "Jobs waiting", labels=["class"])
+        oldest = GaugeMetricFamily(
+            f"{PREFIX}_oldest_waiting_seconds", "Age of the oldest waiting job", labels=["class"]
+        )
+        for name, (count, since) in seen.waiting.items():
+            waiting.add_metric([name], count)
+            oldest.add_metric([name], (gate.now - since).total_seconds() if since else 0.0)
+        yield waiting
+        yield oldest
+        yield GaugeMetricFamily(
+            f"{PREFIX}_calls_in_flight", "Calls at the gateway now", value=seen.in_flight
+        )
+        paused = GaugeMetricFamily(
+            f"{PREFIX}_paused", "1 while claiming is paused, by its cause", labels=["cause"]
+        )
+        for cause in PauseKind:
+            paused.add_metric([cause.value], float(gate.paused and gate.pause_kind is cause))
+        yield paused
+        yield GaugeMetricFamily(
+            f"{PREFIX}_pause_seconds_left",
+            "Seconds until claiming resumes",
+            value=gate.pause_seconds_left,
+        )
+        yield from _tallies(seen.tallies)
+        used = CounterMetricFamily(
+            f"{PREFIX}_tokens",
+            "Tokens the gateway's answers said they used",
+            labels=["kind", "type"],
+        )
+        unknown = CounterMetricFamily(
+            f"{PREFIX}_answers_without_usage",
+            "Answers that did not say their tokens",
+            labels=["kind"],
+        )
+        for row in seen.usage_by_kind:
+            used.add_metric([row.kind, "prompt"], row.prompt_tokens)
+            used.add_metric([row.kind, "completion"], row.completion_tokens)
+            unknown.add_metric([row.kind], row.unknown)
+        yield used
+        yield unknown
+
+
+def _tallies(kept: list[Tally]) -> Iterator[Metric]:
+    attempts = CounterMetricFamily(
+        f"{PREFIX}_attempts", "Settled attempts, by kind and outcome", labels=["kind", "outcome"]
+    )
+    calls = HistogramMetricFamily(
+        f"{PREFIX}_call_duration_seconds",
+        "How long calls to the gateway took, by kind and outcome",
+        labels=["kind", "outcome"],
+    )
+    waits = HistogramMetricFamily(
+        f"{PREFIX}_screen_wait_seconds",
+        "A screen's wait, from asking to its call's start",
+        labels=["kind"],
+    )
+    for tally in kept:
+        if tally.name == tallies.ATTEMPTS:
+            attempts.add_metric([tally.kind, tally.outcome], tally.count)
+            continue
+        bounds = tallies.BOUNDS[tally.name]
+        buckets = [(f"{b:g}", n) for b, n in zip(bounds, tally.buckets, strict=True)]
+        buckets.append(("+Inf", tally.count))
+        if tally.name == tallies.CALL_SECONDS:
+            calls.add_metric([tally.kind, tally.outcome], buckets, tally.total)
+        else:
+            waits.add_metric([tally.kind], buckets, tally.total)
+    yield attempts
+    yield calls
+    yield waits
+
+
+def registry_for(store: JobStore) -> CollectorRegistry:
+    """A registry of its own, holding only the store's collector."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(StoreCollector(store))
+    return registry

@@ -1,0 +1,118 @@
+"""What the store counts for operators: attempts, call and wait times, tokens (M1, M2).
+
+Kept by the writes that settle an attempt or claim a screen's job, inside
+their transaction (which holds the gate lock), so every API process reads
+the same figures and a scrape reads small tables, whatever the backlog.
+A histogram is kept as Prometheus keeps one: a count, a sum, and a count per
+upper bound, cumulative.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from sqlalchemy import Connection, func, insert, select, update
+
+from queue_store import schema
+from queue_store.models import Tally, Usage, UsageRow
+
+tallies = schema.tallies
+usage = schema.usage
+
+ATTEMPTS = "attempts"  # every settled attempt, by kind and outcome
+CALL_SECONDS = "call_seconds"  # attempts that called the gateway: how long the call took
+SCREEN_WAIT_SECONDS = "screen_wait_seconds"  # a screen asking, to its call starting
+BOUNDS = {
+    ATTEMPTS: (),
+    CALL_SECONDS: (1.0, 5.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1020.0, 1800.0),
+    SCREEN_WAIT_SECONDS: (1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0),
+}
+
+
+def count(connection: Connection, name: str, kind: str, outcome: str, value: float = 0.0) -> None:
+    """Add one observation of `value` to a tally (a counter, or a histogram's bucket)."""
+    key = (tallies.c.name == name, tallies.c.kind == kind, tallies.c.outcome == outcome)
+    row = connection.execute(select(tallies).where(*key)).one_or_none()
+    bounds = BOUNDS[name]
+    before = json.loads(row.buckets) if row is not None else [0] * len(bounds)
+    buckets = [n + (value <= bound) for n, bound in zip(before, bounds, strict=True)]
+    if row is None:
+        connection.execute(
+            insert(tallies).values(
+                name=name,
+                kind=kind,
+                outcome=outcome,
+                count=1,
+                total=value,
+                buckets=json.dumps(buckets),
+            )
+        )
+        return
+    connection.execute(
+        update(tallies)
+        .where(*key)
+        .values(
+            count=row._mapping["count"] + 1, total=row.total + value, buckets=json.dumps(buckets)
+        )
+    )
+
+
+def spent_tokens(connection: Connection, user_id: str, kind: str, used: Usage | None) -> None:
+    """Add an answer's usage to its user's and kind's; an answer that did not say is unknown."""
+    key = (usage.c.user_id == user_id, usage.c.kind == kind)
+    row = connection.execute(select(usage).where(*key)).one_or_none()
+    values = {
+        "answers": (row.answers if row else 0) + 1,
+        "unknown": (row.unknown if row else 0) + (used is None),
+        "prompt_tokens": (row.prompt_tokens if row else 0) + (used.prompt_tokens if used else 0),
+        "completion_tokens": (row.completion_tokens if row else 0)
+        + (used.completion_tokens if used else 0),
+    }
+    if row is None:
+        connection.execute(insert(usage).values(user_id=user_id, kind=kind, **values))
+    else:
+        connection.execute(update(usage).where(*key).values(**values))
+
+
+def read(connection: Connection) -> list[Tally]:
+    return [
+        Tally(r.name, r.kind, r.outcome, r._mapping["count"], r.total, tuple(json.loads(r.buckets)))
+        for r in connection.execute(select(tallies).order_by(tallies.c.name, tallies.c.kind))
+    ]
+
+
+def usage_by(connection: Connection, *columns: Any) -> list[UsageRow]:
+    """Tokens summed by these columns of `usage` (none: one row, every user and kind)."""
+    sums = [
+        func.coalesce(func.sum(c), 0).label(c.name)
+        for c in (
+            usage.c.answers,
+            usage.c.unknown,
+            usage.c.prompt_tokens,
+            usage.c.completion_tokens,
+        )
+    ]
+    rows = connection.execute(select(*columns, *sums).group_by(*columns)).all()
+    return [
+        UsageRow(
+            getattr(r, "user_id", ""),
+            getattr(r, "kind", ""),
+            int(r.answers),
+            int(r.unknown),
+            int(r.prompt_tokens),
+            int(r.completion_tokens),
+        )
+        for r in rows
+    ]
+
+
+def usage_rows(connection: Connection, limit: int | None = None) -> Sequence[UsageRow]:
+    """Tokens per user and kind, the most first."""
+    tokens = usage.c.prompt_tokens + usage.c.completion_tokens
+    query = select(usage).order_by(tokens.desc(), usage.c.user_id, usage.c.kind).limit(limit)
+    return [
+        UsageRow(r.user_id, r.kind, r.answers, r.unknown, r.prompt_tokens, r.completion_tokens)
+        for r in connection.execute(query)
+    ]
