@@ -17,12 +17,14 @@ PostgreSQL `VACUUM ANALYZE`). Median and p95 of:
   (SQLite: `PRAGMA data_version` seen from another connection; PostgreSQL:
   inserted+updated+deleted tuples in `pg_stat_user_tables`). One real write
   made afterwards must move that counter, which shows the check can see one;
-- `claim_next` with gap 0 and concurrency 1; each claimed job is released
-  (untimed) back to its place, so the backlog keeps its size and order;
-- `position()` of a job near the end of the queue (one of the last ten);
+- `claim_next` with gap 0 and concurrency 1; each claimed job is handed
+  back (untimed) to its place, so the backlog keeps its size and order;
+- a place near the end of the queue: `state()` of one of the last ten jobs
+  (exact up to 1,000 ahead, "more than" beyond);
 - `list_jobs(user)` for a user whose 60 pending jobs are spread evenly through
   the backlog (every entry with its place in line and ETA);
 - `queue_view(limit=50)` with one call in flight;
+- a `/metrics` scrape: `JobStore.metrics()` rendered by the API's collector;
 - no-op polls per second from 4 spawned processes at once (`--poll-seconds`,
   0 to skip).
 
@@ -40,10 +42,15 @@ the way a backfill queues them):
   marked done, untimed, beforehand);
 - per-call `enqueue` of `--per-call` new keys, for comparison with the bulk path.
 
+Each backlog is measured in each order of `--orders` (default both: `fair`,
+where each user's jobs take turns 0, 1, 2... as a backfill deals them, and
+`fifo`).
+
 Targets printed beside the figures: bulk enqueue and requeue of 10,000 users ×
-8 scopes on PostgreSQL well under 30 s; `position`, `list_jobs` and
-`queue_view` p95 under 50 ms at 100k pending on both databases; a no-op poll
-writes nothing and costs well under 1 ms; `claim_next` a few ms.
+8 scopes on PostgreSQL well under 30 s; a place at the back p95 under 10 ms,
+`list_jobs` and `queue_view` under 50 ms, a scrape under 50 ms, at 100k
+pending on both databases; a no-op poll writes nothing and costs well under
+1 ms; `claim_next` a few ms.
 
 Run from the repository root (PostgreSQL needs CREATE DATABASE rights):
 
@@ -85,6 +92,7 @@ from sqlalchemy.engine import make_url
 from queue_store import Failure, migrate, schema
 from queue_store.engine import create_store_engine, normalise_url
 from queue_store.models import INTERACTIVE, PREFETCH, EnqueueRequest, Status, job_id
+from queue_store.places import PLACE_BOUND
 from queue_store.settings import Settings
 from queue_store.store import JobStore
 
@@ -112,7 +120,10 @@ BULK_REQUEUE_KIND = BULK_SUPERSEDING_KIND
 
 POLL_TARGET_MS = 1.0
 CLAIM_TARGET_MS = 5.0
+PLACE_TARGET_MS = 10.0
 READ_TARGET_MS = 50.0
+# The order the backlogs are measured in (set from --orders, one at a time).
+ORDER = {"value": "fair"}
 BULK_TARGET_S = 30.0
 # From the issue: the original per-call enqueue of 100k rows.
 ORIGINAL_ENQUEUE_100K_S = {"postgresql": 441.0, "sqlite": 118.0}
@@ -124,6 +135,7 @@ class Key(NamedTuple):
     subject: str
     fingerprint: str
     priority: int
+    turn: int = 0  # in the fair order: the user's job number, as a backfill deals them
 
     @property
     def id(self) -> str:
@@ -133,6 +145,7 @@ class Key(NamedTuple):
 @dataclasses.dataclass
 class BacklogRow:
     backend: str
+    order: str
     backlog: int
     poll_ms: list[float]
     wrote_nothing: bool
@@ -141,6 +154,7 @@ class BacklogRow:
     position_ms: list[float]
     list_ms: list[float]
     view_ms: list[float]
+    scrape_ms: list[float]
     polls_per_second: float | None
 
 
@@ -225,7 +239,11 @@ def fresh_database(backend: str, args: argparse.Namespace) -> Any:
 def settings_for(url: str) -> Settings:
     # gap 0 and concurrency 1: every claim can succeed once the previous job is handed back.
     return Settings(
-        database_url=url, data_dir=Path(tempfile.gettempdir()), gap_seconds=0.0, concurrency=1
+        database_url=url,
+        data_dir=Path(tempfile.gettempdir()),
+        gap_seconds=0.0,
+        concurrency=1,
+        order=ORDER["value"],
     )
 
 
@@ -273,6 +291,12 @@ def fill(url: str, size: int, vacuum: bool = False) -> list[Key]:
     engine = create_store_engine(url)
     slots = list_user_slots(size)
     keys = [backlog_key(i, slots) for i in range(size)]
+    if ORDER["value"] == "fair":  # each user's prefetch jobs in turns 0, 1, 2...
+        dealt: dict[str, int] = {}
+        for i, key in enumerate(keys):
+            if key.priority > INTERACTIVE:
+                keys[i] = key._replace(turn=dealt.get(key.user_id, 0))
+                dealt[key.user_id] = keys[i].turn + 1
     start = dt.datetime.now(dt.UTC) - SPREAD - dt.timedelta(hours=1)
     step = SPREAD / max(size, 1)
     failed = max(size // 100, 20)
@@ -323,12 +347,14 @@ def _row(key: Key, status: Status, at: dt.datetime) -> dict[str, Any]:
         "updated_at": at,
         "requested_at": at if key.priority <= INTERACTIVE else None,
         "revision": 0,
+        "turn": key.turn,
     }
 
 
 def queue_order(keys: Sequence[Key]) -> list[Key]:
     """The pending keys in the order the worker takes them (they were queued in list order)."""
-    return [key for _, key in sorted(enumerate(keys), key=lambda item: (item[1].priority, item[0]))]
+    ranked = sorted(enumerate(keys), key=lambda item: (item[1].priority, item[1].turn, item[0]))
+    return [key for _, key in ranked]
 
 
 # ---------------------------------------------------------------------------
@@ -517,21 +543,26 @@ def measure_positions(url: str, ordered: Sequence[Key], calls: int) -> list[floa
 
         def check(value: tuple[int, Any]) -> None:
             place, position = value
-            if position is None or position.ahead != place:
-                raise RuntimeError(f"position() gave {position}, expected {place} ahead")
+            if position is None or (position.ahead, position.ahead_exact) != shown(place):
+                raise RuntimeError(f"state() gave {position}, expected {place} ahead")
 
         return sample_times(ask, calls, check)
     finally:
         store.close()
 
 
+def shown(place: int) -> tuple[int, bool]:
+    """A place as the store shows it: exact up to the bound, "more than" the bound beyond."""
+    return (place, True) if place <= PLACE_BOUND else (PLACE_BOUND, False)
+
+
 def measure_list_jobs(url: str, ordered: Sequence[Key], calls: int) -> list[float]:
-    expected = [place for place, key in enumerate(ordered) if key.user_id == LIST_USER]
+    expected = [shown(place) for place, key in enumerate(ordered) if key.user_id == LIST_USER]
     store = open_store(url)
     try:
 
         def check(listed: list[dict[str, Any]]) -> None:
-            if [entry.get("ahead") for entry in listed] != expected:
+            if [(entry.get("ahead"), entry.get("ahead_exact")) for entry in listed] != expected:
                 raise RuntimeError("list_jobs gave other places than a count of the queue")
 
         return sample_times(lambda: store.list_jobs(LIST_USER), calls, check)
@@ -558,6 +589,25 @@ def measure_queue_view(url: str, size: int, calls: int) -> list[float]:
         times = sample_times(lambda: store.queue_view(limit=50), calls, check)
         store.fail(running.job.id, running.job.holder or "", Failure.STOPPED, "handed back")
         return times
+    finally:
+        store.close()
+
+
+def measure_scrapes(url: str, calls: int) -> list[float]:
+    """A /metrics scrape: the store's figures, rendered by the API's collector."""
+    from prometheus_client import generate_latest
+
+    from deployments.metrics import registry_for
+
+    store = open_store(url)
+    try:
+        registry = registry_for(store)
+
+        def check(body: Any) -> None:
+            if b"insight_queue_waiting_jobs" not in body:
+                raise RuntimeError("the scrape shows no waiting jobs")
+
+        return sample_times(lambda: generate_latest(registry), calls, check)
     finally:
         store.close()
 
@@ -609,7 +659,10 @@ def run_backlog(backend: str, url: str, size: int, args: argparse.Namespace) -> 
     started = time.perf_counter()
     migrate.upgrade(url)
     keys = fill(url, size, args.vacuum)
-    log(f"{backend} {size:>7,}: backlog filled in {time.perf_counter() - started:.1f} s")
+    log(
+        f"{backend} {ORDER['value']} {size:>7,}: backlog filled in "
+        f"{time.perf_counter() - started:.1f} s"
+    )
     ordered = queue_order(keys)
     rng = random.Random(args.seed + size)
     control = keys[0]
@@ -620,6 +673,7 @@ def run_backlog(backend: str, url: str, size: int, args: argparse.Namespace) -> 
     position_ms = measure_positions(url, ordered, args.calls)
     list_ms = measure_list_jobs(url, ordered, args.calls)
     view_ms = measure_queue_view(url, size, args.calls)
+    scrape_ms = measure_scrapes(url, args.calls)
     polls_per_second = None
     if args.poll_seconds > 0:
         parallel_keys = rng.sample(pollable, min(2000, len(pollable)))
@@ -632,6 +686,7 @@ def run_backlog(backend: str, url: str, size: int, args: argparse.Namespace) -> 
             check += f"; 4-process polls: {len(parallel_keys)} rows unchanged"
     row = BacklogRow(
         backend,
+        ORDER["value"],
         size,
         poll_ms,
         wrote_nothing,
@@ -640,6 +695,7 @@ def run_backlog(backend: str, url: str, size: int, args: argparse.Namespace) -> 
         position_ms,
         list_ms,
         view_ms,
+        scrape_ms,
         polls_per_second,
     )
     log(format_backlog(row))
@@ -958,18 +1014,18 @@ def ms(samples: Sequence[float], digits: int = 2) -> str:
 
 
 BACKLOG_HEADER = (
-    "| backlog | no-op poll ms | wrote nothing | claim_next ms | position ms "
-    "| list_jobs ms | queue_view ms | polls/s, 4 procs |"
+    "| order | backlog | no-op poll ms | wrote nothing | claim_next ms | place at the back ms "
+    "| list_jobs ms | queue_view ms | scrape ms | polls/s, 4 procs |"
 )
-BACKLOG_RULE = "|---:|---:|:---:|---:|---:|---:|---:|---:|"
+BACKLOG_RULE = "|---|---:|---:|:---:|---:|---:|---:|---:|---:|---:|"
 
 
 def format_backlog(row: BacklogRow) -> str:
     polls = "–" if row.polls_per_second is None else f"{row.polls_per_second:,.0f}"
     return (
-        f"| {row.backlog:,} | {ms(row.poll_ms, 3)} | {'yes' if row.wrote_nothing else 'NO'} "
-        f"| {ms(row.claim_ms)} | {ms(row.position_ms)} | {ms(row.list_ms)} "
-        f"| {ms(row.view_ms)} | {polls} |"
+        f"| {row.order} | {row.backlog:,} | {ms(row.poll_ms, 3)} "
+        f"| {'yes' if row.wrote_nothing else 'NO'} | {ms(row.claim_ms)} | {ms(row.position_ms)} "
+        f"| {ms(row.list_ms)} | {ms(row.view_ms)} | {ms(row.scrape_ms)} | {polls} |"
     )
 
 
@@ -992,7 +1048,7 @@ def report(
 ) -> None:
     print(
         f"\nBacklog: {args.calls} timed calls per operation after {WARMUP_CALLS} untimed; "
-        "figures are median / p95 in ms. position(): one of the last "
+        "figures are median / p95 in ms. A place at the back: state() of one of the last "
         f"{POSITION_TAIL} jobs in line; list_jobs: a user with {LIST_USER_JOBS} pending jobs "
         "spread through the backlog; queue_view(limit=50) with one call in flight."
     )
@@ -1018,13 +1074,14 @@ def report(
         if row.backlog != largest:
             continue
         print(
-            f"- {row.backend} {row.backlog:,}: no-op poll writes nothing: "
+            f"- {row.backend} {row.order} {row.backlog:,}: no-op poll writes nothing: "
             f"{'MET' if row.wrote_nothing else 'MISSED'}, under {POLL_TARGET_MS:g} ms "
             f"{verdict(row.poll_ms, POLL_TARGET_MS)}; claim_next under {CLAIM_TARGET_MS:g} ms "
-            f"{verdict(row.claim_ms, CLAIM_TARGET_MS)}; under {READ_TARGET_MS:g} ms: "
-            f"position {verdict(row.position_ms, READ_TARGET_MS)}, "
-            f"list_jobs {verdict(row.list_ms, READ_TARGET_MS)}, "
-            f"queue_view {verdict(row.view_ms, READ_TARGET_MS)}"
+            f"{verdict(row.claim_ms, CLAIM_TARGET_MS)}; a place at the back under "
+            f"{PLACE_TARGET_MS:g} ms {verdict(row.position_ms, PLACE_TARGET_MS)}; under "
+            f"{READ_TARGET_MS:g} ms: list_jobs {verdict(row.list_ms, READ_TARGET_MS)}, "
+            f"queue_view {verdict(row.view_ms, READ_TARGET_MS)}, "
+            f"scrape {verdict(row.scrape_ms, READ_TARGET_MS)}"
         )
     for bulk in bulks:
         for step in bulk.steps:
@@ -1043,7 +1100,7 @@ def report(
             )
     print("\nWrite checks:")
     for row in backlogs:
-        print(f"- {row.backend} {row.backlog:,}: {row.write_check}")
+        print(f"- {row.backend} {row.order} {row.backlog:,}: {row.write_check}")
     for bulk in bulks:
         for step in bulk.steps:
             print(f"- {bulk.backend} bulk, {step.name}: {step.check}")
@@ -1106,6 +1163,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="server to create the benchmark databases on "
         "(default: $AI_JOB_TEST_POSTGRES_URL or %(default)s)",
     )
+    parser.add_argument(
+        "--orders", default="fair,fifo", help="claim orders to measure each backlog in"
+    )
     parser.add_argument("--calls", type=int, default=200, help="timed calls per backlog operation")
     parser.add_argument(
         "--poll-seconds",
@@ -1134,6 +1194,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.sizes = [int(size) for size in args.sizes.split(",") if size.strip()]
     args.backends = [name.strip() for name in args.backends.split(",") if name.strip()]
+    args.orders = [name.strip() for name in args.orders.split(",") if name.strip()]
+    if set(args.orders) - {"fair", "fifo"}:
+        parser.error("--orders takes fair and fifo")
     unknown = set(args.backends) - {"sqlite", "postgresql"}
     if unknown:
         parser.error(f"unknown backend(s): {', '.join(sorted(unknown))}")
@@ -1155,9 +1218,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     backlogs: list[BacklogRow] = []
     bulks: list[BulkRow] = []
     for backend in args.backends:
-        for size in args.sizes:
-            with fresh_database(backend, args) as url:
-                backlogs.append(run_backlog(backend, url, size, args))
+        for order in args.orders:
+            ORDER["value"] = order
+            for size in args.sizes:
+                with fresh_database(backend, args) as url:
+                    backlogs.append(run_backlog(backend, url, size, args))
+        ORDER["value"] = "fair"
         if args.bulk_users:
             bulks.append(run_bulk(backend, args))
     report(backlogs, bulks, args)
