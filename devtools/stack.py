@@ -3,12 +3,15 @@
 `ServeProcess` is `insight-queue serve` as a subprocess, ready once its
 deployments are registered and its consumer says it is alive, stopped by its
 PID (with its process group). `ApiServer` serves an ASGI app (the API) on a
-loopback port from a thread of this process.
+loopback port from a thread of this process. `Machine` plays one machine of
+a work pool on this host: its processes in a directory of their own.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
 import subprocess
 import threading
@@ -159,3 +162,46 @@ class ApiServer:
 
     def __exit__(self, *_: object) -> None:
         self.stop()
+
+
+class Machine:
+    """One machine of the pool: its processes, started in a directory of its own."""
+
+    def __init__(self, name: str, command: list[str], env: dict[str, str], root: Path) -> None:
+        self.name = name
+        self.home = root / name
+        self.home.mkdir()
+        self.log = self.home / "machine.log"
+        self.env = {
+            **os.environ,
+            **env,
+            "PREFECT_HOME": str(self.home / "prefect"),
+            "AI_JOB_DATA_DIR": str(self.home / "data"),
+        }
+        self.process = processes.start(command, env=self.env, log=self.log, cwd=self.home)
+
+    def family(self) -> set[int]:
+        """Every process of this machine: its first, and all it started, whatever the session."""
+        found = {self.process.pid}
+        while True:
+            more = {pid for pid, parent, _ in processes._processes() if parent in found}
+            if more <= found:
+                return found
+            found |= more
+
+    def kill(self) -> set[int]:
+        """SIGKILL to every process of the machine at once, as a power cut would."""
+        family = self.family()
+        for pid in family:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        self.process.wait(10)
+        return family
+
+    def stop(self) -> None:
+        """Stop what is left of it: its first process, and by their PIDs the others."""
+        left = self.family() if self.process.poll() is None else set()
+        processes.interrupt_group(self.process)
+        for pid in left - {self.process.pid}:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)

@@ -18,10 +18,7 @@ pickup on an idle gateway are printed.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import signal
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -32,10 +29,10 @@ from typing import Any
 import httpx
 import pytest
 
-from deployments import processes
 from deployments.deploy import CRASH_AFTER_SECONDS
 from deployments.triggers import Triggers
 from devtools.recorder import RecorderSnapshot
+from devtools.stack import Machine
 from flows.consumer import standing_by
 from flows.demo import demo_scopes
 from queue_store import JobStore
@@ -56,49 +53,6 @@ DEADLINE = 300.0  # seconds for every job to be done after the kill
 RUNS_END_SECONDS = CRASH_AFTER_SECONDS + 60.0
 
 wait_for = partial(waiting.wait_for, every=0.5)
-
-
-class Machine:
-    """One machine of the pool: its processes, started in a directory of its own."""
-
-    def __init__(self, name: str, command: list[str], env: dict[str, str], root: Path) -> None:
-        self.name = name
-        self.home = root / name
-        self.home.mkdir()
-        self.log = self.home / "machine.log"
-        self.env = {
-            **os.environ,
-            **env,
-            "PREFECT_HOME": str(self.home / "prefect"),
-            "AI_JOB_DATA_DIR": str(self.home / "data"),
-        }
-        self.process = processes.start(command, env=self.env, log=self.log, cwd=self.home)
-
-    def family(self) -> set[int]:
-        """Every process of this machine: its first, and all it started, whatever the session."""
-        found = {self.process.pid}
-        while True:
-            more = {pid for pid, parent, _ in processes._processes() if parent in found}
-            if more <= found:
-                return found
-            found |= more
-
-    def kill(self) -> set[int]:
-        """SIGKILL to every process of the machine at once, as a power cut would."""
-        family = self.family()
-        for pid in family:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        self.process.wait(10)
-        return family
-
-    def stop(self) -> None:
-        """Stop what is left of it: its first process, and by their PIDs the others."""
-        left = self.family() if self.process.poll() is None else set()
-        processes.interrupt_group(self.process)
-        for pid in left - {self.process.pid}:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
 
 
 @pytest.fixture
