@@ -1,25 +1,16 @@
 """The HTTP API: a screen's poll, the post-sync hook, the operator's queue and actions, the page.
 
-A FastAPI app (`create_app`, served by `insight-queue api` on uvicorn) and a
-router a host FastAPI app mounts behind its own auth (`insights_router`: the
-host's dependency yields the calling user's id, so a user only ever sees their
-own insights). Both go through the same `Triggers` as the Python API.
-
-Access: operator routes need `AI_API_TOKEN` as a bearer token; the page also
-takes it as the password of HTTP Basic, which a browser asks for. With no token
-they are off (403). Bound off loopback, or with `--require-token`, every route
-needs the token. Requests that change state are refused from other sites
-(`Origin`, `Sec-Fetch-Site`), and bodies are JSON only (415 otherwise).
-
-Errors are one line of JSON, `{"error": ..., "field": ...}`; a store that
-cannot be reached is a 503 with `"status": "unknown"`; nothing answers with a
-traceback. Store calls run in the threadpool, never on the event loop.
+A FastAPI app (`create_app`) and a router a host app mounts behind its own auth
+(`insights_router`), both on `Triggers`. Who may call what: README, "HTTP API"; requests
+that change state are refused from other sites, and bodies are JSON only. Errors are one
+line of JSON, never a traceback; store calls run in the threadpool, never on the event loop.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import hashlib
 import hmac
 import ipaddress
@@ -275,11 +266,8 @@ class TokenEverywhere:
 
 
 class StrictPaths:
-    """Paths and queries as exact text: invalid UTF-8 is refused, `%2F` stays in its value.
-
-    Add it to a host app that includes `insights_router`, so a kind or a
-    subject holding an encoded slash reaches the right job.
-    """
+    """Paths and queries as exact text: invalid UTF-8 is refused, `%2F` stays in its value (a
+    host app that includes `insights_router` adds it too)."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -290,19 +278,14 @@ class StrictPaths:
             return
         raw = scope.get("raw_path") or scope["path"].encode("utf-8")
         query = bytes(scope.get("query_string", b"")).decode("latin-1")
+        part = "path"
         try:
             segments = [urllib.parse.unquote_to_bytes(s).decode("utf-8") for s in raw.split(b"/")]
-        except UnicodeDecodeError:
-            await problem(400, "path: not valid UTF-8 once percent-decoded", "path")(
-                scope, receive, send
-            )
-            return
-        try:
+            part = "query"
             urllib.parse.parse_qsl(query, keep_blank_values=True, errors="strict")
         except UnicodeDecodeError:
-            await problem(400, "query: not valid UTF-8 once percent-decoded", "query")(
-                scope, receive, send
-            )
+            refusal = problem(400, f"{part}: not valid UTF-8 once percent-decoded", part)
+            await refusal(scope, receive, send)
             return
         if any("/" in s for s in segments) and not any(_SLASH in s for s in segments):
             scope = {
@@ -405,11 +388,8 @@ def insights_router(
 ) -> APIRouter:
     """A screen's poll for a host app: `GET /v1/insights/{kind}/{subject}?fingerprint=`.
 
-    `current_user` is the host's dependency that yields the calling user's id
-    (after its own authentication), so a user can only ever poll their own
-    insights. Add `StrictPaths` to the host app so encoded slashes in a kind
-    or subject reach the right job.
-    """
+    `current_user` is the host's dependency that yields the calling user's id (after its own
+    authentication): a user can only ever poll their own insights."""
     router = APIRouter(dependencies=[Depends(single_values)])
 
     # `current_user` as a default: this module's annotations are strings, and
@@ -437,9 +417,8 @@ def insights_router(
         )
         response = insight_response(state, if_none_match)
         # How long the store took, waiting for a thread included.
-        response.headers["Server-Timing"] = (
-            f"store;dur={(time.perf_counter() - started) * 1000:.1f}"
-        )
+        elapsed = (time.perf_counter() - started) * 1000
+        response.headers["Server-Timing"] = f"store;dur={elapsed:.1f}"
         return response
 
     return router
@@ -489,12 +468,9 @@ def create_app(
     token: SecretStr | None = None,
     ui_url: Callable[[], str | None] | None = None,
 ) -> FastAPI:
-    """The standalone app, for serving on `host`.
-
-    `token` defaults to `AI_API_TOKEN`; every route needs it when `host` is not
-    loopback or `require_token` is set (behind a proxy), and then the app is
-    refused without one. `ui_url` gives the Prefect UI's address for the page.
-    """
+    """The standalone app, for serving on `host`. `token` defaults to `AI_API_TOKEN`; every
+    route needs it off loopback or with `require_token` (then the app is refused without one).
+    `ui_url` gives the Prefect UI's address for the page."""
     settings = triggers.runtime.settings
     access = Access(
         settings.api.token if token is None else token,
@@ -577,22 +553,16 @@ def create_app(
         refresh: Annotated[int, Depends(refresh_seconds)], limit: Limit = QUEUE_LIMIT
     ) -> Response:
         stylesheet = str(app.url_path_for("static", path="queue.css"))
+        render = functools.partial(queue_page.render, ui_url=links(), stylesheet=stylesheet)
         try:
             view = await run_in_threadpool(store.queue_view, limit)
         except StoreError as exc:
             if isinstance(exc, ValueError):
                 raise
-            shown = queue_page.render(
-                None,
-                ui_url=links(),
-                refresh=refresh or REFRESH_SECONDS,
-                stylesheet=stylesheet,
-                error=str(exc),
-            )
+            shown = render(None, refresh=refresh or REFRESH_SECONDS, error=str(exc))
             headers = {**PAGE_HEADERS, "Retry-After": str(STORE_DOWN_RETRY_SECONDS)}
             return HTMLResponse(shown, 503, headers)
-        shown = queue_page.render(view, ui_url=links(), refresh=refresh, stylesheet=stylesheet)
-        return HTMLResponse(shown, headers=PAGE_HEADERS)
+        return HTMLResponse(render(view, refresh=refresh), headers=PAGE_HEADERS)
 
     return app
 

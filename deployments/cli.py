@@ -1,23 +1,21 @@
 """The `insight-queue` command: the store's verbs, serving, the triggers and tools.
 
-Commands are imported when they run, not when the command starts: the
-store's verbs never pay for Prefect or uvicorn, and `--help`
-lists everything from the table below.
+Commands are imported when they run, not when the command starts: the store's verbs never pay
+for Prefect or uvicorn, and `--help` lists everything from the table below.
 """
 
 from __future__ import annotations
 
 import importlib
-import json
 import logging
 import os
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import click
 
 from queue_store import DatabaseError, Redactor, Settings, SettingsError
-from queue_store.cli import EXIT_BAD_INPUT, fails_cleanly, settings_from
+from queue_store.cli import EXIT_BAD_INPUT, echo_json, fails_cleanly, settings_from
 from queue_store.redact import install_log_redaction
 from queue_store.settings import variables
 
@@ -25,9 +23,10 @@ if TYPE_CHECKING:
     from deployments.triggers import Triggers
 
 # name -> (module, attribute, one-line help); kept here so `--help` imports nothing.
+_CLI, _CONSUMERS, _STORE = "deployments.cli", "deployments.consumers", "queue_store.cli"
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "serve": (
-        "deployments.cli",
+        _CLI,
         "serve_command",
         "Run the embedded default: Prefect, the consumer, the deployments.",
     ),
@@ -36,65 +35,37 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "api_command",
         "Serve the HTTP API for screens and operators, and the queue page.",
     ),
-    "trigger-backfill": (
-        "deployments.cli",
-        "trigger_backfill_command",
-        "What the post-sync hook calls.",
-    ),
-    "request-insight": (
-        "deployments.cli",
-        "request_insight_command",
-        "What a screen calls on every poll.",
-    ),
-    "deploy": (
-        "deployments.cli",
-        "deploy_command",
-        "Scale-out: register the flows on a process work pool.",
-    ),
+    "trigger-backfill": (_CLI, "trigger_backfill_command", "What the post-sync hook calls."),
+    "request-insight": (_CLI, "request_insight_command", "What a screen calls on every poll."),
+    "deploy": (_CLI, "deploy_command", "Scale-out: register the flows on a process work pool."),
     "worker": (
-        "deployments.consumers",
+        _CONSUMERS,
         "worker_command",
         "One machine of a work pool: Prefect's worker and a warm consumer.",
     ),
     "consume": (
-        "deployments.consumers",
+        _CONSUMERS,
         "consume_command",
         "Stand by and run queued jobs (beside Prefect workers).",
     ),
-    "drain": ("deployments.consumers", "drain_command", "Run what is runnable now, then stop."),
-    "setup-limit": (
-        "deployments.consumers",
-        "setup_limit_command",
-        "Create or update the `gateway` tag limit.",
-    ),
-    "db": ("queue_store.cli", "db_group", "The store's schema: `db upgrade`, `db status`."),
-    "enqueue": ("queue_store.cli", "enqueue_command", "Queue one generation, or promote it."),
-    "status": (
-        "queue_store.cli",
-        "status_command",
-        "One job: status, place, ETA, latest result (JSON).",
-    ),
-    "result": ("queue_store.cli", "result_command", "The latest result for a key (JSON)."),
-    "jobs": ("queue_store.cli", "jobs_command", "One user's queue in worker order."),
-    "queue": ("queue_store.cli", "queue_command", "The whole queue at a glance (--json, --watch)."),
-    "retry-failed": (
-        "queue_store.cli",
-        "retry_failed_command",
-        "Put a user's failed jobs back now.",
-    ),
+    "drain": (_CONSUMERS, "drain_command", "Run what is runnable now, then stop."),
+    "setup-limit": (_CONSUMERS, "setup_limit_command", "Create or update the `gateway` tag limit."),
+    "db": (_STORE, "db_group", "The store's schema: `db upgrade`, `db status`."),
+    "enqueue": (_STORE, "enqueue_command", "Queue one generation, or promote it."),
+    "status": (_STORE, "status_command", "One job: status, place, ETA, latest result (JSON)."),
+    "result": (_STORE, "result_command", "The latest result for a key (JSON)."),
+    "jobs": (_STORE, "jobs_command", "One user's queue in worker order."),
+    "queue": (_STORE, "queue_command", "The whole queue at a glance (--json, --watch)."),
+    "retry-failed": (_STORE, "retry_failed_command", "Put a user's failed jobs back now."),
     "requeue": (
-        "queue_store.cli",
+        _STORE,
         "requeue_command",
         "Queue every finished job again (after a prompt change).",
     ),
-    "settings": (
-        "queue_store.cli",
-        "settings_command",
-        "Every setting, and whether claiming is paused.",
-    ),
-    "pause": ("queue_store.cli", "pause_command", "Stop every worker from claiming for SECONDS."),
-    "resume": ("queue_store.cli", "resume_command", "Lift a pause."),
-    "recover": ("queue_store.cli", "recover_command", "Take back claims whose worker is gone."),
+    "settings": (_STORE, "settings_command", "Every setting, and whether claiming is paused."),
+    "pause": (_STORE, "pause_command", "Stop every worker from claiming for SECONDS."),
+    "resume": (_STORE, "resume_command", "Lift a pause."),
+    "recover": (_STORE, "recover_command", "Take back claims whose worker is gone."),
 }
 
 
@@ -211,10 +182,6 @@ def deploy_command(source: str, pool: str) -> None:
         click.echo(f"{name}  {deployment_id}  (pool {deployed.pool})")
 
 
-def _echo(value: dict[str, Any]) -> None:
-    click.echo(json.dumps(value, indent=2, ensure_ascii=False))
-
-
 def _triggers(ctx: click.Context) -> Triggers:
     """The triggers for one command; with the store unreachable, ones whose calls say so."""
     from deployments.triggers import Triggers
@@ -235,7 +202,7 @@ def _triggers(ctx: click.Context) -> Triggers:
 def trigger_backfill_command(ctx: click.Context, user_id: str, sync_id: str | None) -> None:
     """What the post-sync hook calls: queue the user's scopes, start the backfill run (JSON)."""
     with _triggers(ctx) as triggers:
-        _echo(triggers.trigger_backfill(user_id, sync_id).as_dict())
+        echo_json(triggers.trigger_backfill(user_id, sync_id).as_dict())
 
 
 @click.command("request-insight")
@@ -250,4 +217,4 @@ def request_insight_command(
 ) -> None:
     """What a screen calls on every poll: status, place in line, ETA, latest result (JSON)."""
     with _triggers(ctx) as triggers:
-        _echo(triggers.request_insight(user_id, kind, subject, fingerprint).as_dict())
+        echo_json(triggers.request_insight(user_id, kind, subject, fingerprint).as_dict())

@@ -26,10 +26,6 @@ from queue_store.cli import fails_cleanly, settings_from
 WORKER_QUERY_SECONDS = "2"
 
 
-def _echo(value: object) -> None:
-    click.echo(json.dumps(value, indent=2, default=str))
-
-
 def _require_prefect(settings: Settings) -> None:
     url = api_url(settings)
     if url is None:
@@ -44,23 +40,13 @@ def _require_prefect(settings: Settings) -> None:
 def _stand_by(settings: Settings, role: str, beside: Callable[[], None] | None = None) -> None:
     """A warm consumer in this process until SIGTERM, SIGINT or SIGHUP; `beside` runs
     once it stands by (in a thread of its own, stopped by the caller's own means)."""
-    from flows.consumer import worker_name
-    from flows.flows import generate
-    from flows.guard import PrefectSlotGuard
-    from flows.history import PrefectLedger
+    from flows.flows import prefect_consumer
     from flows.runtime import Runtime
 
     _require_prefect(settings)
     runtime = Runtime.open(settings)
     runtime.redact_logs()
-    worker = worker_name(role)
-    ledger = PrefectLedger(worker, runtime.redactor, generate)
-    consumer = runtime.consumer(
-        standby=True,
-        ledger=ledger,
-        guard=PrefectSlotGuard.for_settings(settings),
-        worker=worker,
-    )
+    consumer, ledger = prefect_consumer(runtime, role, standby=True)
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
@@ -71,7 +57,7 @@ def _stand_by(settings: Settings, role: str, beside: Callable[[], None] | None =
         finally:
             await ledger.flush(timeout=5.0)
 
-    click.echo(f"{worker} standing by; Ctrl-C stops it", err=True)
+    click.echo(f"{consumer.worker} standing by; Ctrl-C stops it", err=True)
     try:
         if beside is not None:
             beside()
@@ -144,7 +130,7 @@ def drain_command(ctx: click.Context, max_jobs: int | None) -> None:
         return
     from flows.flows import drain
 
-    _echo(asyncio.run(drain(max_jobs)))
+    click.echo(json.dumps(asyncio.run(drain(max_jobs)), indent=2, default=str))
 
 
 @click.command("setup-limit")

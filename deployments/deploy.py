@@ -1,22 +1,8 @@
 """Scale-out: the same flows on a Prefect `process` work pool, workers on several machines.
 
-`insight-queue deploy` creates (idempotently) a work pool with two queues and
-registers the three deployments on it under the names `serve` uses, so the
-triggers work unchanged:
-
-- queue `interactive` (priority 1): `interactive/insight-queue`, a screen's run;
-- queue `backfill` (priority 10): `backfill/insight-queue` and the safety net
-  `drain/insight-queue` (hourly: with `insight-queue consume` running beside
-  the workers, nothing waits for it).
-
-A worker polls its pool's queues in priority order, so an interactive run
-waiting beside backfill runs is started first. Every machine runs
-`prefect worker start --pool insight-queue` with the same `PREFECT_API_URL` and
-`AI_JOB_*` settings; the store (PostgreSQL) keeps the gateway guarded across
-all of them, whatever Prefect starts where.
-
-The code is pulled from `source` when a run starts: a git URL, or a path that
-holds this project at the same place on every machine.
+A work pool with two queues, `interactive` before `backfill`, and the deployments of
+`deployments.table` under the names `serve` uses, so the triggers work unchanged; the store
+(PostgreSQL) keeps the gateway guarded whatever Prefect starts where.
 """
 
 from __future__ import annotations
@@ -29,12 +15,7 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 from deployments import table
-from flows.history import (
-    CONSUMER_ALIVE,
-    CONSUMER_STOPPED,
-    PROJECT_TAG,
-    RUN_HEARTBEAT_SECONDS,
-)
+from flows.history import CONSUMER_ALIVE, CONSUMER_STOPPED, PROJECT_TAG, RUN_HEARTBEAT_SECONDS
 from flows.limits import ensure_gateway_limit
 from queue_store import Settings
 
@@ -83,16 +64,10 @@ def ensure_pool(pool: str = table.POOL) -> None:
 
 
 def deploy(
-    source: str,
-    *,
-    pool: str = table.POOL,
-    job_variables: dict[str, Any] | None = None,
+    source: str, *, pool: str = table.POOL, job_variables: dict[str, Any] | None = None
 ) -> Deployed:
-    """Register every deployment of the table on the pool, and the automations that heal it.
-
-    Every flow run on the pool sends heartbeats (`RUN_HEARTBEAT_SECONDS`).
-    Returns the deployments' ids.
-    """
+    """Register every deployment of the table on the pool, its runs sending heartbeats, and
+    the automations that heal it. Returns the deployments' ids."""
     from flows import flows
 
     ensure_pool(pool)
@@ -132,14 +107,9 @@ def deploy(
 def automations(drain_deployment_id: str) -> list[Automation]:
     """Prefect automations that end a lost machine's runs and restart its work elsewhere.
 
-    - a run of ours that stops sending heartbeats for `CRASH_AFTER_SECONDS`
-      is marked Crashed (its machine is gone: nothing else would ever end it);
-    - a run stuck Pending for `PENDING_SECONDS` (its worker died starting it)
-      is marked Crashed;
-    - a consumer that stops saying it is alive without saying it stopped
-      makes a `drain` run, which any live machine's worker picks up: the
-      queue never waits for a schedule, whichever machine is lost.
-    """
+    A run of ours silent for `CRASH_AFTER_SECONDS`, or Pending for `PENDING_SECONDS`, is
+    marked Crashed (nothing else would ever end it); a consumer that stops saying it is alive
+    without saying it stopped makes a `drain` run, which any live machine's worker picks up."""
     from prefect.automations import Automation
     from prefect.client.schemas.objects import StateType
     from prefect.events.actions import ChangeFlowRunState, RunDeployment
@@ -147,6 +117,7 @@ def automations(drain_deployment_id: str) -> list[Automation]:
 
     ours = {"prefect.resource.role": "tag", "prefect.resource.id": f"prefect.tag.{PROJECT_TAG}"}
     ended = {f"prefect.flow-run.{state}" for state in FINAL_STATES}
+    heartbeat = "prefect.flow-run.heartbeat"
 
     def crash(after: str, expect: set[str], within: float, why: str) -> Automation:
         return Automation(
@@ -164,19 +135,13 @@ def automations(drain_deployment_id: str) -> list[Automation]:
             ),
             actions=[
                 ChangeFlowRunState(
-                    state=StateType.CRASHED,
-                    message=f"its machine was lost: {why} for {within:g} s",
+                    state=StateType.CRASHED, message=f"its machine was lost: {why} for {within:g} s"
                 )
             ],
         )
 
     return [
-        crash(
-            "prefect.flow-run.heartbeat",
-            {"prefect.flow-run.heartbeat"},
-            CRASH_AFTER_SECONDS,
-            "that sent no heartbeat",
-        ),
+        crash(heartbeat, {heartbeat}, CRASH_AFTER_SECONDS, "that sent no heartbeat"),
         crash(
             "prefect.flow-run.Pending",
             {"prefect.flow-run.Running"},

@@ -2,11 +2,7 @@
 
 A collector on a registry of its own (never the process-global one) reads
 `JobStore.metrics()` at every scrape, so every API process reports the same
-figures: the waiting jobs by class and the age of the oldest, the calls in
-flight, whether claiming is paused and why, settled attempts and their calls'
-durations by kind and outcome, screens' waits, and the tokens the answers
-said they used (an answer that did not say is counted apart, never as zero).
-`docs/alerts.yml` has example alert rules.
+figures. `docs/alerts.yml` has example alert rules.
 """
 
 from __future__ import annotations
@@ -43,8 +39,7 @@ class StoreCollector(Collector):
         for name, (count, since) in seen.waiting.items():
             waiting.add_metric([name], count)
             oldest.add_metric([name], (gate.now - since).total_seconds() if since else 0.0)
-        yield waiting
-        yield oldest
+        yield from (waiting, oldest)
         yield GaugeMetricFamily(
             f"{PREFIX}_calls_in_flight", "Calls at the gateway now", value=seen.in_flight
         )
@@ -74,8 +69,7 @@ class StoreCollector(Collector):
             used.add_metric([row.kind, "prompt"], row.prompt_tokens)
             used.add_metric([row.kind, "completion"], row.completion_tokens)
             unknown.add_metric([row.kind], row.unknown)
-        yield used
-        yield unknown
+        yield from (used, unknown)
 
 
 def _tallies(kept: list[Tally]) -> Iterator[Metric]:
@@ -103,9 +97,7 @@ def _tallies(kept: list[Tally]) -> Iterator[Metric]:
             calls.add_metric([tally.kind, tally.outcome], buckets, tally.total)
         else:
             waits.add_metric([tally.kind], buckets, tally.total)
-    yield attempts
-    yield calls
-    yield waits
+    yield from (attempts, calls, waits)
 
 
 def registry_for(store: JobStore) -> CollectorRegistry:

@@ -1,15 +1,9 @@
 """The app side's way to Prefect: find the server, and start a deployment's run, fast.
 
-A screen's poll and the post-sync hook must answer within seconds whatever
-Prefect's state, and an app process should not pay for importing Prefect
-(about 2 s) to start one run. So the triggers talk to Prefect's REST API
-directly, with httpx, short timeouts and no retries, and say in one line why
-a run could not be started.
-
-Which server: `PREFECT_API_URL` if set; else the one `insight-queue serve`
-started for the same data directory (it records its address in
-`<data dir>/serve.json` and removes it when it stops). Never a temporary
-server of Prefect's own.
+The triggers must answer within seconds whatever Prefect's state, and an app should not pay for
+importing Prefect (about 2 s) to start one run: so this talks to Prefect's REST API with httpx,
+short timeouts and no retries. The server is `PREFECT_API_URL`, else the one `serve` runs for
+the same data directory (`serve.json`); never a temporary server of Prefect's own.
 """
 
 from __future__ import annotations
@@ -179,16 +173,8 @@ class PrefectApi:
     ) -> str:
         """Start a run of `deployment`; the same key returns the same run."""
         deployment_id = self.deployment_id(deployment)
-        response = self._request(
-            "POST",
-            f"/deployments/{deployment_id}/create_flow_run",
-            json={
-                "name": name,
-                "parameters": parameters,
-                "tags": tags,
-                "idempotency_key": idempotency_key,
-            },
-        )
+        body = dict(name=name, parameters=parameters, tags=tags, idempotency_key=idempotency_key)
+        response = self._request("POST", f"/deployments/{deployment_id}/create_flow_run", json=body)
         if response.status_code == 404:
             with self._lock:
                 self._deployments.pop(deployment, None)  # redeployed: look it up again

@@ -1,15 +1,8 @@
 """Processes we start, and the signals that stop us: one place for both.
 
-- `start(...)` runs a command in its own session (so its own children can be
-  stopped with it) and, on Linux, asks the kernel to send it SIGTERM if we die
-  first, whatever way we die: nothing we start outlives us holding a port.
-- `stop_group(...)` stops a process we started and its group, by the PID we
-  got: SIGTERM, then SIGKILL after a grace period.
-- `stop_signals()` turns SIGTERM, SIGHUP (and SIGINT) into `KeyboardInterrupt`
-  in the main thread, so every way of asking a command to stop runs the same
-  cleanup as Ctrl-C.
-- `free_port(preferred)`: the preferred loopback port if it can be bound
-  (sockets in TIME_WAIT do not count as taken), else any free one.
+A process we start runs in its own session (its children stop with it) and, on Linux, gets
+SIGTERM if we die first, however we die: nothing we start outlives us holding a port.
+`stop_signals()` makes every way of asking a command to stop run the same cleanup as Ctrl-C.
 """
 
 from __future__ import annotations
@@ -61,6 +54,9 @@ def start(
         log.parent.mkdir(parents=True, exist_ok=True)
         handle = open(log, "ab")  # noqa: SIM115 - closed below, the child keeps its copy
         out = handle
+    # Must run in the thread that outlives the child: PDEATHSIG fires when the *thread* that
+    # forked it exits.
+    main_thread = threading.current_thread() is threading.main_thread()
     try:
         return subprocess.Popen(
             list(args),
@@ -70,11 +66,7 @@ def start(
             stderr=subprocess.STDOUT if out is not None else None,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
-            # Must run in the thread that outlives the child: PDEATHSIG fires
-            # when the *thread* that forked it exits.
-            preexec_fn=_die_with_parent
-            if threading.current_thread() is threading.main_thread()
-            else None,
+            preexec_fn=_die_with_parent if main_thread else None,
         )
     finally:
         if handle is not None:
@@ -141,42 +133,10 @@ def group_members(pgid: int) -> list[int]:
     return [found for found, _, group in _processes() if group == pgid]
 
 
-def stop_children(grace_seconds: float = STOP_GRACE_SECONDS) -> None:
-    """SIGTERM every child of this process (and its group), SIGKILL what is left after the grace."""
-    pids = children()
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace_seconds
-    while pids and time.monotonic() < deadline:
-        pids = [p for p in pids if _running(p)]
-        time.sleep(0.1)
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, signal.SIGKILL)
-
-
-def _running(pid: int) -> bool:
-    try:
-        waited, _ = os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:
-        waited = 0
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        return True
-    return waited == 0
-
-
 @contextlib.contextmanager
-def stop_signals(on_stop: Callable[[int], None] | None = None) -> Iterator[None]:
-    """SIGTERM, SIGHUP and SIGINT become `KeyboardInterrupt` in the main thread.
-
-    `on_stop(signum)`, if given, runs first (in the main thread, between two
-    bytecodes: keep it short and thread-safe). A second signal while stopping
-    is ignored, so cleanup is not cut short.
-    """
+def stop_signals() -> Iterator[None]:
+    """SIGTERM, SIGHUP and SIGINT become `KeyboardInterrupt` in the main thread; a second
+    signal while stopping is ignored, so cleanup is not cut short."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -187,8 +147,6 @@ def stop_signals(on_stop: Callable[[int], None] | None = None) -> Iterator[None]
         if stopping:
             return
         stopping = True
-        if on_stop is not None:
-            on_stop(signum)
         raise KeyboardInterrupt(signal.Signals(signum).name)
 
     previous = {s: signal.signal(s, handle) for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)}
@@ -200,6 +158,7 @@ def stop_signals(on_stop: Callable[[int], None] | None = None) -> Iterator[None]
 
 
 def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether a server could bind the port (sockets in TIME_WAIT do not count as taken)."""
     with socket.socket() as sock:
         # Like a server would: a port whose last connections linger in
         # TIME_WAIT can be bound again.
@@ -228,10 +187,8 @@ def wait_for(
     interval: float = 0.2,
     alive: Callable[[], bool] | None = None,
 ) -> None:
-    """Poll `ready()` until it is true; `TimeoutError` naming `what` after `timeout` s.
-
-    `alive()`, if given, is checked too: when it turns false, waiting stops at once.
-    """
+    """Poll `ready()` until it is true; `TimeoutError` naming `what` after `timeout` s, or
+    `RuntimeError` as soon as `alive()`, if given, turns false."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if ready():

@@ -1,10 +1,9 @@
 """The operator's queue page: `templates/queue.html` by Jinja2, styled by `static/queue.css`.
 
-No script and no external asset. Every value that comes from the app or the
-gateway (user ids, kinds, subjects, errors, worker names) is autoescaped, its
-control and bidirectional characters shown as escapes (so "\\u202eevil" cannot
-read as "live"), and isolated from the text around it. The page refreshes
-itself with a meta refresh; on a narrow screen each table row becomes a card.
+No script and no external asset. Every value that comes from the app or the gateway (user ids,
+kinds, subjects, errors, worker names) is autoescaped, its control and bidirectional characters
+shown as escapes (so "\\u202eevil" cannot read as "live"), and isolated from the text around it.
+The page refreshes itself with a meta refresh; on a narrow screen each table row becomes a card.
 """
 
 from __future__ import annotations

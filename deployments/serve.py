@@ -1,29 +1,10 @@
 """`insight-queue serve`: the embedded default, from one laptop to one server.
 
-One process runs:
-
-- a local Prefect server under the data directory (unless `PREFECT_API_URL`
-  names one), with the `gateway` tag limit;
-- the warm consumer: it stands by, takes a screen's job within a fraction of a
-  second, and writes every generation attempt to the run history. It is not a
-  run itself, so an idle hour adds nothing to the history;
-- the deployments of `deployments.table`, served by a Prefect runner: what the
-  post-sync hook and screens trigger (their runs follow their jobs; the
-  consumer does the work).
-
-It says where it is in `<data dir>/serve.json` (the app-side triggers read it
-when `PREFECT_API_URL` is unset) and holds `<data dir>/serve.lock`, so one
-serve runs per data directory. Its worker name is stable for the data
-directory and host, so a restart takes back the claims of the previous serve
-at once, even after a crash, and marks their runs crashed.
-
-When Prefect's server cannot be reached for a while, Prefect's runner gives
-up; serve starts another (with a growing pause) and its consumer goes on.
-
-SIGTERM, SIGINT or SIGHUP stop it within seconds: the call in flight is
-stopped and its job handed back without spending the attempt, its run ends
-Cancelled, the runner's flow runs are cancelled, the Prefect server it started
-stops, and nothing is left holding a port.
+One process: a local Prefect server (unless `PREFECT_API_URL` names one), the warm consumer
+(not a run itself, so an idle hour adds nothing to the history), and the deployments on a
+Prefect runner. One serve per data directory (`serve.lock`; `serve.json` says where it is).
+Its worker name is stable for the data directory and host, so a restart takes back the
+previous serve's claims at once, even after a crash.
 """
 
 from __future__ import annotations
@@ -35,7 +16,6 @@ import fcntl
 import hashlib
 import logging
 import os
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -45,7 +25,7 @@ from typing import IO, Any
 from deployments import processes, table
 from deployments.prefect_api import ServeState
 from deployments.stack import DEFAULT_PORT, PrefectServer, client_env, is_healthy
-from flows.consumer import Consumer
+from flows.consumer import Consumer, short_hostname
 from flows.runtime import Runtime
 from queue_store import Job, JobStore, Settings, migrate
 
@@ -58,9 +38,8 @@ RUN_LIMIT = 20
 STOP_CONSUMER_SECONDS = 8.0
 STOP_RUNNER_SECONDS = 5.0
 STOP_SERVER_SECONDS = 5.0
-# Prefect's runner stops for good after a few polls that could not reach its
-# server. serve starts another after this pause, doubling up to the maximum,
-# while its consumer goes on.
+# Prefect's runner stops for good after a few polls that could not reach its server. serve starts
+# another after this pause, doubling up to the maximum, while its consumer goes on.
 RUNNER_RESTART_SECONDS = 2.0
 RUNNER_RESTART_MAX_SECONDS = 60.0
 
@@ -79,9 +58,8 @@ class AlreadyServing(RuntimeError):
 
 def serve_worker(settings: Settings) -> str:
     """The stable worker name of serve for this host and data directory."""
-    host = "".join(c if c.isalnum() or c in ".-" else "-" for c in socket.gethostname())[:60]
     where = hashlib.sha256(str(settings.data_dir.resolve()).encode()).hexdigest()[:10]
-    return f"serve@{host}:{where}"
+    return f"serve@{short_hostname()}:{where}"
 
 
 @contextlib.contextmanager
@@ -109,8 +87,7 @@ def _data_dir_lock(settings: Settings) -> Iterator[None]:
 
 def configure_client(api_url: str, home: Path) -> None:
     """Point this process, and the flow runs it starts, at one Prefect server."""
-    for name, value in client_env(api_url, home).items():
-        os.environ[name] = value
+    os.environ.update(client_env(api_url, home))
     os.environ.setdefault("PREFECT_RUNNER_POLL_FREQUENCY", str(RUNNER_POLL_SECONDS))
 
 
@@ -168,11 +145,8 @@ def _prefect_away(error: BaseException | None) -> bool:
 
 
 class _RunnerThread(threading.Thread):
-    """Prefect's runner for the deployments, in a thread with its own event loop.
-
-    Not in the main thread, so it installs no signal handler of its own: serve
-    decides how it stops.
-    """
+    """Prefect's runner for the deployments, in a thread with its own event loop: not in the
+    main thread, it installs no signal handler of its own, and serve decides how it stops."""
 
     def __init__(self, *, served: bool = False) -> None:
         super().__init__(name="prefect-runner", daemon=True)
@@ -244,9 +218,7 @@ class _ConsumerThread(threading.Thread):
 
 def serve(settings: Settings, options: ServeOptions) -> None:
     """Run until a signal; stop everything started, within seconds."""
-    from flows.flows import generate
-    from flows.guard import PrefectSlotGuard
-    from flows.history import PrefectLedger
+    from flows.flows import prefect_consumer
 
     server: PrefectServer | None = None
     state: ServeState | None = None
@@ -254,7 +226,7 @@ def serve(settings: Settings, options: ServeOptions) -> None:
     runner_thread: _RunnerThread | None = None
     with _data_dir_lock(settings):
         try:
-            with processes.stop_signals():
+            with contextlib.suppress(KeyboardInterrupt), processes.stop_signals():
                 api_url = os.environ.get("PREFECT_API_URL", "").strip()
                 home = settings.data_dir / "prefect"
                 if not api_url:
@@ -282,12 +254,12 @@ def serve(settings: Settings, options: ServeOptions) -> None:
                     # Where a restart after a crash finds the slots to give back.
                     dataclasses.replace(state, leases=tuple(sorted(held))).write(settings)
 
-                ledger = PrefectLedger(worker, runtime.redactor, generate)
-                consumer = runtime.consumer(
-                    standby=True,
-                    ledger=ledger,
-                    guard=PrefectSlotGuard.for_settings(settings, on_change=record_leases),
+                consumer, ledger = prefect_consumer(
+                    runtime,
+                    "consumer",
                     worker=worker,
+                    on_change=record_leases,
+                    standby=True,
                     hold_slot_when_idle=options.hold_slot_when_idle,
                 )
                 consumer_thread = _ConsumerThread(consumer, ledger)
@@ -320,8 +292,6 @@ def serve(settings: Settings, options: ServeOptions) -> None:
                         raise RuntimeError(
                             f"{thread.name} stopped: {thread.error}"
                         ) from thread.error
-        except KeyboardInterrupt:
-            pass
         finally:
             _stop(server, state, settings, consumer_thread, runner_thread)
 

@@ -1,13 +1,8 @@
-"""The local stack: a Prefect server, `insight-queue serve`, waiting until they are ready.
+"""The local Prefect server, for `serve`, the demo, the tests and the benchmarks.
 
-One helper for everything that runs a Prefect server on this machine: `serve`
-(the embedded default), the demo, the tests and the benchmarks.
-
-`PrefectServer` is a `prefect server start` subprocess with its own home under
-the data directory, bound to 127.0.0.1, its concurrency leases in files (with
-the in-memory default a restart forgets who holds the `gateway` slots but not
-that they are taken). It stops what it started, by PID, on `stop()` or at the
-end of a `with`.
+`PrefectServer` is a `prefect server start` subprocess with its own home, bound to 127.0.0.1,
+its concurrency leases in files (with the in-memory default a restart forgets who holds the
+`gateway` slots but not that they are taken). It stops what it started, by PID.
 """
 
 from __future__ import annotations
@@ -18,7 +13,6 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from types import TracebackType
 from typing import Self
 
 import httpx
@@ -123,19 +117,8 @@ class PrefectServer:
         if self.database_url:
             env["PREFECT_API_DATABASE_CONNECTION_URL"] = self.database_url
         env.pop("PREFECT_API_URL", None)
-        self.process = processes.start(
-            [
-                executable("prefect"),
-                "server",
-                "start",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(self.port),
-            ],
-            env=env,
-            log=self.log,
-        )
+        command = [executable("prefect"), "server", "start", "--host", "127.0.0.1"]
+        self.process = processes.start([*command, "--port", str(self.port)], env=env, log=self.log)
         logger.info("starting a Prefect server (pid %d) at %s", self.process.pid, self.api_url)
         try:
             processes.wait_for(
@@ -160,10 +143,5 @@ class PrefectServer:
     def __enter__(self) -> Self:
         return self.start()
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *_: object) -> None:
         self.stop()

@@ -1,16 +1,8 @@
 """What the app calls: the post-sync hook's `trigger_backfill`, and a screen's `request_insight`.
 
-An app makes one `Triggers` per process (`Triggers.open()`) and calls it from
-any thread. Both calls return within a few seconds whatever Prefect's state,
-and never wait for a generation: they queue their work in the store first, so
-nothing is lost when Prefect cannot be reached (a consumer, or the next poll,
-takes it). Both refuse at once what could never succeed: a blank or malformed
-id, a kind no generator is registered for.
-
-A screen's poll is one store read when nothing changed (`JobStore.poll`). A
-run is started only when the store says one is needed (the job is queued, no
-consumer stands by, no call is in flight), and at most one per job per
-`RUN_WINDOW_SECONDS`, by Prefect's idempotency key.
+One `Triggers` per process, called from any thread. Both return within a few seconds
+whatever Prefect's state: they queue their work in the store first. A run is started only
+when the store says one is needed, at most one per job per `RUN_WINDOW_SECONDS`.
 """
 
 from __future__ import annotations
@@ -19,15 +11,12 @@ import dataclasses
 import logging
 import threading
 import time
-from types import TracebackType
 from typing import Any, Self
 
 from deployments import table
 from deployments.prefect_api import PrefectApi, PrefectUnavailable, api_url
 from flows.runtime import Runtime
 from queue_store import (
-    PREFETCH,
-    EnqueueRequest,
     JobState,
     JobStore,
     Settings,
@@ -141,12 +130,7 @@ class Triggers:
     def __enter__(self) -> Self:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *_: object) -> None:
         self.close()
 
     def _prefect(self) -> PrefectApi:
@@ -186,11 +170,9 @@ class Triggers:
     ) -> InsightState:
         """A screen's poll: queue the insight at the front, start a run if needed, report.
 
-        `known` is the `version` of the answer the screen already has; while it
-        holds, the answer says `unchanged` and carries no result. Raises
-        `InvalidArgument` (a `ValueError`) for bad input; never raises because
-        Prefect or the database is down: the state says so instead.
-        """
+        While `known`, the `version` the screen has, holds, the answer is `unchanged`, with no
+        result. Raises `InvalidArgument` for bad input, never because Prefect or the database
+        is down: the state says so instead."""
         user_id, kind, subject = validation.key(user_id, kind, subject)
         fingerprint = validation.fingerprint(fingerprint)
         self.runtime.registry.check_kind(kind)
@@ -211,12 +193,7 @@ class Triggers:
             return InsightState.of(state, started)
         run_id, note = self._start_run(
             table.INTERACTIVE,
-            parameters={
-                "user_id": user_id,
-                "kind": kind,
-                "subject": subject,
-                "fingerprint": fingerprint,
-            },
+            parameters=dict(user_id=user_id, kind=kind, subject=subject, fingerprint=fingerprint),
             name=f"{kind}:{subject}",
             tags=[f"user:{user_id}", f"kind:{kind}", "priority:interactive"],
             idempotency_key=f"interactive:{job_id(user_id, kind, subject)}:{window}",
@@ -230,25 +207,15 @@ class Triggers:
     def trigger_backfill(self, user_id: str, sync_id: str | None = None) -> BackfillState:
         """After a data sync: queue every scope of the user, start the backfill run, return at once.
 
-        Safe to call twice for the same sync: with the same `sync_id` (or,
-        without one, within a minute) it starts one run. The scopes are queued
-        in the store first (one transaction), so they survive Prefect being
-        down or the run crashing.
-        """
+        The same `sync_id` (or, without one, a minute) starts one run. The scopes are queued in
+        the store first, so they survive Prefect being down or the run crashing."""
         user_id = validation.user_id(user_id)
         if sync_id is not None:
             sync_id = validation.text("sync_id", sync_id, 200)
         scopes = self.runtime.registry.scopes_for(user_id)
         error: str | None = None
         try:
-            self.store.enqueue_many(
-                [
-                    EnqueueRequest(
-                        user_id, s.kind, s.subject, s.fingerprint, PREFETCH, s.single_subject
-                    )
-                    for s in scopes
-                ]
-            )
+            self.store.enqueue_many([s.request(user_id) for s in scopes])
         except StoreError as exc:
             if isinstance(exc, ValueError):
                 raise

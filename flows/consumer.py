@@ -1,24 +1,17 @@
 """The consumer: take the gateway slot, claim the most urgent job, run it; again.
 
-One consumer loop serves every way work gets done:
-
-- the warm consumer of `insight-queue serve` and `insight-queue consume`
-  (`standby=True`): it never stops on its own, looks for work every
-  `STANDBY_POLL_SECONDS` with one read-only query, says it is alive in the
-  store (so a screen's trigger starts no run it does not need), and may keep
-  its gateway slot while idle so a screen's job starts without waiting for it;
-- a flow that drains (`standby=False`): it stops when nothing is runnable, or
-  when another consumer holds the gateway and will take the next job itself.
-
-It runs `AI_JOB_CONCURRENCY` lanes, each holding at most one gateway slot and
-one claim. Stopping it (`stop()`, e.g. on SIGTERM) cancels the calls in flight:
-each is really stopped, its job handed back without spending the attempt, its
-history entry closed as stopped.
+The warm consumer of `serve` and `consume` (`standby=True`) never stops on its own: it looks for
+work with one read-only query every `STANDBY_POLL_SECONDS`, says it is alive in the store (so a
+screen's trigger starts no run it does not need), and may keep its gateway slot while idle. A
+flow's consumer (`standby=False`) stops when nothing is runnable. It runs `AI_JOB_CONCURRENCY`
+lanes, each holding at most one slot and one claim. `stop()` cancels the calls in flight: each
+really stopped, its job handed back with its attempt.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import logging
@@ -26,6 +19,7 @@ import os
 import socket
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from flows.guard import Guard, GuardUnavailable, Held, NullGuard
@@ -51,8 +45,12 @@ def standing_by(store: JobStore) -> list[str]:
 
 def worker_name(role: str = "consumer") -> str:
     """A fresh worker name for this process: role, host, pid and a nonce (no '/')."""
-    host = "".join(c if c.isalnum() or c in ".-" else "-" for c in socket.gethostname())[:60]
-    return f"{role}@{host}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+    return f"{role}@{short_hostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+
+
+def short_hostname() -> str:
+    """This host's name as a worker name may hold it."""
+    return "".join(c if c.isalnum() or c in ".-" else "-" for c in socket.gethostname())[:60]
 
 
 @dataclasses.dataclass
@@ -60,14 +58,13 @@ class Summary:
     """What a consumer did, for logs and for the flows that ran it."""
 
     ran: int = 0
-    outcomes: dict[str, int] = dataclasses.field(default_factory=dict)
+    outcomes: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
     stopped_because: str = ""
     reports: list[Report] = dataclasses.field(default_factory=list)
 
     def add(self, report: Report) -> None:
         self.ran += 1
-        key = str(report.outcome)
-        self.outcomes[key] = self.outcomes.get(key, 0) + 1
+        self.outcomes[str(report.outcome)] += 1
         self.reports.append(report)
 
     def as_dict(self) -> dict[str, Any]:
@@ -115,19 +112,18 @@ class Consumer:
 
     def stop(self, reason: str = "stopped") -> None:
         """Stop: cancel the calls in flight (their jobs are handed back). Thread-safe."""
+        self._in_loop(self._stop_now, reason)
+
+    def finish_current(self, reason: str = "asked to finish") -> None:
+        """Stop after the calls in flight end; claim nothing new. Thread-safe."""
+        self._in_loop(self._finished, reason)
+
+    def _in_loop(self, callback: Callable[[str], object], reason: str) -> None:
         loop = self._loop
         if loop is None or loop.is_closed():
             return
         with contextlib.suppress(RuntimeError):  # the loop has just closed
-            loop.call_soon_threadsafe(self._stop_now, reason)
-
-    def finish_current(self, reason: str = "asked to finish") -> None:
-        """Stop after the calls in flight end; claim nothing new. Thread-safe."""
-        loop = self._loop
-        if loop is None or loop.is_closed():
-            return
-        with contextlib.suppress(RuntimeError):
-            loop.call_soon_threadsafe(self._finished, reason)
+            loop.call_soon_threadsafe(callback, reason)
 
     def _stop_now(self, reason: str) -> None:
         if self._stopping is None or self._stopping.is_set():
@@ -168,13 +164,12 @@ class Consumer:
                 raise error
         return self.summary
 
-    def _finished(self, reason: str) -> bool:
+    def _finished(self, reason: str) -> None:
         """A draining consumer ends here; record why (first reason wins)."""
         if not self.summary.stopped_because:
             self.summary.stopped_because = reason
         assert self._stopping is not None
         self._stopping.set()
-        return True
 
     async def _lane(self, lane: int) -> None:
         assert self._stopping is not None
@@ -253,12 +248,9 @@ class Consumer:
         return 0.0
 
     async def _stop_if_refused(self) -> float | None:
-        """A draining consumer stops once the gateway refuses our credentials.
-
-        Only a fixed token (or an operator's `resume`) ends such a pause: a
-        drain would only probe again and again, so it leaves the job queued
-        with its attempts and stops, saying why.
-        """
+        """A draining consumer stops once the gateway refuses our credentials: only a fixed token
+        (or an operator's `resume`) ends such a pause, so it leaves the job queued with its
+        attempts and stops, saying why, rather than probe again and again."""
         refused = await self._refusal()
         if refused is None:
             return 0.0
@@ -278,11 +270,8 @@ class Consumer:
         return self._settings.poll_seconds
 
     def _guard_trouble(self, exc: GuardUnavailable) -> float:
-        """No gateway slot can be had (Prefect is away): claim nothing, look again later.
-
-        A consumer standing by waits for as long as it takes; a draining one
-        stops after `STORE_OUTAGE_SECONDS`, like it does when the store is away.
-        """
+        """No gateway slot can be had (Prefect is away): claim nothing, look again later. A
+        draining consumer stops after `STORE_OUTAGE_SECONDS`, as when the store is away."""
         now = time.monotonic()
         if self._guard_down_since is None:
             logger.warning("%s; no call starts until one can", exc)
@@ -305,11 +294,8 @@ class Consumer:
         return None
 
     async def _work_waiting(self) -> bool:
-        """Whether a claim could find something (indexed reads; never a write).
-
-        A drain counts every call in flight too, so that it stays until every
-        call is over, its own or anyone's.
-        """
+        """Whether a claim could find something (indexed reads; never a write). A drain counts
+        every call in flight too, so that it stays until every call is over, its own or anyone's."""
         try:
             return await asyncio.to_thread(self._store.has_work, or_running=not self._standby)
         except StoreError:

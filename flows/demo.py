@@ -1,9 +1,8 @@
 """DEMO generators and scopes over synthetic data: not health advice.
 
-Eight kinds of insight for any user id, made from numbers derived from a
-hash of the user id and the day, so the same user always gets the same data
-and the demo needs nothing outside this project. A host app replaces this
-module with its own (see `AI_JOB_PLUGINS`).
+Eight kinds of insight for any user id, made from numbers derived from a hash of the user id and
+the day, so the same user always gets the same data and the demo needs nothing outside this
+project. A host app replaces this module with its own (see `AI_JOB_PLUGINS`).
 """
 
 from __future__ import annotations

@@ -1,36 +1,20 @@
-"""The Prefect flows: a backfill, a screen's run, and the drain.
+"""The Prefect flows: a backfill, a screen's run, the drain, and a generation's record.
 
-Prefect decides when and where these run and keeps their history; the store
-decides which job runs next; a consumer (`flows.consumer`) makes the calls.
-Every generation attempt is a run of its own (`flows.history`), so these
-flows are about the people who asked:
-
-- `backfill:<user>`: queues the user's scopes (one transaction), then follows
-  them to the end, with a progress artifact and a table of every scope (done,
-  failed, superseded, and which generation run made it). It ends Completed
-  ("8 done") or Failed ("7 done, 1 failed").
-- `<kind>:<subject>` (a screen's run): puts the insight at the front, follows
-  it, and ends with the screen's story: which run generated it (a link), how
-  long the user waited, and the outcome.
-- `drain`: runs what is runnable, then stops (the safety net of a work pool);
-- `generate`: the record of one generation attempt, written by the consumer
-  that makes the call.
-
-When a warm consumer says it is standing by (`insight-queue serve` or
-`consume`), the backfill and screen runs only follow: the consumer takes their
-jobs at once. When none is, they drain the queue themselves, holding the
-`gateway` slot for each call.
+Each attempt is a `generate` run of its own (`flows.history`), so a backfill and a screen's
+run are about the people who asked: they follow their jobs and tell their story. When a warm
+consumer stands by they only follow; when none does, they drain the queue themselves.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import re
 import signal
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 from prefect import flow, get_run_logger
@@ -48,7 +32,7 @@ from flows.consumer import Consumer, standing_by, worker_name
 from flows.guard import PrefectSlotGuard
 from flows.history import PrefectLedger, run_url
 from flows.runtime import Runtime
-from queue_store import INTERACTIVE, PREFETCH, EnqueueRequest, Job, Status, StoreError, job_id
+from queue_store import INTERACTIVE, Job, Status, StoreError, job_id
 
 # How often a following run looks at its jobs (a read-only query).
 FOLLOW_POLL_SECONDS = 1.0
@@ -75,11 +59,10 @@ def _stop_on_signals(consumer: Consumer) -> Iterator[None]:
     loop = asyncio.get_running_loop()
     installed = []
     for signum in (signal.SIGTERM, signal.SIGINT):
-        try:
+        # Refused off the main thread: the caller's own handling applies.
+        with contextlib.suppress(RuntimeError, ValueError, NotImplementedError):
             loop.add_signal_handler(signum, consumer.stop, f"signal {signum.name}")
             installed.append(signum)
-        except (RuntimeError, ValueError, NotImplementedError):
-            pass  # not the main thread: the caller's own handling applies
     try:
         yield
     finally:
@@ -97,17 +80,27 @@ async def _consuming(rt: Runtime, *, role: str) -> AsyncIterator[Consumer | None
     if warm:
         yield None
         return
-    worker = worker_name(role)
-    ledger = PrefectLedger(worker, rt.redactor, generate, parent_flow_run_id=flow_run.get_id())
-    consumer = rt.consumer(
-        role=role,
-        ledger=ledger,
-        guard=PrefectSlotGuard.for_settings(rt.settings),
-        worker=worker,
-    )
+    consumer, ledger = prefect_consumer(rt, role, parent=flow_run.get_id())
     with _stop_on_signals(consumer):
         yield consumer
     await ledger.flush()
+
+
+def prefect_consumer(
+    rt: Runtime,
+    role: str,
+    *,
+    worker: str | None = None,
+    parent: str | None = None,
+    on_change: Callable[[frozenset[str]], None] | None = None,
+    **options: Any,
+) -> tuple[Consumer, PrefectLedger]:
+    """A consumer that holds `gateway` slots and writes each attempt as a `generate` run
+    (of the flow run `parent`, if any); `on_change` as `PrefectSlotGuard` takes it."""
+    worker = worker or worker_name(role)
+    ledger = PrefectLedger(worker, rt.redactor, generate, parent_flow_run_id=parent)
+    guard = PrefectSlotGuard.for_settings(rt.settings, on_change=on_change)
+    return rt.consumer(role=role, ledger=ledger, guard=guard, worker=worker, **options), ledger
 
 
 @dataclasses.dataclass
@@ -128,10 +121,7 @@ async def backfill(user_id: str) -> State[Any]:
 async def _backfill(rt: Runtime, user_id: str) -> State[Any]:
     log = get_run_logger()
     scopes = rt.registry.scopes_for(user_id)
-    requests = [
-        EnqueueRequest(user_id, s.kind, s.subject, s.fingerprint, PREFETCH, s.single_subject)
-        for s in scopes
-    ]
+    requests = [s.request(user_id) for s in scopes]
     statuses = await asyncio.to_thread(rt.store.enqueue_many, requests)
     tracked = [
         _Scope(s.kind, s.subject, job_id(user_id, s.kind, s.subject), str(status))
@@ -178,10 +168,7 @@ async def _interactive(
     jid = job_id(user_id, kind, subject)
     if status == Status.DONE:
         job = (await asyncio.to_thread(rt.store.jobs, [jid])).get(jid)
-        story = f"Already generated for this data; nothing to do.{_made_by(job)}"
-        await acreate_markdown_artifact(
-            story, key=f"screen-{_slug(kind)}", description="The screen's story"
-        )
+        await _story(kind, f"Already generated for this data; nothing to do.{_made_by(job)}")
         return Completed(message="already done for this data")
     async with _consuming(rt, role="screen") as consumer:
         jobs = await _follow(rt, [jid], None, consumer)
@@ -192,10 +179,11 @@ async def _interactive(
     made_by = (result.flow_run_id if result else None) or (job.flow_run_id if job else None)
     link = f"[{kind}:{subject}]({run_url(ui, made_by)})" if made_by else "(no run recorded)"
     if job is not None and job.status == Status.DONE:
+        asked_at = time.strftime("%H:%M:%S UTC", time.gmtime(asked))
         story = (
             f"**{kind}:{subject}** for user `{user_id}`\n\n"
             f"- generated by run {link}\n"
-            f"- the screen asked at {_clock(asked)}; the result was ready "
+            f"- the screen asked at {asked_at}; the result was ready "
             f"after **{waited:.1f} s**\n"
             f"- attempts: {job.attempts}\n"
         )
@@ -209,9 +197,7 @@ async def _interactive(
             f"- not generated: {why}\n- last attempt: {link}\n- the screen waited {waited:.1f} s\n"
         )
         outcome = Failed(message=f"not served after {waited:.0f} s: {why}"[:500])
-    await acreate_markdown_artifact(
-        story, key=f"screen-{_slug(kind)}", description="The screen's story"
-    )
+    await _story(kind, story)
     log.info("%s:%s for %s: %s", kind, subject, user_id, outcome.message)
     return outcome
 
@@ -244,15 +230,7 @@ async def drain(max_jobs: int | None = None) -> dict[str, Any]:
 
 
 async def _drain(rt: Runtime, max_jobs: int | None) -> dict[str, Any]:
-    worker = worker_name("drain")
-    ledger = PrefectLedger(worker, rt.redactor, generate, parent_flow_run_id=flow_run.get_id())
-    consumer = rt.consumer(
-        role="drain",
-        max_jobs=max_jobs,
-        ledger=ledger,
-        guard=PrefectSlotGuard.for_settings(rt.settings),
-        worker=worker,
-    )
+    consumer, ledger = prefect_consumer(rt, "drain", parent=flow_run.get_id(), max_jobs=max_jobs)
     with _stop_on_signals(consumer):
         summary = await consumer.run()
     await ledger.flush()
@@ -261,17 +239,12 @@ async def _drain(rt: Runtime, max_jobs: int | None) -> dict[str, Any]:
 
 
 async def _follow(
-    rt: Runtime,
-    ids: list[str],
-    show: Any,
-    consumer: Consumer | None,
+    rt: Runtime, ids: list[str], show: Any, consumer: Consumer | None
 ) -> dict[str, Job]:
     """Watch these jobs until each is done, failed or gone; returns their last rows.
 
-    With `consumer`, this run drains the queue meanwhile; once its own jobs
-    are settled the consumer takes nothing new, and the call it may have in
-    flight for someone else's job ends normally before the run does.
-    """
+    With `consumer`, this run drains the queue meanwhile; once its own jobs are settled it
+    takes nothing new, and a call it has in flight for another job ends before the run does."""
     drain = asyncio.create_task(consumer.run()) if consumer is not None else None
     deadline = time.monotonic() + FOLLOW_LIMIT_SECONDS
     latest: dict[str, Job] = {}
@@ -336,20 +309,20 @@ def _scope_rows(
 
 
 def _counts(statuses: list[Status]) -> str:
-    counts: dict[str, int] = {}
-    for s in statuses:
-        counts[str(s)] = counts.get(str(s), 0) + 1
+    counts = collections.Counter(str(s) for s in statuses)
     return ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
+
+
+async def _story(kind: str, story: str) -> None:
+    await acreate_markdown_artifact(
+        story, key=f"screen-{_slug(kind)}", description="The screen's story"
+    )
 
 
 def _made_by(job: Job | None) -> str:
     if job is None or not job.flow_run_id:
         return ""
     return f" Generated by run [{job.run_name}]({run_url(_ui_url(), job.flow_run_id)})."
-
-
-def _clock(at: float) -> str:
-    return time.strftime("%H:%M:%S", time.gmtime(at)) + " UTC"
 
 
 def _ui_url() -> str | None:

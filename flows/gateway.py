@@ -1,27 +1,11 @@
 """The gateway client: the only code that talks to the LLM gateway.
 
-It sends one OpenAI-compatible chat-completions request per call and reads
-the gateway's answer for what it says (G1-G5):
-
-- a completion: `Completion`;
-- every way the call can go wrong: one of a small tree of errors, each
-  carrying the store's `Failure` for it, so the runner hands the store a
-  verdict and the store applies its rule. 429 (and 503 with `Retry-After`)
-  is a rate limit with the time asked for; 401/403 and redirects are a
-  refusal that stops the line; 502/503/504, connect errors and answers cut
-  off mid-body are "unavailable"; no complete answer within the call's
-  deadline is a timeout, reported with what had been received; an answer
-  over `AI_GATEWAY_MAX_ANSWER_BYTES` is cut off and rejected.
-
-One deadline covers the whole call: connecting, sending and reading the
-complete answer (`Settings.call_timeout`). The answer is streamed and never
-held beyond the size limit. Each call uses its own connection, closed when
-the call ends, however it ends: cancelling the task that awaits `complete()`
-closes the socket at once, so a stopped call is really over at the gateway.
-
-It must not decide anything about jobs: no retries, no backoff, no store
-access, no Prefect. No secret reaches a message, a repr or a body excerpt: the
-token in any echoed form, and credentials in the URL, are redacted.
+One OpenAI-compatible request per call, its answer read for what it says (G1-G5): a
+`Completion`, or an error carrying the store's `Failure` for it. One deadline covers the
+whole call (`Settings.call_timeout`); the answer is streamed and never held beyond the size
+limit; each call has its own connection, so cancelling `complete()` really ends the call.
+It must not decide anything about jobs (no retries, no backoff, no store, no Prefect), and
+no secret reaches a message, a repr or a body excerpt.
 """
 
 from __future__ import annotations
@@ -75,12 +59,9 @@ def _tls_context() -> ssl.SSLContext:
 
 
 class GatewayError(Exception):
-    """Base of every error the gateway client raises.
-
-    `status` is the HTTP status when the gateway answered, else None;
-    `excerpt` is the start of the answer's body (secrets removed), else "";
-    `failure` is what the store is told.
-    """
+    """Base of every error the gateway client raises: `status` is the HTTP status when the
+    gateway answered, `excerpt` the start of its body (secrets removed), `failure` what the
+    store is told."""
 
     failure: ClassVar[Failure] = Failure.REJECTED
 
@@ -95,12 +76,8 @@ class GatewayError(Exception):
 
 
 class GatewayUnavailable(GatewayError):
-    """The gateway could not be reached, or said it cannot serve right now.
-
-    Connect errors, connections dropped before or during the answer, HTTP
-    502/503/504 without `Retry-After`. The store tells an outage from a job
-    the gateway keeps failing (G2).
-    """
+    """The gateway could not be reached, or said it cannot serve right now: connect errors,
+    connections dropped before or during the answer, 502/503/504 without `Retry-After`."""
 
     failure = Failure.UNAVAILABLE
 
@@ -125,10 +102,8 @@ class GatewayRateLimited(GatewayError):
 
 
 class GatewayRefused(GatewayError):
-    """The gateway refused our credentials (401/403) or sent us elsewhere (3xx) (G4).
-
-    Every call would fail the same way: the line stops until it is fixed.
-    """
+    """The gateway refused our credentials (401/403) or sent us elsewhere (3xx) (G4): every
+    call would fail the same way, so the line stops until it is fixed."""
 
     failure = Failure.REFUSED
 
@@ -146,11 +121,8 @@ class GatewayRequestFailed(GatewayError):
 
 
 class GatewayRejected(GatewayError):
-    """The gateway answered, but not with a usable completion.
-
-    Any other 4xx/5xx status, a body that is not JSON or has no
-    `choices[0].message.content` text, or an answer over the size limit.
-    """
+    """The gateway answered, but not with a usable completion: any other 4xx/5xx, a body
+    without `choices[0].message.content` text, or an answer over the size limit."""
 
     failure = Failure.REJECTED
 
@@ -180,30 +152,18 @@ class Completion:
 
 
 def parse_retry_after(headers: Mapping[str, str], now: float | None = None) -> float | None:
-    """Seconds the gateway asks us to wait, from the common headers; None if none says.
-
-    `retry-after-ms`, `retry-after` (seconds or an HTTP date, read against the
-    answer's own `Date` when present), LiteLLM's `llm_provider-retry-after`,
-    and OpenAI's `x-ratelimit-reset-requests`/`-tokens` (`1s`, `6m0s`, `20ms`).
-    The longest of those given wins.
-    """
+    """Seconds the gateway asks us to wait, from the common headers (the longest wins); None
+    if none says. `retry-after-ms`, `retry-after` (seconds, or an HTTP date read against the
+    answer's own `Date`), LiteLLM's, and OpenAI's `x-ratelimit-reset-*` (`1s`, `6m0s`, `20ms`)."""
     lowered = {k.lower(): v.strip() for k, v in headers.items()}
     found: list[float] = []
-
-    def number(text: str) -> float | None:
-        try:
-            value = float(text)
-        except ValueError:
-            return None
-        return value if value >= 0 and value == value and value != float("inf") else None
-
-    if (ms := number(lowered.get("retry-after-ms", "x"))) is not None:
+    if (ms := _plain_number(lowered.get("retry-after-ms", "x"))) is not None:
         found.append(ms / 1000)
     for name in ("retry-after", "llm_provider-retry-after", "x-litellm-retry-after"):
         raw = lowered.get(name)
         if raw is None:
             continue
-        seconds = number(raw)
+        seconds = _plain_number(raw)
         if seconds is None:
             seconds = _seconds_until(raw, lowered.get("date"), now)
         if seconds is not None:
@@ -262,12 +222,8 @@ class _Borrowed(httpx.AsyncBaseTransport):
 
 
 class GatewayClient:
-    """An asynchronous client for one gateway, configured from `Settings`.
-
-    Each `complete()` opens its own connection and closes it when it returns
-    or is cancelled. Safe to share between tasks of one event loop. A
-    `transport` given here stays the caller's: calls use it, none closes it.
-    """
+    """An asynchronous client for one gateway, safe to share between tasks of one event loop.
+    A `transport` given here stays the caller's: calls use it, none closes it."""
 
     def __init__(
         self,
@@ -325,13 +281,9 @@ class GatewayClient:
         timeout: float | None = None,
         **extra: Any,
     ) -> Completion:
-        """Send one chat-completions request and return the complete answer.
-
-        `job` labels the call in the `X-Insight-Job` header (percent-encoded
-        UTF-8). `timeout` shortens the call's deadline (never lengthens it).
-        `extra` is merged into the JSON body (e.g. `temperature`).
-        Raises a `GatewayError` subclass for every failure of the call.
-        """
+        """Send one chat-completions request and return the complete answer, or raise a
+        `GatewayError`. `job` labels the call in the `X-Insight-Job` header; `timeout` shortens
+        its deadline (never lengthens it); `extra` is merged into the body (`temperature`)."""
         if isinstance(messages, str | bytes) or not messages:
             raise ValueError("messages: expected a non-empty sequence of message objects")
         body: dict[str, Any] = {
@@ -421,9 +373,8 @@ class GatewayClient:
         text = self._redact(data[:ERROR_BODY_BYTES].decode("utf-8", errors="replace"))
         words = text.split()
         if cut and words and not text[-1:].isspace():
-            # What was read ends mid-body, perhaps mid-secret, where nothing
-            # could recognise it; squeezing blank space may bring that end
-            # into the excerpt, so its last word goes.
+            # What was read ends mid-body, perhaps mid-secret, where nothing could recognise it;
+            # squeezing blank space may bring that end into the excerpt, so its last word goes.
             words.pop()
         return " ".join(words)[:EXCERPT_CHARS]
 
@@ -487,9 +438,8 @@ class GatewayClient:
                     progress.status,
                 )
             return GatewayUnavailable(f"{where}: connection lost before an answer: {detail}")
-        # Our own side is misconfigured (unsupported scheme, a local protocol
-        # error): the gateway said nothing; the attempt is spent, and it is no
-        # evidence that the gateway is up.
+        # Our own side is misconfigured (unsupported scheme, a local protocol error): the gateway
+        # said nothing; the attempt is spent, and it is no evidence that the gateway is up.
         return GatewayRequestFailed(f"{where}: request failed: {detail}")
 
     def _parse(self, data: bytes, status: int) -> tuple[str, dict[str, Any]]:

@@ -1,16 +1,10 @@
-"""The second, independent guard of the gateway: a slot of the `gateway` tag limit.
+"""The second, independent guard of the gateway: a slot of Prefect's `gateway` tag limit.
 
-The store's claim is the lease on the gateway; Prefect's `gateway` tag
-concurrency limit (`AI_JOB_CONCURRENCY` slots) is a second guard that does not
-trust the store. A consumer holds a slot while it claims and calls, taken
-before the claim, so the job claimed is the most urgent one at the moment the
-gateway frees up.
-
-`NullGuard` takes nothing (tests, and the store-only paths);
-`PrefectSlotGuard` takes a slot of the tag limit through Prefect's concurrency
-API, the same slots Prefect's engine takes for task runs tagged `gateway`, with
-a lease that Prefect renews while it is held and that expires on its own if
-this process dies.
+The store's claim is the lease on the gateway; the tag limit (`AI_JOB_CONCURRENCY` slots) is a
+guard that does not trust the store. A consumer takes a slot before it claims, so the job
+claimed is the most urgent one when the gateway frees up. `PrefectSlotGuard` takes the same
+slots Prefect's engine takes for task runs tagged `gateway`, with a lease that expires on its
+own if this process dies; `NullGuard` takes nothing.
 """
 
 from __future__ import annotations
@@ -29,10 +23,9 @@ from queue_store import Settings
 logger = logging.getLogger(__name__)
 
 GATEWAY_TAG = "gateway"
-# Seconds the gateway slot's lease lasts without renewal: Prefect renews it
-# while held, and frees it this long after a holder died. Consumers use
-# AI_JOB_LEASE_SECONDS, so a lost machine's slot frees when its claim does,
-# but never less than Prefect's shortest lease.
+# Seconds the gateway slot's lease lasts without renewal: Prefect renews it while held, and frees
+# it this long after a holder died. Consumers use AI_JOB_LEASE_SECONDS, so a lost machine's slot
+# frees when its claim does, but never less than Prefect's shortest lease.
 SLOT_LEASE_SECONDS = 60.0
 # Renewals per lease: a missed one or two still leave the lease alive.
 SLOT_RENEWALS_PER_LEASE = 4
@@ -51,10 +44,7 @@ class Held:
 
 class Guard(Protocol):
     def slot(self) -> contextlib.AbstractAsyncContextManager[Held]:
-        """Hold one slot for the duration of the block (waits for one).
-
-        Raises `GuardUnavailable` when no slot can be asked for now.
-        """
+        """Hold one slot for the block (waits for one); `GuardUnavailable` if none can be asked."""
 
 
 class NullGuard:
@@ -136,13 +126,9 @@ class PrefectSlotGuard:
             self._changed()
 
     async def _renew(self, lease_id: uuid.UUID, held: Held) -> None:
-        """Renew the lease for as long as the slot is held; say when it is gone.
-
-        Prefect's own renewal gives up after a few failures, and the lease then
-        lapses while its holder goes on as if it held the slot. Here renewals
-        go on through a server outage; if the lease lapsed meanwhile, the
-        server says so and the holder learns that it must take a new slot.
-        """
+        """Renew the lease while the slot is held; say when it is gone. Prefect's own renewal gives
+        up after a few failures, and the lease lapses while its holder goes on; here renewals go
+        on through a server outage, and a lapsed lease tells the holder to take a new slot."""
         from prefect.client.orchestration import get_client
 
         interval = self._lease_seconds / SLOT_RENEWALS_PER_LEASE

@@ -1,23 +1,11 @@
-"""Prefect as the ledger of generations: a flow run per attempt.
+"""Prefect as the ledger of generations: a `generate` flow run per attempt (README, "The run
+history in the Prefect UI").
 
-`PrefectLedger` writes every generation attempt as a run of the flow
-`generate` (`flows.flows.generate`): named `kind:subject`, tagged `user:<id>`,
-`kind:<kind>`, `priority:interactive|prefetch` and `attempt:<n>`, Running
-from the claim, its log saying what happened, ending Completed, or
-Failed/Cancelled with a one-line reason as its state message: what the UI's
-run list shows without opening anything.
-
-The call starts first and its record is written beside it, by one background
-task per consumer, in order: a Prefect server that is slow or down delays or
-drops history, never a generation (the engine would put several API round
-trips, and on the embedded SQLite server "database is locked" retries,
-between the claim and the call).
-
-Every consumer also speaks to Prefect's event system, so that Prefect's own
-automations (created by `insight-queue deploy`) see a machine stop: its open
-generation runs send `prefect.flow-run.heartbeat` like the runs Prefect's
-engine executes, and the consumer sends `insight-queue.consumer.alive` every
-heartbeat and `insight-queue.consumer.stopped` when it stops on purpose.
+The call starts first and its record is written beside it, by one background task per
+consumer: a Prefect server that is slow or down delays or drops history, never a generation
+(Prefect's engine would put several round trips, and "database is locked" retries, between
+the claim and the call). Open runs send `prefect.flow-run.heartbeat` like the engine's, and
+the consumer `insight-queue.consumer.alive` and `.stopped`, for the automations of `deploy`.
 """
 
 from __future__ import annotations
@@ -32,7 +20,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from flows.ledger import LedgerEntry
-from queue_store import Job, Redactor
+from queue_store import Failure, Job, Redactor
 
 if TYPE_CHECKING:
     from prefect import Flow
@@ -78,8 +66,7 @@ def generation_tags(job: Job) -> list[str]:
 class _Writer:
     """Runs history writes one after another in the background, never raising."""
 
-    def __init__(self, client_factory: Callable[[], Any]) -> None:
-        self._client_factory = client_factory
+    def __init__(self) -> None:
         self._queue: asyncio.Queue[Callable[[PrefectClient], Awaitable[None]]] = asyncio.Queue()
         self._task: asyncio.Task[None] | None = None
         self._failing = False
@@ -93,7 +80,9 @@ class _Writer:
             self._task = asyncio.create_task(self._drain(), name="run-history")
 
     async def _drain(self) -> None:
-        async with self._client_factory() as client:
+        from prefect.client.orchestration import get_client
+
+        async with get_client() as client:
             while not self._queue.empty():
                 write = self._queue.get_nowait()
                 try:
@@ -119,7 +108,6 @@ class _PrefectEntry:
         self._ledger = ledger
         self._job = job
         self._run: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
-        self._opened = time.time()
         self._logs: list[tuple[float, int, str]] = []
         self.flow_id: str | None = None  # known once the run is recorded
         self.beat_at = time.monotonic()
@@ -128,21 +116,17 @@ class _PrefectEntry:
         self._logs.append((time.time(), level, self._ledger.redact(message)))
 
     def call_started(self, at: float) -> None:
-        waited = ""
-        if self._job.requested_at is not None:
-            waited = (
-                f"; a screen asked {max(0.0, at - self._job.requested_at.timestamp()):.1f} s ago"
-            )
+        asked = self._job.requested_at
+        waited = f"; a screen asked {max(0.0, at - asked.timestamp()):.1f} s ago" if asked else ""
         self._log(logging.INFO, f"call sent to the gateway{waited}")
 
     def note(self, message: str) -> None:
         self._log(logging.INFO, message)
 
     async def run_id(self, wait: float | None = None) -> str | None:
+        timeout = RUN_ID_WAIT_SECONDS if wait is None else wait
         try:
-            return await asyncio.wait_for(
-                asyncio.shield(self._run), RUN_ID_WAIT_SECONDS if wait is None else wait
-            )
+            return await asyncio.wait_for(asyncio.shield(self._run), timeout)
         except TimeoutError:
             return None
 
@@ -160,20 +144,12 @@ class PrefectLedger:
         flow: Flow[..., Any],
         *,
         parent_flow_run_id: str | None = None,
-        client_factory: Callable[[], Any] | None = None,
     ) -> None:
         self.worker = worker
         self.redact = redactor
         self._flow = flow
         self._parent = parent_flow_run_id
-        if client_factory is None:
-            from prefect.client.orchestration import get_client
-
-            client_factory = get_client
-        self._writer = _Writer(client_factory)
-        # Per job id: the history entry of its last attempt here, for flows
-        # that follow jobs (a backfill's table, a screen's story).
-        self.runs: dict[str, str] = {}
+        self._writer = _Writer()
         self._open: set[_PrefectEntry] = set()
 
     def alive(self, worker: str, role: str) -> None:
@@ -184,21 +160,10 @@ class PrefectLedger:
             run_id = entry._run.result() if entry._run.done() else None
             if run_id is not None and now - entry.beat_at >= RUN_HEARTBEAT_SECONDS:
                 entry.beat_at = now
-                _emit(
-                    "prefect.flow-run.heartbeat",
-                    {
-                        "prefect.resource.id": f"prefect.flow-run.{run_id}",
-                        "prefect.resource.name": entry._job.run_name,
-                    },
-                    [
-                        {
-                            "prefect.resource.id": f"prefect.flow.{entry.flow_id}",
-                            "prefect.resource.role": "flow",
-                            "prefect.resource.name": self._flow.name,
-                        },
-                        *_tags(generation_tags(entry._job)),
-                    ],
-                )
+                run = _resource(f"prefect.flow-run.{run_id}", entry._job.run_name)
+                flow = _resource(f"prefect.flow.{entry.flow_id}", self._flow.name, role="flow")
+                related = [flow, *_tags(generation_tags(entry._job))]
+                _emit("prefect.flow-run.heartbeat", run, related)
 
     def stopped(self, worker: str) -> None:
         _emit(CONSUMER_STOPPED, _consumer(worker, ""))
@@ -233,7 +198,6 @@ class PrefectLedger:
             except BaseException:
                 entry._run.set_result(None)
                 raise
-            self.runs[job.id] = str(run.id)
             entry.flow_id = str(run.flow_id)
             entry._run.set_result(str(run.id))
             if job.attempts > 1 or job.flow_run_id:
@@ -250,11 +214,7 @@ class PrefectLedger:
         name = entry._job.run_name
         if report.outcome is Outcome.DONE:
             state_name, message = "completed", _done_message(report)
-        elif (
-            report.outcome is Outcome.RELEASED
-            and report.failure is not None
-            and (report.failure.value == "stopped")
-        ):
+        elif report.outcome is Outcome.RELEASED and report.failure == Failure.STOPPED:
             state_name, message = "cancelled", report.message
         else:
             state_name, message = "failed", _failed_message(report)
@@ -299,11 +259,9 @@ class PrefectLedger:
 async def _close_earlier_attempts(
     client: PrefectClient, job: Job, current: uuid.UUID, flow_name: str
 ) -> None:
-    """Earlier attempts of this job whose worker never ended their run: it died, say so.
-
-    Found by their record (the flow, the run's name, the user's tag, a state
-    that is not final), not by the id the dying worker may not have written.
-    """
+    """Earlier attempts of this job whose worker never ended their run: it died, say so. Found
+    by their record (flow, name, user's tag, a state not final), not by an id the dying worker
+    may not have written."""
     from prefect.client.schemas.filters import (
         FlowFilter,
         FlowFilterName,
@@ -337,6 +295,11 @@ def _tags(tags: list[str]) -> list[dict[str, str]]:
     return [
         {"prefect.resource.id": f"prefect.tag.{t}", "prefect.resource.role": "tag"} for t in tags
     ]
+
+
+def _resource(resource_id: str, name: str, role: str = "") -> dict[str, str]:
+    found = {"prefect.resource.id": resource_id, "prefect.resource.name": name}
+    return found | ({"prefect.resource.role": role} if role else {})
 
 
 def _consumer(worker: str, role: str) -> dict[str, str]:

@@ -1,12 +1,8 @@
 """The run history of generations: one entry per attempt, for operators.
 
-The runner opens an entry when it starts on a claimed job, notes what
-happens, and closes it with the outcome. Writing the history must never delay
-or break a generation: entries are written in the background, after the call
-has started, and a history that cannot be written is logged and dropped.
-
-`NullLedger` keeps no history (tests, and consumers without Prefect);
-`flows.history.PrefectLedger` writes each attempt as a Prefect flow run.
+Writing it must never delay or break a generation: entries are written in the background, after
+the call has started, and one that cannot be written is logged and dropped.
+`flows.history.PrefectLedger` writes Prefect flow runs; `NullLedger` keeps no history.
 """
 
 from __future__ import annotations

@@ -1,11 +1,10 @@
 """The `gateway` tag limit and the run history after a crash: repair what a dead process left.
 
-Prefect 3 keeps a tag limit as the global concurrency limit `tag:<tag>`;
-task runs take its slots with leases. With the default in-memory lease
-storage a server restart forgets the leases but not the slot count, so a slot
-taken before the restart is never given back and every later `gateway` task
-waits for ever. `repair_gateway_slots` sets the count back to the number of
-live leases.
+Prefect 3 keeps a tag limit as the global concurrency limit `tag:<tag>`; task runs take its
+slots with leases. With the default in-memory lease storage a server restart forgets the leases
+but not the slot count, so a slot taken before the restart is never given back and every later
+`gateway` task waits for ever. `repair_gateway_slots` sets the count back to the number of live
+leases.
 """
 
 from __future__ import annotations
@@ -53,8 +52,7 @@ def repair_gateway_slots(tag: str = GATEWAY_TAG, *, repair: bool = True) -> Slot
         leaked = counted > live
         if leaked and repair:
             client.update_global_concurrency_limit(
-                name=f"tag:{tag}",
-                concurrency_limit=GlobalConcurrencyLimitUpdate(active_slots=live),
+                name=f"tag:{tag}", concurrency_limit=GlobalConcurrencyLimitUpdate(active_slots=live)
             )
             logger.warning("gave back %d leaked %r slot(s)", counted - live, tag)
     return SlotCheck(int(limit.limit), counted, live, leaked and repair)

@@ -1,14 +1,9 @@
 """What the host app plugs in: generators (kind -> prompt and result) and scope providers.
 
 A *generator* turns a job's `(user_id, subject)` into the gateway request and
-the gateway's answer into the stored result. A *scope provider* lists, for a
-user, every `(kind, subject, fingerprint)` the backfill should queue.
-
-The app names its plugin modules in `AI_JOB_PLUGINS` (comma separated; the
-project ships `flows.demo`, a demo set over synthetic data). Each module has a
-`register(registry)` function; `Registry.from_plugins` builds a registry and
-hands it to each, so nothing is registered anywhere but in the registry being
-built.
+the answer into the stored result; a *scope provider* lists what a user's
+backfill queues. The plugin modules named in `AI_JOB_PLUGINS` each have a
+`register(registry)`, handed the registry being built: nothing is global.
 """
 
 from __future__ import annotations
@@ -19,7 +14,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from flows.gateway import Completion
-from queue_store import InvalidArgument, SettingsError, validation
+from queue_store import PREFETCH, EnqueueRequest, InvalidArgument, SettingsError, validation
 
 Messages = Sequence[Mapping[str, Any]]
 BuildRequest = Callable[[str, str], Messages]
@@ -36,12 +31,8 @@ class PluginError(SettingsError):
 
 @dataclasses.dataclass(frozen=True)
 class Generator:
-    """How one kind of insight is made.
-
-    `build(user_id, subject)` returns the chat messages; `parse(answer)`
-    returns the JSON-serialisable result to store; `options` are extra
-    request fields (e.g. `temperature`).
-    """
+    """How one kind of insight is made: `build(user_id, subject)` returns the chat messages,
+    `parse(answer)` the JSON-serialisable result; `options` are extra request fields."""
 
     kind: str
     build: BuildRequest
@@ -59,6 +50,12 @@ class Scope:
     # A kind with one live subject (e.g. "trends over the last 28 days"):
     # queuing it drops queued work for the kind's older subjects.
     single_subject: bool = False
+
+    def request(self, user_id: str) -> EnqueueRequest:
+        """What a backfill queues for this scope: at prefetch priority."""
+        return EnqueueRequest(
+            user_id, self.kind, self.subject, self.fingerprint, PREFETCH, self.single_subject
+        )
 
 
 ScopeProvider = Callable[[str], Iterable[Scope]]

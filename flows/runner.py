@@ -1,26 +1,11 @@
 """Running one claimed job under a self-fencing lease (L2), and telling the store what happened.
 
-The gateway cannot check a fencing token, so the store's books alone cannot
-keep two of our calls off it. The runner keeps the promise on its own side:
-
-- It keeps a local deadline on its monotonic clock: the time it *sent* its
-  last confirmed renewal (or its claim), plus `AI_JOB_LEASE_SECONDS` minus
-  `AI_JOB_LEASE_MARGIN_SECONDS`, and never later than the claim's own limit
-  (`AI_JOB_CLAIM_TIMEOUT` minus the margin). The store lets anyone take the
-  job over only after the full lease on its own clock, so the runner is done
-  at least the margin before that.
-- Everything the attempt does runs inside one cancel scope that ends at that
-  deadline: building the prompt, the call, parsing the answer. The heartbeat
-  moves the deadline after each confirmed renewal; a renewal refused (lost or
-  lapsed) ends the scope at once; renewals failing (database unreachable) let
-  the deadline come.
-- Right before the call it renews once more and starts the call only with a
-  live claim and time left. Ending the scope cancels the call, which closes
-  its socket: the call is really over, not abandoned.
-
-The outcome goes to the store as a verdict (`Failure`), and the store applies
-its rule. Plain asyncio, no Prefect: the consumer wraps this, and tests drive
-it directly.
+The gateway cannot check a fencing token, so the runner fences itself (README, "The lease
+holds at the gateway"): its deadline, on its monotonic clock, is the time it *sent* its last
+confirmed renewal plus the lease minus the margin, never past the claim's own limit. The
+whole attempt (prompt, call, parsing) runs in one cancel scope ending there: a confirmed
+renewal moves it, a refused one ends it at once, failing ones let it come; ending it cancels
+the call and closes its socket. The outcome goes to the store as a `Failure`. No Prefect.
 """
 
 from __future__ import annotations
@@ -31,7 +16,6 @@ import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine
-from types import TracebackType
 from typing import Any, Self
 
 from flows.gateway import Completion, GatewayClient, GatewayError, GatewayRateLimited
@@ -94,12 +78,7 @@ class LeaseKeeper:
         self._task = asyncio.create_task(self._beat(), name=f"heartbeat-{self._job.id[:8]}")
         return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
+    async def __aexit__(self, *_: object) -> None:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
@@ -149,9 +128,8 @@ class LeaseKeeper:
             try:
                 renewal = await asyncio.to_thread(self._store.heartbeat, self._job.id, self._holder)
             except StoreError as exc:
-                # The database may be restarting: keep trying. If it stays
-                # away, the deadline comes and the attempt stops before the
-                # claim could lapse in anyone else's view.
+                # The database may be restarting: keep trying. If it stays away, the deadline
+                # comes and the attempt stops before the claim could lapse in anyone else's view.
                 self.store_error = str(exc)
                 logger.warning("renewing the claim on %s failed: %s", self._job.run_name, exc)
                 continue
@@ -220,13 +198,9 @@ class JobRunner:
     async def run(self, job: Job, claim_sent: float) -> Report:
         """Make the job's gateway call under its lease and record what happened.
 
-        `claim_sent` is the event loop's time just before the claim was
-        requested: the lease's first deadline counts from it. Cancelling the
-        task that awaits this (a graceful stop) stops the call, hands the job
-        back without spending its attempt, and re-raises the cancellation.
-        Once an outcome is in hand, recording it runs to its end whatever
-        arrives meanwhile.
-        """
+        `claim_sent`: the loop's time just before the claim was asked for, whence the lease's
+        first deadline. Cancelling this (a graceful stop) stops the call, hands the job back
+        with its attempt and re-raises; an outcome in hand is recorded to its end regardless."""
         attempt = _Attempt(job, self.ledger.open(job))
         noted = asyncio.create_task(self._note_run(attempt))
         keeper = LeaseKeeper(self._store, job, self._settings, claim_sent)
@@ -294,10 +268,7 @@ class JobRunner:
         return report
 
     async def _close(
-        self,
-        attempt: _Attempt,
-        noted: asyncio.Task[None],
-        recording: Coroutine[Any, Any, Report],
+        self, attempt: _Attempt, noted: asyncio.Task[None], recording: Coroutine[Any, Any, Report]
     ) -> Report:
         """Record the outcome to its end, even through a stop; then close the history entry."""
         task = asyncio.ensure_future(recording)
@@ -342,27 +313,18 @@ class JobRunner:
         except ClaimLost:
             taken = "the claim was taken over before the result was recorded"
             return self._report(attempt, Outcome.LOST, taken)
-        except StoreError as exc:
-            if not isinstance(exc, InvalidArgument):
+        except Exception as exc:  # noqa: BLE001 - an unstorable result fails its job only
+            if isinstance(exc, StoreError) and not isinstance(exc, InvalidArgument):
                 unrecorded = f"the result could not be recorded: {exc}"
                 return self._report(attempt, Outcome.UNRECORDED, unrecorded)
-            # Too large, or not JSON: this result never fits.
-            return await self._settle(
-                attempt, Failure.PARSE, f"the result could not be stored: {exc}"
-            )
-        except Exception as exc:  # noqa: BLE001 - an unstorable result fails its job only
-            return await self._settle(
-                attempt, Failure.PARSE, f"the result could not be stored: {exc}"
-            )
+            # Too large, or not JSON (InvalidArgument): this result never fits.
+            stored = f"the result could not be stored: {exc}"
+            return await self._settle(attempt, Failure.PARSE, stored)
         assert status is Status.DONE
         return self._report(attempt, Outcome.DONE, "done", flow_run_id=run_id)
 
     async def _settle(
-        self,
-        attempt: _Attempt,
-        failure: Failure,
-        message: str,
-        retry_after: float | None = None,
+        self, attempt: _Attempt, failure: Failure, message: str, retry_after: float | None = None
     ) -> Report:
         job = attempt.job
         message = self._redact(" ".join(message.split()))

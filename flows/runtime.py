@@ -1,15 +1,12 @@
-"""The runtime: what a process needs to run jobs, made explicitly by whoever needs it.
+"""The runtime: what a process needs to run jobs (store, registry), made explicitly.
 
-`Runtime.open(settings)` makes the store and a registry filled by the plugin
-modules of `AI_JOB_PLUGINS`; nothing is made on import or on first use, and
-nothing global is touched unless asked (`redact_logs`). A command, a flow run
-or an app makes one and closes it; tests make their own.
+Nothing is made on import or on first use, and nothing global is touched unless asked
+(`redact_logs`): a command, a flow run or an app makes one and closes it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from types import TracebackType
 from typing import Self
 
 from flows.consumer import Consumer, worker_name
@@ -30,20 +27,11 @@ class Runtime:
     redactor: Redactor
 
     @classmethod
-    def open(
-        cls,
-        settings: Settings | None = None,
-        registry: Registry | None = None,
-        *,
-        check_schema: bool = True,
-    ) -> Runtime:
-        """The runtime for these settings (default: the environment): registry, then store.
-
-        Opening the store checks (and on SQLite creates) its schema, which needs
-        the database; `check_schema=False` opens it without touching it.
-        """
+    def open(cls, settings: Settings | None = None, *, check_schema: bool = True) -> Runtime:
+        """The runtime for these settings (default: the environment): registry, then store, whose
+        schema is checked (on SQLite created); `check_schema=False` does not touch the database."""
         settings = settings or Settings()
-        registry = registry or Registry.from_plugins(settings.plugin_modules)
+        registry = Registry.from_plugins(settings.plugin_modules)
         store = JobStore(settings.database_url, settings=settings, check_schema=check_schema)
         return cls(settings, store, registry, Redactor.for_settings(settings))
 
@@ -85,10 +73,5 @@ class Runtime:
     def __enter__(self) -> Self:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *_: object) -> None:
         self.close()

@@ -1,22 +1,14 @@
 """Bulk enqueue (`JobStore.enqueue_many`): many `enqueue` calls, one transaction per chunk.
 
-Each request is decided by the rule `enqueue` applies (`rules.decide`), in
-the order given, on the row as the requests before it in the call left it;
-`supersede` drops the user's other pending jobs of that kind at that point of
-the sequence (R7). So a call gives the statuses and rows of the same sequence
-of `enqueue` (and `supersede`) calls, made one microsecond apart: the queue
-takes the jobs it adds in the order they were given.
-
-A chunk is worked out in memory from one read of the rows it can touch, then
-written with one statement per verb (the deletes, the inserts, the updates),
-however many rows. Like `enqueue` (FIX7), a chunk that changes nothing writes
-nothing and locks nothing. The rows a chunk changes are locked first
-(PostgreSQL `SELECT ... FOR UPDATE`, in id order; SQLite holds the write
-lock) and checked unchanged since they were read; if another writer got there
-first, or inserted one of the new keys, the whole chunk is rolled back and
-worked out again. A claim skips rows locked here (`SKIP LOCKED`), and an
-`enqueue` of a locked row waits and then finds its revision gone and decides
-again: nothing is lost either way.
+Each request is decided by `rules.decide`, in the order given, on the row as the requests before
+it left it (`supersede` drops the user's other pending jobs of the kind at that point, R7): the
+statuses and rows of the same `enqueue` calls made one microsecond apart. A chunk is worked out
+in memory from one read, then written with one statement per verb, however many rows; like
+`enqueue` (FIX7), a chunk that changes nothing writes and locks nothing. The rows it changes are
+locked (PostgreSQL `FOR UPDATE`, in id order; SQLite holds the write lock) and checked unchanged
+since read; if another writer got there first, or inserted one of the new keys, the chunk is
+rolled back and worked out again. A claim skips rows locked here (`SKIP LOCKED`); an `enqueue`
+of one waits, finds its revision gone and decides again.
 """
 
 from __future__ import annotations
@@ -53,24 +45,9 @@ from queue_store.settings import Settings
 jobs = schema.jobs
 
 # The columns an enqueue can change on an existing row (`rules.decide`), and
-# the two every write sets.
-CHANGED_COLUMNS = (
-    "turn",
-    "status",
-    "holder",
-    "worker",
-    "claimed_at",
-    "heartbeat_at",
-    "priority",
-    "fingerprint",
-    "attempts",
-    "error",
-    "unavailable_since",
-    "queued_at",
-    "requested_at",
-    "updated_at",
-    "revision",
-)
+# the two every write sets: all but the key, its creation, and a settlement's.
+KEPT_COLUMNS = ("id", "user_id", "kind", "subject", "created_at", "finished_at", "flow_run_id")
+CHANGED_COLUMNS = tuple(column.name for column in jobs.columns if column.name not in KEPT_COLUMNS)
 
 
 # Every column, empty: what a new row holds beyond `new_job`'s values.
@@ -134,11 +111,8 @@ class Raced(Exception):
 def chunks(
     requests: Sequence[EnqueueRequest], size: int, most: int
 ) -> Iterator[Sequence[EnqueueRequest]]:
-    """Runs of about `size` requests that end where a user's run of requests ends.
-
-    A user's scopes, given together, are queued in one transaction; only a run
-    longer than `most` is cut.
-    """
+    """Runs of about `size` requests that end where a user's run of requests ends (a user's
+    scopes given together are queued in one transaction); only a run longer than `most` is cut."""
     start = 0
     while start < len(requests):
         end = min(start + size, len(requests))
@@ -189,15 +163,11 @@ def _read(postgres: bool, superseding: bool) -> Any:
 
 
 def _by_user_and_kind_one_by_one() -> Select[Any]:
-    """PostgreSQL: every job of each (user, kind) in the arrays `users` and `kinds`.
-
-    Looked up pair by pair in `ix_ai_jobs_user`, as `_by_id_one_by_one` looks
-    up ids. With `user_id = ANY(...) AND kind = ANY(...)`, a session that had
-    prepared the statement (psycopg does after five runs) read it slower and
-    slower as a backfill of one call per user grew the table, while the same
-    statement unprepared did not; pair by pair it stays flat. (OFFSET 0 keeps
-    the lookup a lookup: without it the planner may merge it into a join.)
-    """
+    """PostgreSQL: every job of each (user, kind) in the arrays `users` and `kinds`, looked up
+    pair by pair in `ix_ai_jobs_user`. With `user_id = ANY(...) AND kind = ANY(...)`, a session
+    that had prepared the statement (psycopg does after five runs) read it slower and slower as
+    a backfill of one call per user grew the table; pair by pair it stays flat. (OFFSET 0 keeps
+    the lookup a lookup: without it the planner may merge it into a join.)"""
     pairs = (
         func.unnest(
             bindparam("users", type_=postgresql.ARRAY(String)),
@@ -216,14 +186,10 @@ def _by_user_and_kind_one_by_one() -> Select[Any]:
 
 
 def _by_id_one_by_one(*columns: Any, lock: bool = False) -> Select[Any]:
-    """PostgreSQL: the rows of the ids in the array `ids`, each looked up in the primary key.
-
-    `id = ANY(:ids)` reads the same rows, but on a table that has grown since
-    it was last analysed (a first backfill) the planner takes it for a few
-    pages and scans all of it, for every chunk. A lookup per id (LATERAL ...
-    LIMIT 1), in the order given (sorted: the lock order), stays a lookup
-    whatever the statistics say.
-    """
+    """PostgreSQL: the rows of the ids in the array `ids`, each looked up in the primary key
+    (LATERAL ... LIMIT 1) in the order given (sorted: the lock order). On a table grown since
+    it was last analysed (a first backfill), the planner takes `id = ANY(:ids)` for a few pages
+    and scans all of it, for every chunk; a lookup per id stays a lookup whatever the statistics."""
     keys = (
         func.unnest(bindparam("ids", type_=postgresql.ARRAY(String)))
         .table_valued(column("id", String))
@@ -243,10 +209,8 @@ def plan(
     settings: Settings,
     turns: Turns,
 ) -> Plan:
-    """Decide every request of the chunk in order, on the rows as the earlier ones left them.
-
-    Request `n` is decided at `start` plus `n` microseconds.
-    """
+    """Decide every request of the chunk in order, on the rows as the earlier ones left them;
+    request `n` at `start` plus `n` microseconds."""
     # Every job as it stands after the requests so far; None once deleted.
     current: dict[str, types.SimpleNamespace | None] = {
         jid: types.SimpleNamespace(**row) for jid, row in rows.items()
@@ -262,21 +226,13 @@ def plan(
     at = start
     for n, request in enumerate(chunk):
         at = start + dt.timedelta(microseconds=n)
-        jid = job_id(request.user_id, request.kind, request.subject)
+        key = (request.user_id, request.kind, request.subject)
+        jid = job_id(*key)
         job = current.get(jid)
         if job is None:  # new, or deleted by a supersede earlier in the call: R2
-            job = types.SimpleNamespace(**EMPTY_ROW)
-            vars(job).update(
-                new_job(
-                    request.user_id,
-                    request.kind,
-                    request.subject,
-                    request.fingerprint,
-                    request.priority,
-                    at,
-                    turns.deal(request.user_id, request.priority),
-                )
-            )
+            turn = turns.deal(request.user_id, request.priority)
+            fields = new_job(*key, request.fingerprint, request.priority, at, turn)
+            job = types.SimpleNamespace(**{**EMPTY_ROW, **fields})
             current[jid] = inserts[jid] = job
             by_kind.setdefault((request.user_id, request.kind), set()).add(jid)
             statuses.append(Status.PENDING)
@@ -309,10 +265,7 @@ def plan(
     return Plan(
         statuses=statuses,
         deletes=deletes,
-        inserts={
-            jid: {c.name: getattr(job, c.name) for c in jobs.columns}
-            for jid, job in inserts.items()
-        },
+        inserts={jid: dict(vars(job)) for jid, job in inserts.items()},  # every column
         updates={
             jid: {name: getattr(current[jid], name) for name in CHANGED_COLUMNS} for jid in changed
         },
@@ -368,11 +321,8 @@ def _pg_lock() -> Any:
 
 @functools.cache
 def _sqlite_insert() -> Any:
-    """One row per execution, many executions; the count of rows inserted adds up.
-
-    Written as text, like `_pg_insert`: SQLAlchemy does not cache its SQLite
-    INSERT ... ON CONFLICT either.
-    """
+    """One row per execution, many executions (the counts of rows inserted add up). Text, like
+    `_pg_insert`: SQLAlchemy does not cache its SQLite INSERT ... ON CONFLICT either."""
     return text(
         f"INSERT INTO ai_jobs ({', '.join(INSERTED)}) "
         f"VALUES ({', '.join(f':{name}' for name in INSERTED)}) ON CONFLICT (id) DO NOTHING"
@@ -381,11 +331,9 @@ def _sqlite_insert() -> Any:
 
 @functools.cache
 def _pg_insert(dialect: Dialect) -> Any:
-    """INSERT ... SELECT FROM unnest(one array per column): one statement, one plan.
-
-    Written as text: SQLAlchemy does not cache its PostgreSQL INSERT ... ON
-    CONFLICT, and would compile it again for every chunk.
-    """
+    """INSERT ... SELECT FROM unnest(one array per column): one statement, one plan. Text, as
+    SQLAlchemy does not cache its PostgreSQL INSERT ... ON CONFLICT: it would compile it again
+    for every chunk."""
     arrays = ", ".join(
         f"CAST(:{name} AS {jobs.c[name].type.compile(dialect=dialect)}[])" for name in INSERTED
     )

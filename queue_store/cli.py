@@ -1,10 +1,9 @@
 """The store's command-line verbs: `db`, `enqueue`, `status`, `jobs`, `queue`, ...
 
-Mounted into the `insight-queue` command by `deployments.cli`; they need
-nothing but the store, so they start without importing Prefect. Every error
-becomes one line on stderr and a non-zero exit, never a traceback. JSON output
-uses the store's one vocabulary (snake_case keys, ISO 8601 UTC times).
-Read-only commands never create a database or a directory.
+Mounted into the `insight-queue` command by `deployments.cli`; they need nothing but the store,
+so they start without importing Prefect. Every error becomes one line on stderr and a non-zero
+exit, never a traceback. JSON output uses the store's one vocabulary (snake_case keys, ISO 8601
+UTC times). Read-only commands never create a database or a directory.
 """
 
 from __future__ import annotations
@@ -15,8 +14,7 @@ import re
 import shutil
 import sys
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any, ParamSpec, TypeVar
 
 import click
@@ -36,10 +34,6 @@ EXIT_BAD_INPUT = 2
 ERROR_COLUMN = 48  # characters of an error shown in a table row
 CELL_WIDTH = 40  # widest other column
 ELLIPSIS = "…"
-
-# What the app-side entry points check a kind against: set by the command
-# that mounts these verbs, once the plugins are loaded. None: no check.
-KindCheck = Callable[[str], None]
 
 
 def fails_cleanly(command: Callable[P, R]) -> Callable[P, R]:
@@ -64,24 +58,14 @@ def settings_from(ctx: click.Context) -> Settings:
     return Settings(database_url=url) if url else Settings()
 
 
-@contextmanager
-def open_store(ctx: click.Context, *, write: bool) -> Iterator[JobStore]:
-    """The store; a read-only command never creates one."""
+def open_store(ctx: click.Context, *, write: bool) -> JobStore:
+    """The store, to use in a `with`; a read-only command never creates one."""
     settings = settings_from(ctx)
-    store = JobStore(settings.database_url, settings=settings, create=write)
-    try:
-        yield store
-    finally:
-        store.close()
+    return JobStore(settings.database_url, settings=settings, create=write)
 
 
 def echo_json(value: Any) -> None:
     click.echo(json.dumps(value, indent=2, ensure_ascii=False, default=str))
-
-
-def _kind_check(ctx: click.Context) -> KindCheck | None:
-    check = (ctx.find_root().obj or {}).get("check_kind")
-    return check if callable(check) else None
 
 
 def priority_option(command: Callable[P, R]) -> Callable[P, R]:
@@ -91,11 +75,8 @@ def priority_option(command: Callable[P, R]) -> Callable[P, R]:
         default=None,
         help=f"lower runs first (interactive {INTERACTIVE}, prefetch {PREFETCH})",
     )(command)
-    return click.option(
-        "--interactive",
-        is_flag=True,
-        help=f"a screen is waiting: priority {INTERACTIVE}",
-    )(command)
+    interactive = f"a screen is waiting: priority {INTERACTIVE}"
+    return click.option("--interactive", is_flag=True, help=interactive)(command)
 
 
 def json_option(command: Callable[P, R]) -> Callable[P, R]:
@@ -123,10 +104,7 @@ def db_upgrade(ctx: click.Context) -> None:
 def db_status(ctx: click.Context) -> None:
     """Say whether the schema is current (creates nothing)."""
     settings = settings_from(ctx)
-    with JobStore(
-        settings.database_url, settings=settings, check_schema=False, create=False
-    ) as store:
-        store.check_schema()
+    JobStore(settings.database_url, settings=settings, create=False).close()  # checks the schema
     click.echo(f"{mask_url(settings.database_url)}: schema is current")
 
 
@@ -152,7 +130,8 @@ def enqueue_command(
     """Queue one generation, or promote it; prints the job's status."""
     if interactive and priority is not None:
         raise InvalidArgument("priority", "give --interactive or --priority, not both")
-    if (check := _kind_check(ctx)) is not None:
+    # How the command that mounts these verbs checks a kind, once the plugins are loaded.
+    if callable(check := (ctx.find_root().obj or {}).get("check_kind")):
         check(kind)
     chosen = INTERACTIVE if interactive else PREFETCH if priority is None else priority
     with open_store(ctx, write=True) as store:
@@ -273,20 +252,19 @@ def describe_gate(gate: GateState) -> str:
     )
 
 
-def render_queue(view: QueueView, run_link: Callable[[str], str] | None = None) -> str:
+def render_queue(view: QueueView) -> str:
     """The whole queue as text: claiming, consumers, calls in flight, the line, failures."""
-    link = run_link or (lambda run_id: run_id[:8])
-    out = [f"{iso(view.now)}  concurrency {view.concurrency}", describe_gate(view.gate)]
-    alive = [w for w in view.workers if w.alive]
-    out.append(
-        "consumers: "
-        + (", ".join(f"{w.name} ({w.role})" for w in alive) if alive else "none alive")
-    )
-    out.append("")
-    out.append(f"IN FLIGHT ({len(view.running)})")
+    alive = ", ".join(f"{w.name} ({w.role})" for w in view.workers if w.alive) or "none alive"
+    out = [
+        f"{iso(view.now)}  concurrency {view.concurrency}",
+        describe_gate(view.gate),
+        f"consumers: {alive}",
+        "",
+        f"IN FLIGHT ({len(view.running)})",
+    ]
     for e in view.running:
         j = e.job
-        run = f"  run {link(j.flow_run_id)}" if j.flow_run_id else ""
+        run = f"  run {j.flow_run_id[:8]}" if j.flow_run_id else ""
         out.append(
             f"  {_printable(j.run_name)}  user {_printable(j.user_id)}  {j.priority_class}  "
             f"try {j.attempts}/{view.max_attempts}  for {_duration(e.running_seconds or 0)}  "
@@ -294,9 +272,8 @@ def render_queue(view: QueueView, run_link: Callable[[str], str] | None = None) 
         )
     if not view.running:
         out.append("  (none)")
-    out.append("")
     shown = f", first {len(view.waiting)}" if view.waiting_total > len(view.waiting) else ""
-    out.append(f"WAITING ({view.waiting_total}{shown}), in the order the worker takes them")
+    out += ["", f"WAITING ({view.waiting_total}{shown}), in the order the worker takes them"]
     rows = [e.as_dict(view.max_attempts) for e in view.waiting]
     columns: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
         ("#", lambda r: str(r["place"])),
@@ -309,8 +286,7 @@ def render_queue(view: QueueView, run_link: Callable[[str], str] | None = None) 
         ("LAST ERROR", lambda r: r["error"] or ""),
     ]
     out.append(render_table(columns, rows, empty="(nothing waiting)"))
-    out.append("")
-    out.append(f"RECENT FAILURES ({view.failed_total})")
+    out += ["", f"RECENT FAILURES ({view.failed_total})"]
     for e in view.recent_failures:
         j = e.job
         out.append(
@@ -319,8 +295,7 @@ def render_queue(view: QueueView, run_link: Callable[[str], str] | None = None) 
         )
     if not view.recent_failures:
         out.append("  (none)")
-    out.append("")
-    out.append(f"TOKENS: {view.usage_total.described()} in all, by user and kind:")
+    out += ["", f"TOKENS: {view.usage_total.described()} in all, by user and kind:"]
     by_user: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
         ("USER", lambda u: u["user_id"]),
         ("KIND", lambda u: u["kind"]),
@@ -354,21 +329,18 @@ def render_queue(view: QueueView, run_link: Callable[[str], str] | None = None) 
 @fails_cleanly
 def queue_command(ctx: click.Context, limit: int, watch: float | None, as_json: bool) -> None:
     """The whole queue at a glance: every user, in the order the worker takes them."""
-    links = (ctx.find_root().obj or {}).get("run_link")
     with open_store(ctx, write=False) as store:
         if watch is None:
             view = store.queue_view(limit)
             if as_json:
                 echo_json(view.as_dict())
             else:
-                click.echo(render_queue(view, links))
+                click.echo(render_queue(view))
             return
         try:
             while True:
                 view = store.queue_view(limit)
-                text = (
-                    json.dumps(view.as_dict(), indent=2) if as_json else render_queue(view, links)
-                )
+                text = json.dumps(view.as_dict(), indent=2) if as_json else render_queue(view)
                 height = shutil.get_terminal_size((100, 40)).lines
                 lines = text.splitlines()[: max(height - 1, 5)]
                 # Home the cursor, draw, clear what is left of the old screen.
@@ -477,19 +449,3 @@ def recover_command(ctx: click.Context, worker: str | None) -> None:
     click.echo(f"took back {len(taken)} claim(s)")
     for job in taken:
         click.echo(f"  {job.run_name} (user {job.user_id}, worker {job.worker})")
-
-
-COMMANDS: list[click.Command] = [
-    db_group,
-    enqueue_command,
-    status_command,
-    jobs_command,
-    queue_command,
-    retry_failed_command,
-    requeue_command,
-    result_command,
-    settings_command,
-    pause_command,
-    resume_command,
-    recover_command,
-]

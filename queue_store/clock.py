@@ -1,23 +1,9 @@
-"""The one clock every lease decision reads (L1).
+"""The one clock every lease decision reads (L1), never a worker's own wall clock.
 
-No decision about a claim (live, lapsed, taken over), the gap or a pause may
-depend on a worker's own wall clock: two workers whose clocks disagree by 90 s
-would each see the other's claim differently. So:
-
-- PostgreSQL: the database server's clock. The statement that claims, renews,
-  reaps or counts reads `clock_timestamp()` after it holds the gate lock, so
-  every decision of the deployment is made on one clock, in lock order.
-- SQLite (one host by design): the host's monotonic clock, which every process
-  on the host shares and which NTP steps, `date -s` or a time-zone change never
-  move. It is turned into a UTC time through an anchor kept in the database
-  (the wall time at one monotonic instant), written once per boot: after a
-  reboot the monotonic clock restarts, the boot id changes, and the first
-  writer lays a new anchor and declares every claim of the previous boot dead.
-- Tests may inject a clock (`JobStore(clock=...)`): a callable returning aware
-  UTC times, used for everything.
-
-A worker keeps its own deadline with its monotonic clock (durations only, never
-compared with the store's times), so a shift of its wall clock changes nothing.
+PostgreSQL's `clock_timestamp()`, read after the gate lock; on SQLite (one host) the
+host's monotonic clock, which every process shares and no NTP step or `date -s` moves,
+anchored to UTC in the database once per boot (README, "The clock"). Tests may inject a
+clock (`JobStore(clock=...)`) returning aware UTC times.
 """
 
 from __future__ import annotations

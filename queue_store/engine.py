@@ -1,12 +1,11 @@
 """Engines for the two backends, and the one place driver errors are wrapped.
 
-SQLite: WAL so readers never wait for the writer, a generous busy timeout
-because several processes share the file, and transactions begun by us so a
-write transaction can take the write lock up front (`BEGIN IMMEDIATE`) instead
-of failing half-way when it upgrades from a read.
+SQLite: WAL so readers never wait for the writer, a generous busy timeout because several
+processes share the file, and transactions begun by us so a write transaction can take the write
+lock up front (`BEGIN IMMEDIATE`) instead of failing half-way when it upgrades from a read.
 
-PostgreSQL: psycopg 3; connections checked before use so a database restart
-costs one failed call, not a pool of dead connections.
+PostgreSQL: psycopg 3; connections checked before use so a database restart costs one failed
+call, not a pool of dead connections.
 """
 
 from __future__ import annotations
@@ -47,9 +46,7 @@ def create_store_engine(url: str | URL, **kwargs: Any) -> Engine:
     parsed = normalise_url(url)
     if parsed.get_backend_name() == "sqlite":
         return _sqlite_engine(parsed, **kwargs)
-    kwargs.setdefault("pool_pre_ping", True)
-    kwargs.setdefault("pool_size", 5)
-    kwargs.setdefault("max_overflow", 5)
+    kwargs = {"pool_pre_ping": True, "pool_size": 5, "max_overflow": 5, **kwargs}
     connect_args = kwargs.pop("connect_args", {})
     connect_args.setdefault("connect_timeout", POSTGRES_CONNECT_TIMEOUT_SECONDS)
     return create_engine(parsed, connect_args=connect_args, **kwargs)

@@ -12,10 +12,7 @@ class StoreError(Exception):
 
 
 class InvalidArgument(StoreError, ValueError):
-    """An argument was rejected before the database was touched.
-
-    `argument` names the offending parameter, so a caller can point at it.
-    """
+    """An argument was rejected before the database was touched; `argument` names it."""
 
     def __init__(self, argument: str, message: str) -> None:
         super().__init__(f"{argument}: {message}")
@@ -35,10 +32,7 @@ class SchemaConflict(StoreError):
 
 
 class ClaimLost(StoreError):
-    """The caller no longer holds the job: its claim expired and was taken over.
-
-    Nothing was changed; the caller must stop working on the job.
-    """
+    """The caller no longer holds the job (its claim was taken over): nothing was changed."""
 
     def __init__(self, job_id: str, holder: str) -> None:
         super().__init__(f"job {job_id[:12]}… is no longer held by {holder}")

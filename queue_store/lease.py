@@ -3,16 +3,12 @@
 Every function here runs inside a write transaction that already holds the
 gate lock (PostgreSQL: `SELECT ... FOR UPDATE` on the one `ai_job_gate` row;
 SQLite: `BEGIN IMMEDIATE`), with `now` read from the store's clock after the
-lock was taken. So counting, reaping, claiming and renewing never interleave,
-and every decision is made on one clock in lock order.
+lock was taken: counting, reaping, claiming and renewing never interleave.
 
 A claim is live while `now - heartbeat_at <= AI_JOB_LEASE_SECONDS` and
-`now - claimed_at <= AI_JOB_CLAIM_TIMEOUT`. A lapsed claim can no longer be
-renewed; it still counts as in flight until it is reaped, and reaping counts
-as the end of a call for the gap. The worker stops its call
-`AI_JOB_LEASE_MARGIN_SECONDS` before its claim could lapse, measured on its own
-monotonic clock from before it sent the renewal; so by the time anyone can
-take the job over, the old call has been over for at least that margin.
+`now - claimed_at <= AI_JOB_CLAIM_TIMEOUT`. A lapsed claim is never renewed;
+it counts as in flight until it is reaped, and reaping ends a call for the
+gap. (The worker stops its call a margin before, see `flows.runner`.)
 """
 
 from __future__ import annotations
@@ -43,34 +39,18 @@ jobs = schema.jobs
 gate = schema.gate
 
 MAX_BACKOFF_DOUBLINGS = 30
+# What liveness checks and ETAs read of the running jobs.
+RUNNING_COLUMNS = ("id", "kind", "holder", "worker", "attempts", "heartbeat_at", "claimed_at")
 
 
 def running_rows(connection: Connection) -> list[Row[Any]]:
-    return list(
-        connection.execute(
-            select(
-                jobs.c.id,
-                jobs.c.kind,
-                jobs.c.holder,
-                jobs.c.worker,
-                jobs.c.attempts,
-                jobs.c.heartbeat_at,
-                jobs.c.claimed_at,
-            ).where(jobs.c.status == Status.RUNNING)
-        ).all()
-    )
+    columns = (jobs.c[name] for name in RUNNING_COLUMNS)
+    return list(connection.execute(select(*columns).where(jobs.c.status == Status.RUNNING)).all())
 
 
-def reap(
-    connection: Connection,
-    settings: Settings,
-    now: dt.datetime,
-    dead: list[Row[Any]],
-) -> int:
-    """Take back the jobs of these dead claims (FIX3, FIX5); a last attempt fails (FIX4).
-
-    A takeover counts as the end of a call for the gap (L3).
-    """
+def reap(connection: Connection, settings: Settings, now: dt.datetime, dead: list[Row[Any]]) -> int:
+    """Take back the jobs of these dead claims (FIX3, FIX5); a last attempt fails (FIX4). A
+    takeover counts as the end of a call for the gap (L3)."""
     if not dead:
         return 0
     for row in dead:
@@ -103,11 +83,7 @@ def _ended_call(connection: Connection, now: dt.datetime, **more: Any) -> None:
 
 
 def claim(
-    connection: Connection,
-    settings: Settings,
-    now: dt.datetime,
-    state: Row[Any],
-    worker: str,
+    connection: Connection, settings: Settings, now: dt.datetime, state: Row[Any], worker: str
 ) -> Claim:
     """Take the highest-priority runnable job if the gate allows a call now (R8, R9, FIX1, FIX6)."""
     running = running_rows(connection)
@@ -221,15 +197,8 @@ def renew(
 
 def _settle_row(connection: Connection, row: Row[Any], now: dt.datetime, **changes: Any) -> None:
     """End the claim on the row: no holder, no heartbeat, and the given changes."""
-    values: dict[str, Any] = {
-        "holder": None,
-        "worker": None,
-        "heartbeat_at": None,
-        "finished_at": now,
-        "updated_at": now,
-        "revision": row.revision + 1,
-    }
-    values.update(changes)
+    ended = {"holder": None, "worker": None, "heartbeat_at": None, "finished_at": now}
+    values = {**ended, "updated_at": now, "revision": row.revision + 1, **changes}
     connection.execute(update(jobs).where(jobs.c.id == row.id).values(**values))
 
 
@@ -287,13 +256,8 @@ def settle_failure(
         seconds = _backoff(settings, streak + 1)
         _ended_call(connection, now)
         pause(connection, now, seconds, PauseKind.TIMEOUT, error, outages_in_a_row=streak + 1)
-        return Settlement(
-            spent_status,
-            True,
-            seconds,
-            f"attempt {row.attempts} spent; claiming paused {seconds:g} s in case the gateway "
-            "is still working on it",
-        )
+        why = f"claiming paused {seconds:g} s in case the gateway is still working on it"
+        return Settlement(spent_status, True, seconds, f"attempt {row.attempts} spent; {why}")
 
     if failure is Failure.UNAVAILABLE:
         since = row.unavailable_since
@@ -304,14 +268,8 @@ def settle_failure(
             # The gateway has answered other calls since this job started
             # failing "unavailable": the job is the problem, not the gateway.
             text = f"the gateway answers other calls but keeps failing this one: {error}"
-            _settle_row(
-                connection,
-                row,
-                now,
-                status=spent_status,
-                error=text,
-                **_behind(connection, settings, row, now),
-            )
+            behind = _behind(connection, settings, row, now)
+            _settle_row(connection, row, now, status=spent_status, error=text, **behind)
             _ended_call(connection, now)
             return Settlement(
                 spent_status, True, None, f"attempt {row.attempts} spent: not an outage, this job"
@@ -357,12 +315,8 @@ def settle_failure(
         _refund(connection, row, now, error)
         _ended_call(connection, now)
         pause(connection, now, seconds, PauseKind.REFUSED, error, outages_in_a_row=streak + 1)
-        return Settlement(
-            Status.PENDING,
-            False,
-            seconds,
-            f"the gateway refused us; claiming stopped for {seconds:g} s until it is fixed",
-        )
+        why = f"the gateway refused us; claiming stopped for {seconds:g} s until it is fixed"
+        return Settlement(Status.PENDING, False, seconds, why)
 
     # STOPPED: this side stopped the call (shutdown, or its lease was at risk).
     _refund(connection, row, now, error)
@@ -374,24 +328,18 @@ def _behind(
     connection: Connection, settings: Settings, row: Row[Any], now: dt.datetime
 ) -> dict[str, Any]:
     """Back in the queue behind the jobs of its priority: queued now, in a new turn (R8b)."""
-    return {
-        "queued_at": now,
-        "turn": places.next_turn(connection, settings, row.user_id, row.priority),
-    }
+    turn = places.next_turn(connection, settings, row.user_id, row.priority)
+    return {"queued_at": now, "turn": turn}
 
 
 def _refund(connection: Connection, row: Row[Any], now: dt.datetime, error: str) -> None:
     """Back to the queue in its old place, as if the attempt had not been made."""
-    _settle_row(
-        connection,
-        row,
-        now,
-        status=Status.PENDING,
-        attempts=max(row.attempts - 1, 0),
-        error=error,
-        claimed_at=None,
-        finished_at=row.finished_at,
-    )
+    kept = {
+        "attempts": max(row.attempts - 1, 0),
+        "claimed_at": None,
+        "finished_at": row.finished_at,
+    }
+    _settle_row(connection, row, now, status=Status.PENDING, error=error, **kept)
 
 
 def settle_done(

@@ -1,9 +1,8 @@
 """Schema migrations: upgrade a database to what this code needs, or say how.
 
-Alembic runs on a connection we open, with its own version table so the
-store can share a database with an application that uses Alembic too. It is
-imported only to upgrade: reading the revision is one query, and every
-command that opens a store reads it.
+Alembic runs on a connection we open, with its own version table so the store can share a
+database with an application that uses Alembic too. It is imported only to upgrade: reading the
+revision is one query, and every command that opens a store reads it.
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ from sqlalchemy import Engine, inspect, text
 from sqlalchemy.exc import SQLAlchemyError
 
 from queue_store.engine import create_store_engine, wrap_database_error
-from queue_store.schema import SCHEMA_REVISION, VERSION_TABLE
+from queue_store.schema import VERSION_TABLE
 
 if TYPE_CHECKING:
     from alembic.config import Config
@@ -57,7 +56,3 @@ def current_revision(engine: Engine) -> str | None:
         return connection.execute(
             text(f"SELECT version_num FROM {VERSION_TABLE}")
         ).scalar_one_or_none()
-
-
-def is_current(engine: Engine) -> bool:
-    return current_revision(engine) == SCHEMA_REVISION

@@ -1,8 +1,7 @@
 """Plain typed data the store hands out: jobs, claims, outcomes, positions, results.
 
-Nothing here talks to a database; these are the store's arguments and return
-values. Every `as_dict()` speaks one JSON vocabulary: snake_case keys, ISO 8601
-UTC times, seconds as numbers.
+Nothing here talks to a database; these are the store's arguments and return values. Every
+`as_dict()` speaks one JSON vocabulary: snake_case keys, ISO 8601 UTC times, seconds as numbers.
 """
 
 from __future__ import annotations
@@ -92,11 +91,13 @@ def priority_class(priority: int) -> str:
     return "interactive" if priority <= INTERACTIVE else "prefetch"
 
 
+def _tenths(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds, 1)
+
+
 def iso(value: dt.datetime | None) -> str | None:
     """An aware time as ISO 8601 UTC with seconds, or None."""
-    if value is None:
-        return None
-    return value.astimezone(dt.UTC).isoformat(timespec="seconds")
+    return None if value is None else value.astimezone(dt.UTC).isoformat(timespec="seconds")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -265,12 +266,11 @@ class Position:
     ahead_exact: bool = True
 
     def as_dict(self) -> dict[str, Any]:
-        return {
-            "ahead": self.ahead,
-            "ahead_exact": self.ahead_exact,
-            "in_flight": self.in_flight,
-            "eta_seconds": round(self.eta_seconds, 1),
-        }
+        shown = {name: getattr(self, name) for name in POSITION_FIELDS}
+        return shown | {"eta_seconds": round(self.eta_seconds, 1)}
+
+
+POSITION_FIELDS = ("ahead", "ahead_exact", "in_flight", "eta_seconds")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -307,10 +307,8 @@ class Result:
 class JobState:
     """One job as a screen, the CLI and the API see it, read in one transaction.
 
-    `version` changes whenever anything shown changes, but for the ETA's countdown.
-    `unchanged`: the version the caller already had still holds, and the result
-    was not loaded (`result` is None): the caller answers "not modified".
-    """
+    `version` changes whenever anything shown changes, but for the ETA's countdown;
+    `unchanged`: the caller's version still holds and `result` was not loaded."""
 
     job: Job
     position: Position | None  # for a pending or running job
@@ -342,9 +340,6 @@ class JobState:
             "fresh": self.fresh,
             "paused": self.gate.as_dict() if self.gate.paused else None,
         }
-
-
-POSITION_FIELDS = ("ahead", "ahead_exact", "in_flight", "eta_seconds")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -396,16 +391,11 @@ class Worker:
     info: dict[str, Any]
 
     def as_dict(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "role": self.role,
-            "host": self.host,
-            "pid": self.pid,
-            "started_at": iso(self.started_at),
-            "seen_at": iso(self.seen_at),
-            "alive": self.alive,
-            **({"info": self.info} if self.info else {}),
-        }
+        shown = dataclasses.asdict(self) | {"started_at": iso(self.started_at)}
+        shown["seen_at"] = iso(self.seen_at)
+        if not self.info:
+            del shown["info"]
+        return shown
 
 
 @dataclasses.dataclass(frozen=True)
@@ -421,10 +411,8 @@ class QueueEntry:
         return {
             **self.job.as_dict(max_attempts),
             "place": self.place,
-            "eta_seconds": None if self.eta_seconds is None else round(self.eta_seconds, 1),
-            "running_seconds": None
-            if self.running_seconds is None
-            else round(self.running_seconds, 1),
+            "eta_seconds": _tenths(self.eta_seconds),
+            "running_seconds": _tenths(self.running_seconds),
         }
 
 

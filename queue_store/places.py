@@ -1,22 +1,13 @@
 """The queue's order (R8, R8b), and place in line and ETA (N3, P2), bounded at any backlog.
 
-The worker takes pending jobs in the queue's order: priority, then age, then
-id (`AI_JOB_ORDER=fifo`); or priority, then turn, then age, then id (`fair`,
-the default). A prefetch job's turn is the turn being served (the last
-claimed job's) for a user with nothing waiting, else the one after its user's
-last waiting job's: users who sync together alternate, each user's jobs in
-their own order, and a user who comes later joins the round being served.
-Interactive jobs have turn 0 (first come, first served, before all else). Each
-order is an index. A job's place is the number of pending jobs before it in
-that order. Counting them reads the queue index from its head and stops after
-`PLACE_BOUND + 1` entries, so a place at the back of a 100k backlog costs what
-a place 1,000 deep costs; beyond the bound a place says "more than
-`PLACE_BOUND`", and its ETA counts only those, a lower bound.
-
-An ETA adds, on the store's clock: what is left of the calls in flight, the
-expected duration of every job ahead (the moving mean per kind in
-`ai_job_kind_durations`), a gap after each call, any pause or gap still
-running, and the job's own call.
+Pending jobs are taken by priority, age, id (`AI_JOB_ORDER=fifo`), or by priority, turn, age, id
+(`fair`, the default): a prefetch job's turn is the one being served for a user with nothing
+waiting, else the one after its user's last waiting job's, so users who sync together alternate;
+interactive jobs have turn 0. Each order is an index. A place counts the pending jobs before a
+job from the index's head, stopping after `PLACE_BOUND + 1` entries, so it costs the same at any
+backlog; beyond that it says "more than `PLACE_BOUND`" and its ETA is a lower bound. An ETA adds
+what is left of the calls in flight, the mean duration per kind of every job ahead, a gap after
+each call, any pause or gap still running, and the job's own call.
 """
 
 from __future__ import annotations
@@ -134,10 +125,8 @@ def outlook(
     running: Sequence[Row[Any]],
 ) -> Outlook:
     """The outlook from the gate row and the running rows (kind, claimed_at, heartbeat_at)."""
-    means = {
-        k: float(m)
-        for k, m in connection.execute(select(durations.c.kind, durations.c.mean_seconds))
-    }
+    kept = connection.execute(select(durations.c.kind, durations.c.mean_seconds))
+    means = {k: float(m) for k, m in kept}
     default = settings.default_duration_seconds
     live = [row for row in running if not lapsed(row, now, settings)]
     remaining = sum(
@@ -169,12 +158,8 @@ def _pending_before(settings: Settings, key: tuple[Any, ...]) -> Any:
 def ahead_of(connection: Connection, settings: Settings, job: Job) -> tuple[int, dict[str, int]]:
     """How many pending jobs are before `job` (up to the bound plus one), and their kinds."""
     ahead = _pending_before(settings, order_key(job, settings)).limit(PLACE_BOUND + 1).subquery()
-    kinds = {
-        str(kind): int(count)
-        for kind, count in connection.execute(
-            select(ahead.c.kind, func.count()).group_by(ahead.c.kind)
-        )
-    }
+    counted = connection.execute(select(ahead.c.kind, func.count()).group_by(ahead.c.kind))
+    kinds = {str(kind): int(count) for kind, count in counted}
     return sum(kinds.values()), kinds
 
 
@@ -208,15 +193,10 @@ def queue_entries(
     view: Outlook, now: dt.datetime, running: Sequence[Job], waiting: Sequence[Job]
 ) -> tuple[list[QueueEntry], list[QueueEntry]]:
     """Running and the first waiting jobs (already in worker order) with place and ETA."""
-    running_entries = [
-        QueueEntry(
-            j,
-            None,
-            view.running(j, now).eta_seconds,
-            (now - j.claimed_at).total_seconds() if j.claimed_at else None,
-        )
-        for j in running
-    ]
+    running_entries = []
+    for j in running:
+        elapsed = (now - j.claimed_at).total_seconds() if j.claimed_at else None
+        running_entries.append(QueueEntry(j, None, view.running(j, now).eta_seconds, elapsed))
     waiting_entries = []
     work = 0.0
     for place, j in enumerate(waiting, start=1):

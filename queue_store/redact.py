@@ -1,13 +1,11 @@
 """Redaction of secrets in every form they can be echoed in (G5).
 
-A gateway may echo our bearer token in an error body: plainly, JSON-escaped
-(`sk-abc\\/def=`, or every character as `\\u0073...`), URL-encoded, in a
-bytes repr, escaped twice, any mixture of these, or inside the base64 of
-`user:token` of a basic-auth header. A URL setting may carry
-`user:password@` or `?password=`. `Redactor` knows the secrets of one
-`Settings` and removes every such form from a text; the store applies it to
-every error it stores, the flows to every message, log line and run-history
-entry they write.
+A gateway may echo our bearer token in an error body: plainly, JSON-escaped (`sk-abc\\/def=`, or
+every character as `\\u0073...`), URL-encoded, in a bytes repr, escaped twice, any mixture of
+these, or inside the base64 of `user:token` of a basic-auth header. A URL setting may carry
+`user:password@` or `?password=`. `Redactor` knows the secrets of one `Settings` and removes
+every such form from a text; the store applies it to every error it stores, the flows to every
+message, log line and run-history entry they write.
 
 Pure Python: no Prefect, no httpx.
 """
@@ -63,18 +61,16 @@ def _hex(value: int, width: int) -> str:
 def _character(c: str) -> str:
     """A pattern for one character of a secret, in every escape a text can give it.
 
-    As it is; JSON's `\\uXXXX` (a surrogate pair beyond the BMP), a Python
-    bytes repr's `\\xNN` per UTF-8 byte, or a short escape such as `\\/` and
-    `\\"`, each behind up to `MAX_ESCAPE_BACKSLASHES` backslashes (a JSON
-    string inside a JSON string, and so on); percent-encoded per UTF-8 byte,
-    either case; `+` for a space. Characters are matched one by one, so any
-    mixture of these is found: an encoder that escapes only some characters,
-    or a log that escaped it twice.
+    As it is; JSON's `\\uXXXX` (a surrogate pair beyond the BMP), a Python bytes repr's `\\xNN`
+    per UTF-8 byte, or a short escape such as `\\/` and `\\"`, each behind up to
+    `MAX_ESCAPE_BACKSLASHES` backslashes (a JSON string inside a JSON string, and so on);
+    percent-encoded per UTF-8 byte, either case; `+` for a space. Characters are matched one by
+    one, so any mixture of these is found: an encoder that escapes only some characters, or a
+    log that escaped it twice.
 
-    The runs of backslashes are bounded, and taken whole except for a
-    backslash of the secret itself (which may share its run with the escape
-    of the next character, `\\\\\\u003c`), so the time to search a text stays
-    linear in its length whatever the text holds.
+    The runs of backslashes are bounded, and taken whole except for a backslash of the secret
+    itself (which may share its run with the escape of the next character, `\\\\\\u003c`), so
+    the time to search a text stays linear in its length whatever the text holds.
     """
     units = c.encode("utf-16-be")
     raw = c.encode("utf-8")

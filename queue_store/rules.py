@@ -51,10 +51,8 @@ class Decision:
 
 
 def lapsed(row: Any, now: dt.datetime, settings: Settings) -> bool:
-    """A running row whose claim is dead: not renewed within the lease, or past the claim timeout.
-
-    `row` has `heartbeat_at` and `claimed_at`; a missing time is not live.
-    """
+    """A running row whose claim is dead: not renewed within the lease, or past the claim timeout
+    (a missing `heartbeat_at` or `claimed_at` is not live)."""
     if row.heartbeat_at is None or row.claimed_at is None:
         return True
     renewed: dt.datetime = row.heartbeat_at

@@ -60,11 +60,8 @@ class UTCDateTime(TypeDecorator[dt.datetime]):
 
 
 class JSONText(TypeDecorator[Any]):
-    """JSON kept as text: an exact round trip on every backend.
-
-    SQLite gives a column declared JSON numeric affinity and would turn a bare
-    `1.0` result into `1`; text keeps what was written.
-    """
+    """JSON kept as text, an exact round trip on every backend: SQLite gives a column declared
+    JSON numeric affinity and would turn a bare `1.0` result into `1`."""
 
     impl = Text
     cache_ok = True
@@ -119,14 +116,7 @@ jobs = Table(
 # The claim takes the first pending entry; a place in line is a count of a
 # range of entries, and every part of that count (the id included) is in the
 # index, so neither touches the table. `kind` rides along for the ETA.
-Index(
-    "ix_ai_jobs_queue",
-    jobs.c.status,
-    jobs.c.priority,
-    jobs.c.queued_at,
-    jobs.c.id,
-    jobs.c.kind,
-)
+Index("ix_ai_jobs_queue", jobs.c.status, jobs.c.priority, jobs.c.queued_at, jobs.c.id, jobs.c.kind)
 # The claim's liveness checks: only the few running rows, whatever the backlog.
 Index(
     "ix_ai_jobs_running",
@@ -136,7 +126,6 @@ Index(
     sqlite_where=text("status = 'running'"),
     postgresql_where=text("status = 'running'"),
 )
-# list_jobs, retry_failed, pending_count(user) and supersede.
 # The queue in the fair order (AI_JOB_ORDER=fair): priority, turn, then age.
 Index(
     "ix_ai_jobs_fair",
@@ -147,6 +136,7 @@ Index(
     jobs.c.id,
     jobs.c.kind,
 )
+# list_jobs, retry_failed, pending_count(user) and supersede.
 Index("ix_ai_jobs_user", jobs.c.user_id, jobs.c.kind, jobs.c.status)
 
 results = Table(

@@ -1,27 +1,15 @@
 """JobStore: every rule of the queue, one method per verb.
 
-The store alone decides what the gateway works on next (priority, promotion,
-fingerprints, attempts, cooldowns) and guards the gateway for the whole
-deployment (concurrency, gap, pauses, the lease). Flows call these methods and
-never see SQL. It must not import Prefect, httpx or anything from `flows`.
+The store alone decides what the gateway works on next and guards it for the whole deployment;
+flows call these methods and never see SQL. It must not import Prefect, httpx or anything from
+`flows`. Arguments are checked in `validation` before the database is touched (FIX8), enqueue
+decisions are pure (`rules`), the lease's SQL is in `lease`, places and ETAs in `places`: this
+module holds the transactions that tie them together.
 
-How the work is split:
-- `validation`: every argument checked before the database is touched (FIX8);
-- `rules`: what an enqueue does to an existing job, as a pure decision;
-- `lease`: the SQL of claiming, renewing, reaping and settling, always under
-  the gate lock and on the store's one clock (`clock`);
-- `places`: place in line and ETA, bounded at any backlog;
-- this module: transactions, and the verbs that tie those together.
-
-Concurrency model:
-- Lease decisions (claim, renew, reap, settle, pause, recover) lock the single
-  `ai_job_gate` row first (PostgreSQL `SELECT ... FOR UPDATE`, SQLite
-  `BEGIN IMMEDIATE`), then read the clock: one order, one clock.
-- Every write a worker makes about its job names the claim's token in
-  `holder` (FIX2); a worker whose claim was taken over changes nothing.
-- `enqueue` reads first and writes only when something changes (FIX7); its
-  write is a compare-and-swap on `revision`, which every write bumps (a
-  heartbeat too), retried if another writer got there first.
+Concurrency: lease decisions (claim, renew, reap, settle, pause, recover) lock the one
+`ai_job_gate` row first, then read the clock: one order, one clock. A worker's every write names
+its claim's token in `holder` (FIX2). `enqueue` reads first and writes only when something
+changes (FIX7), as a compare-and-swap on `revision`, which every write bumps (a heartbeat too).
 """
 
 from __future__ import annotations
@@ -111,11 +99,9 @@ _MISSING: Any = object()
 class JobStore:
     """The queue. Thread-safe; one instance per process is enough.
 
-    `create`: a SQLite store whose file or schema is missing or behind is
-    created or upgraded on first use (PostgreSQL always needs an explicit
-    `insight-queue db upgrade`). With `create=False` a missing SQLite file is
-    an error and nothing is created: for read-only commands.
-    """
+    `create`: a SQLite store whose file or schema is missing or behind is created or upgraded
+    on first use (PostgreSQL needs `insight-queue db upgrade`); with `create=False` a missing
+    SQLite file is an error and nothing is created (read-only commands)."""
 
     def __init__(
         self,
@@ -142,7 +128,7 @@ class JobStore:
         self._redact = Redactor.for_settings(self._settings)
         if check_schema:
             try:
-                if create and self._is_sqlite and not self._schema_is_current():
+                if create and self._is_sqlite and self._revision() != schema.SCHEMA_REVISION:
                     self.upgrade()
                 self.check_schema()
             except BaseException:
@@ -153,7 +139,6 @@ class JobStore:
 
     @property
     def settings(self) -> Settings:
-        """The settings this store was made with."""
         return self._settings
 
     @property
@@ -170,17 +155,14 @@ class JobStore:
     def __exit__(self, *_: object) -> None:
         self.close()
 
-    def _schema_is_current(self) -> bool:
+    def _revision(self) -> str | None:
         try:
-            return migrate.current_revision(self._engine) == schema.SCHEMA_REVISION
+            return migrate.current_revision(self._engine)
         except SQLAlchemyError as exc:
             raise wrap_database_error(exc, self._engine.url, "schema check") from exc
 
     def check_schema(self) -> None:
-        try:
-            revision = migrate.current_revision(self._engine)
-        except SQLAlchemyError as exc:
-            raise wrap_database_error(exc, self._engine.url, "schema check") from exc
+        revision = self._revision()
         if revision != schema.SCHEMA_REVISION:
             found = "no insight-queue schema" if revision is None else f"revision {revision}"
             raise SchemaOutdated(
@@ -219,17 +201,14 @@ class JobStore:
     def _gated(self, operation: str) -> Iterator[tuple[Connection, dt.datetime, Row[Any]]]:
         """A write transaction holding the gate lock, with the clock read after it."""
         with self._write(operation) as connection:
-            state = connection.execute(
-                select(gate).where(gate.c.id == schema.GATE_ROW_ID).with_for_update()
-            ).one_or_none()
-            if state is None:
-                raise SchemaOutdated("the gate row is missing; run `insight-queue db upgrade`")
+            state = self._gate_row(connection, lock=True)
             self._clock.prepare(connection)
             now = self._clock.now(connection)
             yield connection, now, state
 
-    def _gate_row(self, connection: Connection) -> Row[Any]:
-        row = connection.execute(select(gate).where(gate.c.id == schema.GATE_ROW_ID)).one_or_none()
+    def _gate_row(self, connection: Connection, *, lock: bool = False) -> Row[Any]:
+        query = select(gate).where(gate.c.id == schema.GATE_ROW_ID)
+        row = connection.execute(query.with_for_update() if lock else query).one_or_none()
         if row is None:
             raise SchemaOutdated("the gate row is missing; run `insight-queue db upgrade`")
         return row
@@ -258,11 +237,8 @@ class JobStore:
         fingerprint: str | None = None,
         priority: int = PREFETCH,
     ) -> Status:
-        """Queue one generation, or promote it; returns the job's status after the call.
-
-        Idempotent: a screen calls this on every poll, so a call that changes
-        nothing writes nothing.
-        """
+        """Queue one generation, or promote it; returns the job's status after the call. A screen
+        calls this on every poll: a call that changes nothing writes nothing."""
         user_id, kind, subject = validation.key(user_id, kind, subject)
         fingerprint = validation.fingerprint(fingerprint)
         priority = validation.priority(priority)
@@ -318,25 +294,17 @@ class JobStore:
     def _take_back(self, jid: str) -> None:
         """Reap one job whose claim looked lapsed, if it still is (a lease decision)."""
         with self._gated("enqueue") as (connection, now, _state):
-            row = connection.execute(
-                select(jobs).where(jobs.c.id == jid, jobs.c.status == Status.RUNNING)
-            ).one_or_none()
+            query = select(jobs).where(jobs.c.id == jid, jobs.c.status == Status.RUNNING)
+            row = connection.execute(query).one_or_none()
             if row is not None and lapsed(row, now, self._settings):
                 lease.reap(connection, self._settings, now, [row])
 
     def enqueue_many(self, requests: Iterable[EnqueueRequest]) -> list[Status]:
-        """`enqueue` (and `supersede` where asked) for many keys: for backfills.
+        """`enqueue` (and `supersede` where asked) for many keys, for backfills (see `bulk`).
 
-        A user's scopes, or every user's after a data import. Returns each
-        request's status, in order: the statuses, and the rows, of the same
-        sequence of `enqueue` calls (`bulk`), the jobs it adds queued in the
-        order given. Every request is checked before anything is written
-        (FIX8). The requests are written one transaction per chunk of about
-        `BULK_CHUNK`; a user's requests given together stay in one chunk.
-        A chunk that changes nothing writes nothing. A running job whose claim
-        has lapsed is reported as it will be once taken back, and left to the
-        next claim to take back.
-        """
+        Returns each request's status, in order, as the same `enqueue` calls would. Every
+        request is checked before anything is written (FIX8); then one transaction per chunk
+        of about `BULK_CHUNK`, a user's requests given together in one chunk."""
         checked = [_checked_request(r) for r in requests]
         statuses: list[Status] = []
         last: dt.datetime | None = None
@@ -357,10 +325,9 @@ class JobStore:
         raise DatabaseError("enqueue_many: its jobs kept changing under this call; retry")
 
     def _try_chunk(self, chunk: Sequence[EnqueueRequest], after: dt.datetime | None) -> bulk.Plan:
-        # The read locks nothing. PostgreSQL writes in the same transaction (a
-        # chunk that writes nothing commits nothing); SQLite takes the write
-        # lock in a transaction of its own, only for a chunk that changes
-        # something: a read transaction cannot take it safely.
+        # The read locks nothing. PostgreSQL writes in the same transaction (a chunk that writes
+        # nothing commits nothing); SQLite takes the write lock in a transaction of its own, only
+        # for a chunk that changes something: a read transaction cannot take it safely.
         with self._read("enqueue_many") as connection:
             now = self._now(connection)
             rows = bulk.read(connection, chunk)
@@ -377,36 +344,27 @@ class JobStore:
         return decided
 
     def requeue(self, kinds: Sequence[str] | None = None) -> int:
-        """Queue every finished job again (of these kinds, or all): after a prompt change.
-
-        Done and failed jobs go back to pending at prefetch priority (or their
-        own, if more urgent), attempts 0; their results stay readable but are
-        no longer fresh. Running and pending jobs are left as they are.
-        Returns how many were queued.
-        """
+        """Queue every finished job again (of these kinds, or all), after a prompt change: at
+        prefetch priority (or their own, if more urgent), attempts 0; their results stay
+        readable but are no longer fresh. Returns how many were queued."""
         checked = [validation.kind(k) for k in kinds] if kinds is not None else None
         finished: ColumnElement[bool] = jobs.c.status.in_([Status.DONE, Status.FAILED])
         if checked is not None:
             finished = and_(finished, jobs.c.kind.in_(checked))
         with self._write("requeue") as connection:
-            now = self._now(connection)
-            self._deal_turns(connection, finished, None)
-            query = update(jobs).where(finished)
-            return int(
-                connection.execute(
-                    query.values(
-                        **queued_anew(
-                            now,
-                            priority=case(
-                                (jobs.c.priority < PREFETCH, jobs.c.priority), else_=PREFETCH
-                            ),
-                            requested_at=None,
-                            updated_at=now,
-                            revision=jobs.c.revision + 1,
-                        )
-                    )
-                ).rowcount
+            priority = case((jobs.c.priority < PREFETCH, jobs.c.priority), else_=PREFETCH)
+            return self._queue_anew(
+                connection, finished, None, priority=priority, requested_at=None
             )
+
+    def _queue_anew(
+        self, connection: Connection, where: Any, user_id: str | None, **more: Any
+    ) -> int:
+        """Queue the jobs `where` picks again as if new (R5, R10), in turns dealt first."""
+        now = self._now(connection)
+        self._deal_turns(connection, where, user_id)
+        values = queued_anew(now, **more, updated_at=now, revision=jobs.c.revision + 1)
+        return int(connection.execute(update(jobs).where(where).values(**values)).rowcount)
 
     def _deal_turns(self, connection: Connection, where: Any, user_id: str | None) -> None:
         """Turns for the prefetch jobs `where` picks, about to be queued again together (R8b):
@@ -445,9 +403,7 @@ class JobStore:
         self, user_id: str, kind: str, subject: str, fingerprint: str | None = None
     ) -> JobState | None:
         """The job, its place and ETA, latest result and the gate, in one read; None if no job.
-
-        `fresh` is judged against `fingerprint`, or the job's own without one.
-        """
+        `fresh` is judged against `fingerprint`, or the job's own without one."""
         user_id, kind, subject = validation.key(user_id, kind, subject)
         fingerprint = validation.fingerprint(fingerprint)
         with self._read("state") as connection:
@@ -466,13 +422,9 @@ class JobStore:
         *,
         known: str | None = None,
     ) -> JobState:
-        """A screen's poll: queue the job at the front (R1-R6), then its state (P1).
-
-        A poll that changes nothing is one read transaction and writes
-        nothing. `known` is the version the screen already has: if it still
-        holds (and no run is needed), the result is not loaded and the state
-        says `unchanged`.
-        """
+        """A screen's poll: queue the job at the front (R1-R6), then its state (P1); one read
+        transaction when nothing changes. While `known`, the version the screen has, still
+        holds (and no run is needed), the result is not loaded: `unchanged`."""
         user_id, kind, subject = validation.key(user_id, kind, subject)
         fingerprint = validation.fingerprint(fingerprint)
         jid = job_id(user_id, kind, subject)
@@ -537,11 +489,8 @@ class JobStore:
         return found is not None
 
     def list_jobs(self, user_id: str, limit: int = 60) -> list[dict[str, Any]]:
-        """The user's queue in the order the worker will take it (R11).
-
-        Running, then pending, then failed, then done; within each, priority
-        then age. Pending and running entries carry their place in line and ETA.
-        """
+        """The user's queue in the order the worker will take it (R11): running, pending, failed,
+        done; within each, the claim order. Pending and running entries carry place and ETA."""
         user_id = validation.user_id(user_id)
         limit = validation.limit(limit)
         order = case(
@@ -552,25 +501,18 @@ class JobStore:
         )
         with self._read("list_jobs") as connection:
             now = self._now(connection)
-            listed = [
-                from_row(Job, r)
-                for r in connection.execute(
-                    select(jobs)
-                    .where(jobs.c.user_id == user_id)
-                    .order_by(order, *places.order(self._settings))
-                    .limit(limit)
-                )
-            ]
+            query = select(jobs).where(jobs.c.user_id == user_id)
+            query = query.order_by(order, *places.order(self._settings)).limit(limit)
+            listed = [from_row(Job, r) for r in connection.execute(query)]
             found = places.positions(connection, self._outlook(connection, now), now, listed)
-        entries = []
-        for j in listed:
-            entry = j.as_dict(self._settings.max_attempts)
-            entry["interactive"] = j.interactive
-            position = found.get(j.id)
-            if position is not None:
-                entry.update(position.as_dict())
-            entries.append(entry)
-        return entries
+        return [
+            {
+                **j.as_dict(self._settings.max_attempts),
+                "interactive": j.interactive,
+                **(found[j.id].as_dict() if j.id in found else {}),
+            }
+            for j in listed
+        ]
 
     def pending_count(self, user_id: str | None = None) -> int:
         """Jobs pending or running, for one user or for everyone."""
@@ -582,19 +524,12 @@ class JobStore:
             return int(connection.execute(query).scalar_one())
 
     def has_work(self, *, or_running: bool = False) -> bool:
-        """Whether a claim could find something: a queued job, or a claim that lapsed.
-
-        The cheapest question a standing-by consumer can ask: two indexed
-        reads, never a write. A lapsed claim counts as work because only a
-        claim takes it back (and restarts its job). `or_running`: any claim
-        counts, live or not, for a drain that stays until every call is over
-        (a live claim may be a dead worker's, until its lease runs out).
-        """
+        """Whether a claim could find something: a queued job, or a lapsed claim (only a claim
+        takes one back). Two indexed reads, never a write. `or_running`: any claim counts, for
+        a drain that stays until every call is over (a live claim may be a dead worker's)."""
         with self._read("has_work") as connection:
-            queued = connection.execute(
-                select(jobs.c.id).where(jobs.c.status == Status.PENDING).limit(1)
-            ).first()
-            if queued is not None:
+            queued = select(jobs.c.id).where(jobs.c.status == Status.PENDING).limit(1)
+            if connection.execute(queued).first() is not None:
                 return True
             running = lease.running_rows(connection)
             if or_running:
@@ -606,26 +541,14 @@ class JobStore:
         """Every failed job of the user back in the queue now (R10); returns how many."""
         user_id = validation.user_id(user_id)
         with self._write("retry_failed") as connection:
-            now = self._now(connection)
             failed = and_(jobs.c.user_id == user_id, jobs.c.status == Status.FAILED)
-            self._deal_turns(connection, failed, user_id)
-            return int(
-                connection.execute(
-                    update(jobs)
-                    .where(jobs.c.user_id == user_id, jobs.c.status == Status.FAILED)
-                    .values(**queued_anew(now, updated_at=now, revision=jobs.c.revision + 1))
-                ).rowcount
-            )
+            return self._queue_anew(connection, failed, user_id)
 
     # -- R8, R9, FIX1, FIX6: claim -------------------------------------------
 
     def claim_next(self, worker: str) -> Claim:
-        """Take the highest-priority runnable job, if the gateway guard allows a call now.
-
-        `worker` names the worker (no "/"); the claimed job's `holder` is a
-        fresh token `<worker>/<nonce>`, which every later write about the job
-        must present.
-        """
+        """Take the highest-priority runnable job, if the gateway guard allows a call now; its
+        `holder` is a fresh token `<worker>/<nonce>`, for every later write about it."""
         worker = validation.worker(worker)
         with self._gated("claim_next") as (connection, now, state):
             return lease.claim(connection, self._settings, now, state, worker)
@@ -666,13 +589,9 @@ class JobStore:
     ) -> Status:
         """Record the attempt's outcome; returns the job's status afterwards.
 
-        A result marks it done and becomes the key's latest result (N1), with
-        the tokens the answer said it used (`usage`; None: unknown, M2). An
-        error spends the attempt (as `fail(..., Failure.BUILD, ...)`): below
-        the limit the job is queued again in its old place, at the limit it is
-        failed. Raises `ClaimLost` if the claim was taken over, having changed
-        nothing.
-        """
+        A result marks it done and becomes the key's latest result (N1), with the tokens the
+        answer said it used (`usage`; None: unknown, M2). An error is `fail(..., Failure.BUILD,
+        ...)`. Raises `ClaimLost`, having changed nothing, if the claim was taken over."""
         if (result is _MISSING) == (error is None):
             raise InvalidArgument("result", "give exactly one of result= or error=")
         if error is not None:
@@ -712,9 +631,7 @@ class JobStore:
             if duration_seconds is not None:
                 places.record_duration(connection, row.kind, duration_seconds)
             lease.settle_done(connection, now, row, flow_run_id)
-            _tally(
-                connection, row.kind, "done", duration_seconds, answered=True, usage=usage, row=row
-            )
+            _tally(connection, row, "done", duration_seconds, usage or True)
         return Status.DONE
 
     def fail(
@@ -731,16 +648,9 @@ class JobStore:
     ) -> Settlement:
         """Settle an attempt that ended without a result, by the rule for `failure`.
 
-        The rules (docs/rules.md): build, rejected and parse failures spend
-        the attempt; a timeout spends it and pauses claiming; "unavailable"
-        keeps the attempt and pauses (an outage) unless the gateway has
-        answered other calls since this job began failing so (G2); a rate
-        limit keeps it and pauses for `retry_after` (G1); refused credentials
-        keep it and stop the line (G4); a stop on this side keeps it. Raises
-        `ClaimLost` if the claim was taken over, having changed nothing.
-        `duration_seconds`: how long the call took, if one was made; `answer`:
-        the tokens an answer said it used, True if one came that did not say.
-        """
+        The rules are in docs/rules.md (N2, G1-G4). Raises `ClaimLost`, having changed nothing,
+        if the claim was taken over. `duration_seconds`: how long the call took, if one was
+        made; `answer`: the tokens an answer said it used, True if one came that did not say."""
         jid = validation.job_id(jid)
         holder = validation.holder(holder)
         if not isinstance(failure, Failure):
@@ -763,8 +673,7 @@ class JobStore:
             settled = lease.settle_failure(
                 connection, self._settings, now, state, row, failure, error, retry_after
             )
-            used = answer if isinstance(answer, Usage) else None
-            _tally(connection, row.kind, failure, duration_seconds, bool(answer), used, row)
+            _tally(connection, row, failure, duration_seconds, answer)
             return settled
 
     # -- N2, G1, G4: pauses, shared by every worker ------------------------------
@@ -796,10 +705,8 @@ class JobStore:
 
     def recover(self, worker: str | None = None) -> list[Job]:
         """Take back dead claims, and this worker's own; never another's live claim (FIX5).
-
-        `worker` is matched exactly (case-sensitive) against the worker part
-        of each claim's token. Returns the jobs taken back, as they were.
-        """
+        `worker` is matched exactly (case-sensitive) against the worker part of each claim's
+        token. Returns the jobs taken back, as they were."""
         if worker is not None:
             worker = validation.worker(worker)
         with self._gated("recover") as (connection, now, _state):
@@ -818,9 +725,8 @@ class JobStore:
         """The latest output for the key, even while a newer one is being made."""
         user_id, kind, subject = validation.key(user_id, kind, subject)
         with self._read("result_of") as connection:
-            row = connection.execute(
-                select(results).where(results.c.job_id == job_id(user_id, kind, subject))
-            ).one_or_none()
+            query = select(results).where(results.c.job_id == job_id(user_id, kind, subject))
+            row = connection.execute(query).one_or_none()
         return None if row is None else from_row(Result, row, size_bytes=row.size_bytes or 0)
 
     # -- N3: the whole queue ---------------------------------------------------------
@@ -831,37 +737,16 @@ class JobStore:
         with self._read("queue_view") as connection:
             now = self._now(connection)
             state = self._gate_row(connection)
-            running = [
-                from_row(Job, r)
-                for r in connection.execute(
-                    select(jobs).where(jobs.c.status == Status.RUNNING).order_by(jobs.c.claimed_at)
-                )
-            ]
-            waiting = [
-                from_row(Job, r)
-                for r in connection.execute(
-                    select(jobs)
-                    .where(jobs.c.status == Status.PENDING)
-                    .order_by(*places.order(self._settings))
-                    .limit(limit)
-                )
-            ]
-            counts = dict(
-                connection.execute(
-                    select(jobs.c.status, func.count())
-                    .where(jobs.c.status.in_([Status.PENDING, Status.FAILED]))
-                    .group_by(jobs.c.status)
-                ).all()
+            running = _listed(connection, Status.RUNNING, jobs.c.claimed_at)
+            waiting = _listed(
+                connection, Status.PENDING, *places.order(self._settings), limit=limit
             )
-            failures = [
-                from_row(Job, r)
-                for r in connection.execute(
-                    select(jobs)
-                    .where(jobs.c.status == Status.FAILED)
-                    .order_by(jobs.c.finished_at.desc())
-                    .limit(RECENT_FAILURES)
-                )
-            ]
+            counted = jobs.c.status.in_([Status.PENDING, Status.FAILED])
+            query = select(jobs.c.status, func.count()).where(counted).group_by(jobs.c.status)
+            counts = dict(connection.execute(query).all())
+            failures = _listed(
+                connection, Status.FAILED, jobs.c.finished_at.desc(), limit=RECENT_FAILURES
+            )
             running_entries, waiting_entries = places.queue_entries(
                 self._outlook(connection, now, state), now, running, waiting
             )
@@ -889,15 +774,11 @@ class JobStore:
         with self._read("metrics") as connection:
             now = self._now(connection)
             screen = (jobs.c.priority <= INTERACTIVE).label("screen")
-            waiting: dict[str, tuple[int, dt.datetime | None]] = {
-                "interactive": (0, None),
-                "prefetch": (0, None),
-            }
-            for row in connection.execute(
-                select(screen, func.count(), func.min(jobs.c.queued_at))
-                .where(jobs.c.status == Status.PENDING)
-                .group_by(screen)
-            ):
+            waiting: dict[str, tuple[int, dt.datetime | None]]
+            waiting = dict.fromkeys(("interactive", "prefetch"), (0, None))
+            pending = jobs.c.status == Status.PENDING
+            query = select(screen, func.count(), func.min(jobs.c.queued_at)).where(pending)
+            for row in connection.execute(query.group_by(screen)):
                 waiting["interactive" if row.screen else "prefetch"] = (int(row[1]), row[2])
             running = lease.running_rows(connection)
             return Metrics(
@@ -917,31 +798,20 @@ class JobStore:
         host, pid = socket.gethostname()[:200], os.getpid()
         with self._write("worker_seen") as connection:
             now = self._now(connection)
-            row = connection.execute(
-                select(workers.c.host, workers.c.pid).where(workers.c.name == name)
-            ).one_or_none()
+            query = select(workers.c.host, workers.c.pid).where(workers.c.name == name)
+            row = connection.execute(query).one_or_none()
+            values: dict[str, Any] = {"seen_at": now, "info": info or {}}
+            process = {"host": host, "pid": pid, "role": role, "started_at": now}
             if row is not None:
-                values: dict[str, Any] = {"seen_at": now, "info": info or {}}
                 if (row.host, row.pid) != (host, pid):
                     # A stable name taken up by a new process (serve restarted
                     # after a crash): the row describes the new one.
-                    values |= {"host": host, "pid": pid, "role": role, "started_at": now}
+                    values |= process
                 connection.execute(update(workers).where(workers.c.name == name).values(**values))
             else:
-                connection.execute(
-                    insert(workers).values(
-                        name=name,
-                        role=role,
-                        host=host,
-                        pid=pid,
-                        started_at=now,
-                        seen_at=now,
-                        info=info or {},
-                    )
-                )
-                forget = now - dt.timedelta(
-                    seconds=self._settings.lease_seconds * FORGET_WORKERS_AFTER_LEASES
-                )
+                connection.execute(insert(workers).values(name=name, **process, **values))
+                kept = self._settings.lease_seconds * FORGET_WORKERS_AFTER_LEASES
+                forget = now - dt.timedelta(seconds=kept)
                 connection.execute(delete(workers).where(workers.c.seen_at < forget))
 
     def worker_gone(self, name: str) -> None:
@@ -958,16 +828,7 @@ class JobStore:
     def _workers(self, connection: Connection, now: dt.datetime) -> list[Worker]:
         alive_after = now - dt.timedelta(seconds=self._settings.lease_seconds)
         return [
-            Worker(
-                name=row.name,
-                role=row.role,
-                host=row.host,
-                pid=row.pid,
-                started_at=row.started_at,
-                seen_at=row.seen_at,
-                alive=row.seen_at >= alive_after,
-                info=row.info or {},
-            )
+            from_row(Worker, row, alive=row.seen_at >= alive_after, info=row.info or {})
             for row in connection.execute(select(workers).order_by(workers.c.seen_at.desc()))
         ]
 
@@ -977,32 +838,31 @@ def _checked_request(request: object) -> EnqueueRequest:
         raise InvalidArgument(
             "requests", f"expected EnqueueRequest items, got {type(request).__name__}"
         )
-    user_id, kind, subject = validation.key(request.user_id, request.kind, request.subject)
-    return EnqueueRequest(
-        user_id,
-        kind,
-        subject,
-        validation.fingerprint(request.fingerprint),
-        validation.priority(request.priority),
-        bool(request.supersede),
-    )
+    key = validation.key(request.user_id, request.kind, request.subject)
+    fingerprint = validation.fingerprint(request.fingerprint)
+    priority = validation.priority(request.priority)
+    return EnqueueRequest(*key, fingerprint, priority, bool(request.supersede))
+
+
+def _listed(
+    connection: Connection, status: Status, *order: Any, limit: int | None = None
+) -> list[Job]:
+    """The jobs of one status in this order (the first `limit`)."""
+    query = select(jobs).where(jobs.c.status == status).order_by(*order).limit(limit)
+    return [from_row(Job, row) for row in connection.execute(query)]
 
 
 def _tally(
-    connection: Connection,
-    kind: str,
-    outcome: str,
-    seconds: float | None,
-    answered: bool,
-    usage: Usage | None,
-    row: Row[Any],
+    connection: Connection, row: Row[Any], outcome: str, seconds: float | None, answer: Usage | bool
 ) -> None:
-    """Count a settled attempt, its call's time, and the tokens its answer used (M1, M2)."""
-    tallies.count(connection, tallies.ATTEMPTS, kind, str(outcome))
+    """Count a settled attempt, its call's time and its answer's tokens (M1, M2; `answer` as
+    `fail` takes it)."""
+    tallies.count(connection, tallies.ATTEMPTS, row.kind, str(outcome))
     if seconds is not None:
-        tallies.count(connection, tallies.CALL_SECONDS, kind, str(outcome), seconds)
-    if answered:
-        tallies.spent_tokens(connection, row.user_id, kind, usage)
+        tallies.count(connection, tallies.CALL_SECONDS, row.kind, str(outcome), seconds)
+    if answer:
+        used = answer if isinstance(answer, Usage) else None
+        tallies.spent_tokens(connection, row.user_id, row.kind, used)
 
 
 def _fresh(
@@ -1029,15 +889,8 @@ def _version(
 
 
 def _gate_state(row: Row[Any], now: dt.datetime) -> GateState:
-    return GateState(
-        now=now,
-        last_finished_at=row.last_finished_at,
-        paused_until=row.paused_until,
-        pause_kind=PauseKind(row.pause_kind) if row.pause_kind else None,
-        pause_reason=row.pause_reason,
-        outages_in_a_row=row.outages_in_a_row,
-        last_answer_at=row.last_answer_at,
-    )
+    kind = PauseKind(row.pause_kind) if row.pause_kind else None
+    return from_row(GateState, row, now=now, pause_kind=kind)
 
 
 def _require_sqlite_file(url: str) -> None:

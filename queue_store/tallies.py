@@ -1,10 +1,9 @@
 """What the store counts for operators: attempts, call and wait times, tokens (M1, M2).
 
-Kept by the writes that settle an attempt or claim a screen's job, inside
-their transaction (which holds the gate lock), so every API process reads
-the same figures and a scrape reads small tables, whatever the backlog.
-A histogram is kept as Prometheus keeps one: a count, a sum, and a count per
-upper bound, cumulative.
+Kept by the writes that settle an attempt or claim a screen's job, inside their transaction
+(which holds the gate lock), so every API process reads the same figures and a scrape reads
+small tables, whatever the backlog. A histogram is kept as Prometheus keeps one: a count, a sum,
+and a count per upper bound, cumulative.
 """
 
 from __future__ import annotations
@@ -29,6 +28,8 @@ BOUNDS = {
     CALL_SECONDS: (1.0, 5.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1020.0, 1800.0),
     SCREEN_WAIT_SECONDS: (1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0),
 }
+# What `usage_by` sums of the answers' usage.
+SUMMED = ("answers", "unknown", "prompt_tokens", "completion_tokens")
 
 
 def count(connection: Connection, name: str, kind: str, outcome: str, value: float = 0.0) -> None:
@@ -37,26 +38,15 @@ def count(connection: Connection, name: str, kind: str, outcome: str, value: flo
     row = connection.execute(select(tallies).where(*key)).one_or_none()
     bounds = BOUNDS[name]
     before = json.loads(row.buckets) if row is not None else [0] * len(bounds)
-    buckets = [n + (value <= bound) for n, bound in zip(before, bounds, strict=True)]
+    buckets = json.dumps([n + (value <= bound) for n, bound in zip(before, bounds, strict=True)])
     if row is None:
+        values = {"name": name, "kind": kind, "outcome": outcome, "count": 1, "total": value}
+        connection.execute(insert(tallies).values(**values, buckets=buckets))
+    else:
+        count, total = row._mapping["count"] + 1, row.total + value
         connection.execute(
-            insert(tallies).values(
-                name=name,
-                kind=kind,
-                outcome=outcome,
-                count=1,
-                total=value,
-                buckets=json.dumps(buckets),
-            )
+            update(tallies).where(*key).values(count=count, total=total, buckets=buckets)
         )
-        return
-    connection.execute(
-        update(tallies)
-        .where(*key)
-        .values(
-            count=row._mapping["count"] + 1, total=row.total + value, buckets=json.dumps(buckets)
-        )
-    )
 
 
 def spent_tokens(connection: Connection, user_id: str, kind: str, used: Usage | None) -> None:
@@ -85,24 +75,11 @@ def read(connection: Connection) -> list[Tally]:
 
 def usage_by(connection: Connection, *columns: Any) -> list[UsageRow]:
     """Tokens summed by these columns of `usage` (none: one row, every user and kind)."""
-    sums = [
-        func.coalesce(func.sum(c), 0).label(c.name)
-        for c in (
-            usage.c.answers,
-            usage.c.unknown,
-            usage.c.prompt_tokens,
-            usage.c.completion_tokens,
-        )
-    ]
+    sums = [func.coalesce(func.sum(usage.c[name]), 0).label(name) for name in SUMMED]
     rows = connection.execute(select(*columns, *sums).group_by(*columns)).all()
     return [
         UsageRow(
-            getattr(r, "user_id", ""),
-            getattr(r, "kind", ""),
-            int(r.answers),
-            int(r.unknown),
-            int(r.prompt_tokens),
-            int(r.completion_tokens),
+            getattr(r, "user_id", ""), getattr(r, "kind", ""), *(int(r._mapping[n]) for n in SUMMED)
         )
         for r in rows
     ]
@@ -112,7 +89,4 @@ def usage_rows(connection: Connection, limit: int | None = None) -> Sequence[Usa
     """Tokens per user and kind, the most first."""
     tokens = usage.c.prompt_tokens + usage.c.completion_tokens
     query = select(usage).order_by(tokens.desc(), usage.c.user_id, usage.c.kind).limit(limit)
-    return [
-        UsageRow(r.user_id, r.kind, r.answers, r.unknown, r.prompt_tokens, r.completion_tokens)
-        for r in connection.execute(query)
-    ]
+    return [schema.from_row(UsageRow, r) for r in connection.execute(query)]

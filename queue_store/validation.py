@@ -79,23 +79,19 @@ def fingerprint(value: object) -> str | None:
 
 
 def priority(value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidArgument("priority", f"must be an int, got {type(value).__name__}")
-    if not 0 <= value <= MAX_PRIORITY:
-        raise InvalidArgument("priority", f"must be between 0 and {MAX_PRIORITY}, got {value}")
-    return value
-
-
-def positive_int(name: str, value: object, maximum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidArgument(name, f"must be an int, got {type(value).__name__}")
-    if not 1 <= value <= maximum:
-        raise InvalidArgument(name, f"must be between 1 and {maximum}, got {value}")
-    return value
+    return _integer("priority", value, 0, MAX_PRIORITY)
 
 
 def limit(value: object) -> int:
-    return positive_int("limit", value, MAX_LIST_LIMIT)
+    return _integer("limit", value, 1, MAX_LIST_LIMIT)
+
+
+def _integer(name: str, value: object, minimum: int, maximum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidArgument(name, f"must be an int, got {type(value).__name__}")
+    if not minimum <= value <= maximum:
+        raise InvalidArgument(name, f"must be between {minimum} and {maximum}, got {value}")
+    return value
 
 
 def seconds(name: str, value: object, maximum: float = MAX_SECONDS) -> float:

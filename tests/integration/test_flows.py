@@ -244,6 +244,7 @@ def test_a_backfill_with_no_consumer_drains_its_scopes_itself_and_reports_them(
         assert generation["id"] == job.flow_run_id
         assert prefect.flow_name(generation) == "generate"
         assert set(generation["tags"]) == {
+            "insight-queue",  # what the automations that end a lost machine's runs match
             "generation",
             f"user:{user}",
             f"kind:{scope.kind}",

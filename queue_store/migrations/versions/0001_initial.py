@@ -1,10 +1,9 @@
 """Create the store, or adopt the original queue's `ai_jobs` table in place.
 
-An empty database gets every table. A database that already has the original
-`ai_jobs` (its thirteen columns, times as ISO text) keeps its rows: the new
-columns are added and filled from the old ones, the text times become real
-timestamps, and running rows get a heartbeat equal to their claim so that
-the old process, which will never renew it, loses them after one lease.
+An empty database gets every table. A database that already has the original `ai_jobs` (its
+thirteen columns, times as ISO text) keeps its rows: the new columns are added and filled from
+the old ones, the text times become real timestamps, and running rows get a heartbeat equal to
+their claim so that the old process, which will never renew it, loses them after one lease.
 
 Revision ID: 0001
 Revises:

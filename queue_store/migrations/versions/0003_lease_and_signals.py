@@ -1,16 +1,8 @@
 """Leases on one clock, the gateway's signals, results with their run, worker presence.
 
-- `ai_jobs.worker`: the worker part of a claim's token, so `recover(worker)`
-  releases exactly that worker's claims (an exact, case-sensitive match).
-- `ai_jobs.requested_at`: when a screen asked for a job while it waited.
-- `ai_jobs.unavailable_since`: the first "gateway unavailable" of a job's
-  current streak, to tell an outage from one job the gateway keeps failing.
-- `ai_job_results.flow_run_id`, `size_bytes`: which generation produced the
-  result, and how large it is.
-- `ai_job_gate.pause_kind`, `last_answer_at`, and the SQLite clock anchor.
-- `ai_job_kind_durations`: the mean call duration per kind, for ETAs.
-- `ai_job_workers`: consumers that said they are alive.
-
+Adds `ai_jobs.worker`, `requested_at` and `unavailable_since`; `ai_job_results.flow_run_id`
+and `size_bytes`; `ai_job_gate.pause_kind`, `last_answer_at` and the SQLite clock anchor;
+the tables `ai_job_kind_durations` and `ai_job_workers` (what each is for: `schema.py`).
 Running rows keep their claim; their worker is filled from the token.
 
 Revision ID: 0003

@@ -1,17 +1,9 @@
 """Users take turns, token usage is kept, and the store keeps what metrics read.
 
-- `ai_jobs.turn`: the job's turn in the fair order (R8b): the claim takes the
-  lowest turn within a priority, so users syncing together alternate. 0 for
-  interactive jobs, and for every job under `AI_JOB_ORDER=fifo`.
-  `ix_ai_jobs_fair` is the queue index in that order.
-- `ai_job_gate.turn`: the turn being served (the last claimed job's).
-- `ai_job_results.prompt_tokens`, `completion_tokens`: the answer's usage;
-  NULL when the gateway sent none (unknown, never zero).
-- `ai_job_usage`: tokens and attempts summed per user and kind.
-- `ai_job_tallies`: counters and histograms of attempts (by kind and outcome)
-  and of screens' waits, kept by the writes that settle and claim them.
-
-Jobs already queued keep their place: their turn is 0, before any new one.
+Adds `ai_jobs.turn` (the fair order, R8b; 0 for interactive jobs and under fifo) with its index
+`ix_ai_jobs_fair`, `ai_job_gate.turn`, `ai_job_results.prompt_tokens` and `completion_tokens`
+(NULL: unknown), and the tables `ai_job_usage` and `ai_job_tallies` (what each is for:
+`schema.py`). Jobs already queued keep their place: their turn is 0, before any new one.
 
 Revision ID: 0005
 Revises: 0004
