@@ -30,9 +30,12 @@ from pathlib import Path
 from pydantic import SecretStr
 from sqlalchemy import update
 
+# Run as a script from the checkout: the development tools are not installed.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from deployments import processes
-from deployments.api import ApiServer, create_app
+from deployments.api import create_app
 from deployments.triggers import Triggers
+from devtools.stack import ApiServer
 from flows.registry import Registry
 from flows.runtime import Runtime
 from queue_store import (
@@ -43,6 +46,7 @@ from queue_store import (
     JobStore,
     Redactor,
     Settings,
+    Usage,
     schema,
 )
 from queue_store.engine import create_store_engine
@@ -52,7 +56,7 @@ CHROMIUM = os.environ.get("CHROMIUM") or shutil.which("chromium") or "chromium"
 TOKEN = "screenshot-token"
 PRETEND_UI = "http://127.0.0.1:4200"
 WORKER = "serve@app-1:3f9c2a07de"
-DESKTOP = (1280, 1180)
+DESKTOP = (1280, 1700)
 UI_WINDOW = (1440, 1000)
 UI_SETTLE_SECONDS = 8.0  # the Prefect UI fetches its data after it loads
 PHONE = (390, 1400)
@@ -61,6 +65,14 @@ PHONE_SCALE = 2
 KINDS = ("sleep", "resting_heart_rate", "hrv", "steps", "training_load", "recovery", "weight")
 # Mean call seconds per kind, as a day of real calls would have left them.
 DURATIONS = {"sleep": 184, "hrv": 151, "steps": 122, "trends": 431, "recovery": 140}
+# Prompt and completion tokens per kind, as a gateway's `usage` reports them.
+TOKENS = {
+    "sleep": Usage(2_310, 412),
+    "hrv": Usage(1_870, 366),
+    "steps": Usage(1_540, 298),
+    "trends": Usage(7_920, 905),
+    "recovery": Usage(2_050, 341),
+}
 
 
 class Clock:
@@ -89,11 +101,16 @@ def build_queue(url: str, clock: Clock) -> None:
     settings = Settings(database_url=url, gap_seconds=0.0, max_attempts=3)
     store = JobStore(url, settings=settings, clock=clock)
     try:
-        # Yesterday's calls, which the ETAs are made from.
+        # Yesterday's calls, which the ETAs are made from, and the tokens they used
+        # (one gateway answer did not say: unknown, not zero).
         for n, (kind, seconds) in enumerate(DURATIONS.items()):
-            clock.at(86_400 - n * 600)
-            store.enqueue("u-1001", kind, "2026-11-28")
-            store.finish(*_claim(store), result={"text": "…"}, duration_seconds=seconds)
+            for i, user in enumerate(("u-1001", "u-2291")):
+                clock.at(86_400 - n * 600 - i * 180)
+                store.enqueue(user, kind, "2026-11-28")
+                used = None if (user, kind) == ("u-2291", "trends") else TOKENS[kind]
+                store.finish(
+                    *_claim(store), result={"text": "…"}, duration_seconds=seconds, usage=used
+                )
 
         clock.at(1_900)
         store.enqueue("u-2291", "hrv", "2026-11-29")
@@ -130,8 +147,9 @@ def build_queue(url: str, clock: Clock) -> None:
         clock.at(134)
         jid, holder = _claim(store)
         store.set_flow_run(jid, holder, "0b8f3c2e-9d14-4a6b-8c3e-5f7a9b1d2e4f")
-        clock.at(4)
-        store.heartbeat(jid, holder)
+        for seconds_ago in range(104, 0, -25):  # renewed all along (a lapsed claim stays lapsed)
+            clock.at(seconds_ago)
+            assert store.heartbeat(jid, holder)
 
         # A screen opened 20 s ago: its insight goes to the front.
         clock.at(20)
