@@ -10,7 +10,7 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 
 from deployments.processes import free_port
-from tests.support.databases import POSTGRES_URL
+from tests.support.databases import POSTGRES_URL, PostgresDatabases
 from tests.support.services import PrefectServer
 
 
@@ -42,3 +42,13 @@ def pg_prefect(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrefectServ
         with admin.connect() as connection:
             connection.execute(text(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
         admin.dispose()
+
+
+@pytest.fixture
+def store_url(postgres: PostgresDatabases) -> Iterator[str]:
+    """A migrated PostgreSQL store of the test's own, dropped afterwards."""
+    url = postgres.migrated()
+    try:
+        yield url
+    finally:
+        postgres.drop(url)

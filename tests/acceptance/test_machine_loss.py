@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter
-from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -37,7 +36,6 @@ from flows.consumer import standing_by
 from flows.demo import demo_scopes
 from queue_store import JobStore
 from tests.support import waiting
-from tests.support.databases import PostgresDatabases
 from tests.support.faults import Gateway
 from tests.support.services import BIN, ROOT, PrefectServer, client_env, run_cli
 from tests.support.settings import settings_from
@@ -53,15 +51,6 @@ DEADLINE = 300.0  # seconds for every job to be done after the kill
 RUNS_END_SECONDS = CRASH_AFTER_SECONDS + 60.0
 
 wait_for = partial(waiting.wait_for, every=0.5)
-
-
-@pytest.fixture
-def store_url(postgres: PostgresDatabases) -> Iterator[str]:
-    url = postgres.migrated()
-    try:
-        yield url
-    finally:
-        postgres.drop(url)
 
 
 def pool_env(server: PrefectServer, store_url: str, gateway: Gateway, home: Path) -> dict[str, str]:

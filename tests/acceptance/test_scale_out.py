@@ -31,7 +31,6 @@ from flows.consumer import standing_by
 from flows.demo import demo_scopes
 from queue_store import JobStore
 from tests.support import waiting
-from tests.support.databases import PostgresDatabases
 from tests.support.faults import Gateway
 from tests.support.services import BIN, ROOT, PrefectServer, cli, client_env, run_cli, running
 from tests.support.settings import settings_from
@@ -46,15 +45,6 @@ DEADLINE = 240.0  # seconds for the queue to drain through the pool
 def gateway() -> Iterator[Gateway]:
     with Gateway(latency=0.3) as started:
         yield started
-
-
-@pytest.fixture
-def store_url(postgres: PostgresDatabases) -> Iterator[str]:
-    url = postgres.migrated()
-    try:
-        yield url
-    finally:
-        postgres.drop(url)
 
 
 def pool_env(server: PrefectServer, store_url: str, gateway: Gateway, home: Path) -> dict[str, str]:
