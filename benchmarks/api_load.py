@@ -12,20 +12,23 @@ Prefect is unreachable anyway (`PREFECT_API_URL` is a closed loopback port).
 Two servers run as subprocesses on free 127.0.0.1 ports: `insight-queue api`
 (one worker) and `benchmarks/bare_route.py`, a Starlette route that reads one
 `ai_jobs` row by primary key and answers it as JSON. For each case, after a
-warm-up, `--requests` sequential requests (default 2000) go over one
-keep-alive connection, and every answer's status is checked (a wrong one
-aborts the run):
+warm-up, `--requests` sequential requests (default 2000) go to the API over
+one keep-alive connection, and as many bare reads of that case's row to the
+bare route over another, the two taking turns in rounds of 200 (so a change
+in what else runs on the machine weighs on both alike); every answer's status
+is checked (a wrong one aborts the run):
 
 1. a poll of the waiting job (200, no `If-None-Match`);
 2. a poll of the done job with its ETag (304);
-3. a poll of the done job without one (200 with the result);
+3. a poll of the done job without one (200 with the result).
 
-and the same number of bare reads of that case's row. The CPU each request
-cost is read from `/proc/<pid>/stat` (utime+stime) of the server process
-before and after, and on PostgreSQL also of the backends serving it (listed
-in `pg_stat_activity` by the `application_name` each server's URL sets). It
-prints CPU ms per request of the API and of the bare route, their ratio, and
-the wall time per request.
+The CPU each request cost is read from `/proc/<pid>/stat` (utime+stime) of
+the server process before and after each round, and on PostgreSQL also of
+the backends serving it (listed in `pg_stat_activity` by the
+`application_name` each server's URL sets). It prints CPU ms per request of
+the API and of the bare route, their ratio, the wall time per request, and
+how many cores the whole machine had in use meanwhile (`/proc/stat`: a
+figure well above one says something else competed for the CPU).
 
 **Part B, screens beside `serve`.** A Prefect server (its own home, no UI),
 the gateway simulator (`--call-seconds` per call) behind the recording proxy
@@ -39,9 +42,10 @@ client), each one insight every `--interval` s (staggered), with
 `If-None-Match` from its last answer, for `--seconds`. Most show a result
 made before the run; `--waiting` wait on an insight their first poll queued.
 It prints the polls' latency (p50, p95, max), their statuses, the share of
-polls whose response time was mostly the store's (the API's
-`Server-Timing`), the recorder's peak of calls in flight and smallest gap
-between calls, and the API's CPU (and its PostgreSQL backends') per poll.
+polls in which the store (the API's `Server-Timing`) took at least half the
+response time, the recorder's peak of calls in flight and smallest gap
+between calls, the API's CPU (and its PostgreSQL backends') per poll, and the
+cores the API and the whole machine used during the run.
 
 At the end, per backend, the targets and whether each was met: at most 2 ms
 of API process CPU per waiting-job poll and 1 ms per 304 (Part A), p95 under
@@ -69,8 +73,10 @@ import contextlib
 import dataclasses
 import datetime as dt
 import json
+import math
 import multiprocessing
 import os
+import signal
 import sys
 import tempfile
 import threading
@@ -119,6 +125,7 @@ CONSUMER = "bench-consumer"
 CONSUMER_SEEN_SECONDS = 5.0
 WARMUP_FRACTION = 0.1
 WARMUP_MIN = 50
+ROUND_REQUESTS = 200  # the API and the bare route take turns in rounds of this many
 
 # The targets the summary checks.
 WAITING_CPU_TARGET_MS = 2.0
@@ -155,6 +162,8 @@ def made_result(subject: str) -> dict[str, Any]:
             {"metric": "training_load", "value": 142, "unit": "TRIMP", "change": 31},
         ],
         "series": [6.4, 7.1, 6.9, 7.5, 6.2, 6.8, 7.2],
+        "bedtimes": ["23:40", "22:55", "23:10", "22:40", "00:25", "23:50", "22:45"],
+        "suggestion": "Keep bedtime within 30 minutes of 22:45 for the next seven nights.",
         "generated": {"subject": subject, "days": 7, "prompt_version": 3},
     }
 
@@ -256,6 +265,19 @@ def cpu_spent(before: dict[int, float], after: dict[int, float]) -> float:
     one that started in between counts whole.
     """
     return sum(value - before.get(pid, 0.0) for pid, value in after.items())
+
+
+def machine_cpu() -> tuple[int, int]:
+    """The whole machine's (busy, all) CPU ticks so far, from /proc/stat."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:9]]
+    idle = fields[3] + fields[4]  # idle, iowait
+    return sum(fields) - idle, sum(fields)
+
+
+def busy_cores(before: tuple[int, int], after: tuple[int, int]) -> float:
+    """How many cores were busy on average between two readings (by anyone)."""
+    busy, total = after[0] - before[0], after[1] - before[1]
+    return (os.cpu_count() or 1) * busy / total if total else math.nan
 
 
 class Backends:
@@ -366,6 +388,23 @@ class Case:
     bare: Cost
     status: int
     note: str  # what the first answer showed
+    busy_cores: float  # the whole machine's CPU in use while the case ran, in cores
+
+
+@dataclasses.dataclass(frozen=True)
+class Probe:
+    """One request, sent again and again to one server, and that server's CPU."""
+
+    client: httpx.Client
+    meter: CpuMeter
+    path: str
+    params: dict[str, str]
+    headers: dict[str, str]
+    expected: int
+    what: str
+
+    def send(self) -> httpx.Response:
+        return send(self.client, self.path, self.params, self.headers, self.expected, self.what)
 
 
 def send(
@@ -384,33 +423,48 @@ def send(
     return answer
 
 
-def cost_of(
-    client: httpx.Client,
-    meter: CpuMeter,
-    path: str,
-    params: dict[str, str],
-    headers: dict[str, str],
-    expected: int,
-    requests: int,
-    what: str,
-) -> Cost:
-    """CPU and wall time per request of `requests` identical requests, after a warm-up."""
-    warmup = max(WARMUP_MIN, int(requests * WARMUP_FRACTION))
-    for _ in range(warmup):
-        send(client, path, params, headers, expected, what)
-    before = meter.read()
-    started = time.perf_counter()
-    for _ in range(requests):
-        send(client, path, params, headers, expected, what)
-    wall = time.perf_counter() - started
-    after = meter.read(before)
-    process, database = meter.spent(before, after)
-    return Cost(
-        requests=requests,
-        process_ms=process * 1000 / requests,
-        database_ms=None if database is None else database * 1000 / requests,
-        wall_ms=wall * 1000 / requests,
-    )
+def warmup_requests(requests: int) -> int:
+    return max(WARMUP_MIN, int(requests * WARMUP_FRACTION))
+
+
+def compare(api: Probe, bare: Probe, requests: int) -> tuple[Cost, Cost, float]:
+    """CPU and wall time per request of the API and the bare route, and the machine's load.
+
+    After a warm-up of each, the two take turns in rounds of `ROUND_REQUESTS`,
+    so a change in what else runs on the machine weighs on both alike.
+    """
+    for probe in (api, bare):
+        for _ in range(warmup_requests(requests)):
+            probe.send()
+    spent = {id(api): [0.0, 0.0, 0.0], id(bare): [0.0, 0.0, 0.0]}
+    machine = machine_cpu()
+    left = requests
+    while left > 0:
+        n = min(ROUND_REQUESTS, left)
+        for probe in (api, bare):
+            before = probe.meter.read()
+            started = time.perf_counter()
+            for _ in range(n):
+                probe.send()
+            wall = time.perf_counter() - started
+            process, database = probe.meter.spent(before, probe.meter.read(before))
+            totals = spent[id(probe)]
+            totals[0] += process
+            totals[1] += database or 0.0
+            totals[2] += wall
+        left -= n
+    busy = busy_cores(machine, machine_cpu())
+
+    def cost(probe: Probe) -> Cost:
+        process, database, wall = spent[id(probe)]
+        return Cost(
+            requests=requests,
+            process_ms=process * 1000 / requests,
+            database_ms=database * 1000 / requests if probe.meter.backends.present else None,
+            wall_ms=wall * 1000 / requests,
+        )
+
+    return cost(api), cost(bare), busy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -510,7 +564,15 @@ def run_part_a(url: str, args: argparse.Namespace) -> PartA:
 
         plan = [
             ("1 waiting job, no ETag", WAITING_USER, waiting, {}, 200, waiting_id, waiting_note),
-            ("2 done job, ETag sent", DONE_USER, done, {"If-None-Match": etag}, 304, done_id, ""),
+            (
+                "2 done job, ETag sent",
+                DONE_USER,
+                done,
+                {"If-None-Match": etag},
+                304,
+                done_id,
+                "no body",
+            ),
             (
                 "3 done job, no ETag",
                 DONE_USER,
@@ -523,30 +585,16 @@ def run_part_a(url: str, args: argparse.Namespace) -> PartA:
         ]
         cases = []
         for name, user, params, headers, status, row, note in plan:
-            api_cost = cost_of(
-                api_http,
-                api_meter,
-                poll_path(user),
-                params,
-                headers,
-                status,
-                args.requests,
-                f"case {name}: the API",
+            api_probe = Probe(
+                api_http, api_meter, poll_path(user), params, headers, status, f"{name}: the API"
             )
-            bare_cost = cost_of(
-                bare_http,
-                bare_meter,
-                f"/job/{row}",
-                {},
-                {},
-                200,
-                args.requests,
-                f"case {name}: the bare route",
+            bare_probe = Probe(
+                bare_http, bare_meter, f"/job/{row}", {}, {}, 200, f"{name}: the bare route"
             )
-            cases.append(Case(name, api_cost, bare_cost, status, note))
+            api_cost, bare_cost, busy = compare(api_probe, bare_probe, args.requests)
+            cases.append(Case(name, api_cost, bare_cost, status, note, busy))
         errors = list(standby.errors)
-    warmup = max(WARMUP_MIN, int(args.requests * WARMUP_FRACTION))
-    return PartA(cases, result_bytes, warmup, errors)
+    return PartA(cases, result_bytes, warmup_requests(args.requests), errors)
 
 
 # -- Part B: the screens --------------------------------------------------------------------------
@@ -627,7 +675,10 @@ async def drive_screens(
     stopping = asyncio.Event()
     samples: list[Sample] = []
     lags: list[float] = []
-    limits = httpx.Limits(max_connections=len(screens) + 10)
+    # A screen keeps its connection: every one of them stays open between polls
+    # (httpx would keep only 20 idle ones and reconnect the others on each poll).
+    connections = len(screens) + 10
+    limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
     async with httpx.AsyncClient(
         base_url=api_url, timeout=REQUEST_TIMEOUT_SECONDS, limits=limits
     ) as client:
@@ -651,6 +702,7 @@ def screens_process(
     api_url: str, screens: list[Screen], interval: float, stop: Any, started: Any, out: Any
 ) -> None:
     """The screens, in a process of their own: their CPU is neither the API's nor this one's."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the main process stops them
     out.put(asyncio.run(drive_screens(api_url, screens, interval, stop, started)))
 
 
@@ -706,6 +758,8 @@ class PartB:
     gap: float
     backfill_total: int
     backfill_done: int  # during the run
+    api_cores: float  # the API's CPU seconds per second of the run
+    busy_cores: float  # the whole machine's CPU in use during the run, in cores
 
 
 def run_part_b(url: str, args: argparse.Namespace) -> PartB:
@@ -785,16 +839,22 @@ def run_part_b(url: str, args: argparse.Namespace) -> PartB:
         )
         stack.callback(stop_child, child, stop)
         before = meter.read()
+        machine = machine_cpu()
+        started_at = time.monotonic()
         calls_before = recorder.snapshot().count
         backfill_before = count(url, f"{BACKFILL_USERS} AND status = 'done'")
         child.start()
-        if not started.wait(CHILD_START_SECONDS):
-            raise Aborted("the screens' process did not start")
+        deadline = time.monotonic() + CHILD_START_SECONDS
+        while not started.wait(0.2):
+            if not child.is_alive() or time.monotonic() > deadline:
+                raise Aborted("the screens' process did not start")
         time.sleep(args.seconds)
         stop.set()
         report: ScreensReport = out.get(timeout=CHILD_START_SECONDS)
         child.join(CHILD_START_SECONDS)
         after = meter.read(before)
+        busy = busy_cores(machine, machine_cpu())
+        elapsed = time.monotonic() - started_at
         snapshot = recorder.snapshot()
         backfill_done = count(url, f"{BACKFILL_USERS} AND status = 'done'") - backfill_before
         if not serve.alive():
@@ -813,6 +873,8 @@ def run_part_b(url: str, args: argparse.Namespace) -> PartB:
         gap=settings.gap_seconds,
         backfill_total=backfill_total,
         backfill_done=backfill_done,
+        api_cores=process / elapsed,
+        busy_cores=busy,
     )
 
 
@@ -837,12 +899,13 @@ def ms(value: float | None, digits: int = 2) -> str:
 def report_a(part: PartA, args: argparse.Namespace, postgres: bool) -> list[str]:
     lines = [
         f"A. CPU per request: {args.requests} sequential requests per case and server, after "
-        f"{part.warmup} to warm up, over one keep-alive connection (ms per request)",
+        f"{part.warmup} to warm up, over one keep-alive connection each, API and bare route "
+        f"taking turns every {ROUND_REQUESTS} (ms per request)",
     ]
     header = f"  {'case':<24} {'status':>6} {'API':>7} {'bare':>7} {'API/bare':>8}"
     if postgres:
         header += f" {'API db':>7} {'bare db':>7} {'with db':>8}"
-    header += f" {'wall API':>9} {'wall bare':>9}  first answer"
+    header += f" {'wall API':>9} {'wall bare':>9} {'busy':>5}  first answer"
     lines.append(header)
     for case in part.cases:
         api, bare = case.api, case.bare
@@ -855,7 +918,7 @@ def report_a(part: PartA, args: argparse.Namespace, postgres: bool) -> list[str]
                 f" {ms(api.database_ms, 3):>7} {ms(bare.database_ms, 3):>7} "
                 f"{ratio(api.total_ms, bare.total_ms):>8}"
             )
-        line += f" {api.wall_ms:>9.3f} {bare.wall_ms:>9.3f}  {case.note}"
+        line += f" {api.wall_ms:>9.3f} {bare.wall_ms:>9.3f} {case.busy_cores:>5.2f}  {case.note}"
         lines.append(line)
     lines.append(
         "  API, bare: CPU of the server process (utime+stime)"
@@ -865,6 +928,7 @@ def report_a(part: PartA, args: argparse.Namespace, postgres: bool) -> list[str]
             if postgres
             else ""
         )
+        + f"; busy: cores of {os.cpu_count()} in use on the machine meanwhile (anyone's)"
     )
     lines += [f"  error (standing-by consumer): {e}" for e in part.errors]
     return lines
@@ -900,9 +964,9 @@ def report_b(part: PartB, args: argparse.Namespace) -> list[str]:
         f"  store time (Server-Timing) ms: p50 {ms(percentile(inside, 0.5), 1)}, "
         f"p95 {ms(percentile(inside, 0.95), 1)}; at least half of the response time in "
         f"{dominated} of {len(answered)} polls ({percent(dominated, len(answered))})",
-        f"  gateway (recorder): {part.calls} calls during the run; peak in flight {part.peak} "
-        f"(AI_JOB_CONCURRENCY {part.concurrency}); smallest gap between calls "
-        f"{ms(part.min_gap, 3)} s (AI_JOB_GAP_SECONDS {part.gap:g})",
+        f"  gateway (recorder): {part.calls} calls during the run; since serve started, peak "
+        f"in flight {part.peak} (AI_JOB_CONCURRENCY {part.concurrency}) and smallest gap "
+        f"between calls {ms(part.min_gap, 3)} s (AI_JOB_GAP_SECONDS {part.gap:g})",
         f"  backfill: {part.backfill_done} of {part.backfill_total} jobs done during the run; "
         f"waiting screens that got their result: {sum(s.answered for s in waiting)} of "
         f"{len(waiting)}",
@@ -913,7 +977,9 @@ def report_b(part: PartB, args: argparse.Namespace) -> list[str]:
             ""
             if part.database_cpu_ms is None
             else f" + {part.database_cpu_ms:.3f} ms (its PostgreSQL backends)"
-        ),
+        )
+        + f"; the API used {part.api_cores:.2f} cores, the whole machine "
+        f"{part.busy_cores:.2f} of {os.cpu_count()}",
         f"  the screens' event loop was late by at most {ms(max(lags, default=None), 0)} ms "
         f"(p99 {ms(percentile(lags, 0.99), 0)} ms)",
     ]
@@ -1008,7 +1074,7 @@ def run(args: argparse.Namespace, summary: list[tuple[str, list[Target]]]) -> No
     for backend in [b.strip() for b in args.backends.split(",") if b.strip()]:
         if backend not in ("sqlite", "postgresql"):
             raise Aborted(f"--backends: unknown backend {backend!r}")
-        print(f"== {backend}", flush=True)
+        print(f"== {backend} (load {loadavg()})", flush=True)
         part_a: PartA | None = None
         part_b: PartB | None = None
         try:

@@ -33,6 +33,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+if not __package__:  # run as a script: the development tools and helpers are in the checkout
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.figures import percentile
 from deployments import processes
 from deployments.prefect_api import PrefectApi
 from deployments.stack import PrefectServer, client_env
@@ -40,10 +43,6 @@ from devtools.recorder import GatewayRecorder, RecorderSnapshot
 from devtools.simulator import GatewaySimulator
 from devtools.stack import ServeProcess
 from queue_store import JobStore, Settings
-
-if not __package__:  # run as a script: the shared helpers are in this folder's package
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.figures import percentile
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNNER_POLL_SECONDS = "1"  # what `serve` uses too

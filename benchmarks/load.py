@@ -73,6 +73,9 @@ import httpx
 from sqlalchemy import create_engine, select, text
 from sqlalchemy.exc import OperationalError
 
+if not __package__:  # run as a script: the development tools and helpers are in the checkout
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.figures import percentile
 from devtools.simulator import GatewaySimulator
 from flows.gateway import GatewayClient
 from flows.registry import Registry
@@ -88,10 +91,6 @@ from queue_store import (
     schema,
 )
 from queue_store.engine import create_store_engine
-
-if not __package__:  # run as a script: the shared helpers are in this folder's package
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.figures import percentile
 
 DEFAULT_POSTGRES_URL = "postgresql://postgres@127.0.0.1:5432/test"
 KIND = "load"
