@@ -154,9 +154,11 @@ def _lose_a_machine(
     users = ("ann", "ben", "cid")
     for user in users:
         # The hook's call to Prefect is short; a busy server may miss it: the
-        # same sync again starts the one run (workers alone need that run).
+        # same sync again starts the one run (workers alone need that run). Each
+        # recipe has sync ids of its own: both share the server, and Prefect keeps a
+        # run's idempotency key for ever.
         for _ in range(5):
-            command = ("trigger-backfill", user, "--sync-id", f"sync-{user}")
+            command = ("trigger-backfill", user, "--sync-id", f"sync-{user}-{recipe}")
             hook = json.loads(run_cli(*command, env=env).stdout)
             if hook["flow_run_id"]:
                 break
