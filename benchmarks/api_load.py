@@ -1062,7 +1062,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--gap", type=float, default=1.0, help="AI_JOB_GAP_SECONDS")
     parser.add_argument("--concurrency", type=int, default=1, help="AI_JOB_CONCURRENCY")
     parser.add_argument("--workers", type=int, default=1, help="the API's uvicorn workers (B)")
+    parser.add_argument("--parts", default="AB", help="which parts to run: A, B or AB")
     args = parser.parse_args(argv)
+    if not args.parts or set(args.parts) - {"A", "B"}:
+        parser.error("--parts: A, B or AB")
     if args.waiting > args.screens:
         parser.error("--waiting must not exceed --screens")
     if args.requests < 1 or args.screens < 1:
@@ -1078,14 +1081,16 @@ def run(args: argparse.Namespace, summary: list[tuple[str, list[Target]]]) -> No
         part_a: PartA | None = None
         part_b: PartB | None = None
         try:
-            with database(backend, args.postgres_url) as url:
-                part_a = run_part_a(url, args)
-            for line in report_a(part_a, args, backend == "postgresql"):
-                print(line, flush=True)
-            with database(backend, args.postgres_url) as url:
-                part_b = run_part_b(url, args)
-            for line in report_b(part_b, args):
-                print(line, flush=True)
+            if "A" in args.parts:
+                with database(backend, args.postgres_url) as url:
+                    part_a = run_part_a(url, args)
+                for line in report_a(part_a, args, backend == "postgresql"):
+                    print(line, flush=True)
+            if "B" in args.parts:
+                with database(backend, args.postgres_url) as url:
+                    part_b = run_part_b(url, args)
+                for line in report_b(part_b, args):
+                    print(line, flush=True)
         finally:
             summary.append((backend, targets(part_a, part_b, args)))
 

@@ -371,11 +371,14 @@ def etag_matches(if_none_match: str, tag: str) -> bool:
     )
 
 
-def insight_response(state: InsightState, if_none_match: str | None) -> Response:
-    """A poll's answer: 200 (or 304, before any body is made) with ETag and Retry-After."""
+def insight_response(state: InsightState, if_none_match: str | None, timing: str) -> Response:
+    """A poll's answer: 200 (or 304, before any body is made) with ETag, Retry-After and
+    `timing` as its Server-Timing."""
     if state.status == Status.UNKNOWN:
-        return unavailable(state.error or "the store cannot be reached")
-    headers = {"ETag": etag(state), "Cache-Control": "private, no-cache"}
+        response = unavailable(state.error or "the store cannot be reached")
+        response.headers["Server-Timing"] = timing
+        return response
+    headers = {"ETag": etag(state), "Cache-Control": "private, no-cache", "Server-Timing": timing}
     if (wait := retry_after(state)) is not None:
         headers["Retry-After"] = str(wait)
     if if_none_match and (state.unchanged or etag_matches(if_none_match, headers["ETag"])):
@@ -415,11 +418,9 @@ def insights_router(
             fingerprint,
             known=known_version(if_none_match),
         )
-        response = insight_response(state, if_none_match)
         # How long the store took, waiting for a thread included.
         elapsed = (time.perf_counter() - started) * 1000
-        response.headers["Server-Timing"] = f"store;dur={elapsed:.1f}"
-        return response
+        return insight_response(state, if_none_match, f"store;dur={elapsed:.1f}")
 
     return router
 
@@ -485,7 +486,6 @@ def create_app(
         docs_url=None,
         redoc_url=None,
         openapi_url=None,
-        dependencies=[Depends(single_values)],
     )
     app.state.access = access
     add_error_handlers(app)
@@ -516,7 +516,7 @@ def create_app(
         answer = {"status": "started" if state.flow_run_id else "queued", **state.as_dict()}
         return JSONResponse(answer, 202, NO_STORE)
 
-    @app.get("/v1/queue", dependencies=[Depends(operator)])
+    @app.get("/v1/queue", dependencies=[Depends(operator), Depends(single_values)])
     async def queue(limit: Limit = QUEUE_LIMIT) -> Response:
         view = await run_in_threadpool(store.queue_view, limit)
         return JSONResponse(view.as_dict(), headers=NO_STORE)
@@ -548,7 +548,7 @@ def create_app(
         body = await run_in_threadpool(generate_latest, scraped)
         return Response(body, media_type=CONTENT_TYPE_LATEST, headers=NO_STORE)
 
-    @app.get("/queue", dependencies=[Depends(page_operator)])
+    @app.get("/queue", dependencies=[Depends(page_operator), Depends(single_values)])
     async def page(
         refresh: Annotated[int, Depends(refresh_seconds)], limit: Limit = QUEUE_LIMIT
     ) -> Response:

@@ -43,9 +43,11 @@ MAX_BACKOFF_DOUBLINGS = 30
 RUNNING_COLUMNS = ("id", "kind", "holder", "worker", "attempts", "heartbeat_at", "claimed_at")
 
 
+RUNNING = select(*(jobs.c[name] for name in RUNNING_COLUMNS)).where(jobs.c.status == Status.RUNNING)
+
+
 def running_rows(connection: Connection) -> list[Row[Any]]:
-    columns = (jobs.c[name] for name in RUNNING_COLUMNS)
-    return list(connection.execute(select(*columns).where(jobs.c.status == Status.RUNNING)).all())
+    return list(connection.execute(RUNNING).all())
 
 
 def reap(connection: Connection, settings: Settings, now: dt.datetime, dead: list[Row[Any]]) -> int:

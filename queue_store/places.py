@@ -17,7 +17,7 @@ import datetime as dt
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import Connection, Row, func, select, tuple_
+from sqlalchemy import Connection, Row, bindparam, func, select, tuple_
 
 from queue_store import schema
 from queue_store.models import INTERACTIVE, Job, Position, QueueEntry, Status
@@ -34,6 +34,7 @@ PLACE_BOUND = 1000
 DURATION_WINDOW = 20
 FIFO = (jobs.c.priority, jobs.c.queued_at, jobs.c.id)  # ix_ai_jobs_queue
 FAIR = (jobs.c.priority, jobs.c.turn, jobs.c.queued_at, jobs.c.id)  # ix_ai_jobs_fair
+MEANS = select(durations.c.kind, durations.c.mean_seconds)
 
 
 def order(settings: Settings) -> tuple[Any, ...]:
@@ -125,7 +126,7 @@ def outlook(
     running: Sequence[Row[Any]],
 ) -> Outlook:
     """The outlook from the gate row and the running rows (kind, claimed_at, heartbeat_at)."""
-    kept = connection.execute(select(durations.c.kind, durations.c.mean_seconds))
+    kept = connection.execute(MEANS)
     means = {k: float(m) for k, m in kept}
     default = settings.default_duration_seconds
     live = [row for row in running if not lapsed(row, now, settings)]
@@ -144,7 +145,10 @@ def outlook(
 
 def _pending_before(settings: Settings, key: tuple[Any, ...]) -> Any:
     """The pending jobs before `key` in claim order, head first."""
-    columns = order(settings)
+    return _pending_before_columns(order(settings), key)
+
+
+def _pending_before_columns(columns: tuple[Any, ...], key: tuple[Any, ...]) -> Any:
     # The plain comparison on the priority adds nothing to the row comparison
     # but a row estimate that keeps PostgreSQL on the index.
     return (
@@ -155,10 +159,21 @@ def _pending_before(settings: Settings, key: tuple[Any, ...]) -> Any:
     )
 
 
+def _kinds_ahead(columns: tuple[Any, ...]) -> Any:
+    """The kinds of the pending jobs before a key given as `k0`, `k1`, ... (bounded)."""
+    key = tuple(bindparam(f"k{n}", type_=c.type) for n, c in enumerate(columns))
+    ahead = _pending_before_columns(columns, key).limit(PLACE_BOUND + 1).subquery()
+    return select(ahead.c.kind, func.count()).group_by(ahead.c.kind)
+
+
+# Made once per order: a poll asks for a place every time.
+KINDS_AHEAD = {"fifo": _kinds_ahead(FIFO), "fair": _kinds_ahead(FAIR)}
+
+
 def ahead_of(connection: Connection, settings: Settings, job: Job) -> tuple[int, dict[str, int]]:
     """How many pending jobs are before `job` (up to the bound plus one), and their kinds."""
-    ahead = _pending_before(settings, order_key(job, settings)).limit(PLACE_BOUND + 1).subquery()
-    counted = connection.execute(select(ahead.c.kind, func.count()).group_by(ahead.c.kind))
+    key = {f"k{n}": value for n, value in enumerate(order_key(job, settings))}
+    counted = connection.execute(KINDS_AHEAD[settings.order], key)
     kinds = {str(kind): int(count) for kind, count in counted}
     return sum(kinds.values()), kinds
 

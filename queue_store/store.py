@@ -28,6 +28,7 @@ from sqlalchemy import (
     Connection,
     Row,
     and_,
+    bindparam,
     case,
     delete,
     func,
@@ -78,6 +79,20 @@ workers = schema.workers
 RESULT_META = (
     results.c.fingerprint.label("result_fingerprint"),
     results.c.produced_at.label("result_produced_at"),
+)
+# The statements of a poll, made once: SQLAlchemy then keys its cache on them for free.
+JOB_AND_RESULT = (
+    select(jobs, *RESULT_META)
+    .outerjoin(results, results.c.job_id == jobs.c.id)
+    .where(jobs.c.id == bindparam("jid"))
+)
+RESULT = select(results).where(results.c.job_id == bindparam("jid"))
+GATE_ROW = select(gate).where(gate.c.id == schema.GATE_ROW_ID)
+GATE_ROW_LOCKED = GATE_ROW.with_for_update()
+CONSUMER_SEEN = (
+    select(workers.c.name)
+    .where(workers.c.role == "consumer", workers.c.seen_at >= bindparam("after"))
+    .limit(1)
 )
 
 # An enqueue that keeps losing its compare-and-swap is being raced by writers
@@ -207,8 +222,7 @@ class JobStore:
             yield connection, now, state
 
     def _gate_row(self, connection: Connection, *, lock: bool = False) -> Row[Any]:
-        query = select(gate).where(gate.c.id == schema.GATE_ROW_ID)
-        row = connection.execute(query.with_for_update() if lock else query).one_or_none()
+        row = connection.execute(GATE_ROW_LOCKED if lock else GATE_ROW).one_or_none()
         if row is None:
             raise SchemaOutdated("the gate row is missing; run `insight-queue db upgrade`")
         return row
@@ -440,11 +454,7 @@ class JobStore:
         raise DatabaseError(f"poll: job {jid[:12]}… kept changing under this call; retry")
 
     def _job_and_result(self, connection: Connection, jid: str) -> Row[Any] | None:
-        return connection.execute(
-            select(jobs, *RESULT_META)
-            .outerjoin(results, results.c.job_id == jobs.c.id)
-            .where(jobs.c.id == jid)
-        ).one_or_none()
+        return connection.execute(JOB_AND_RESULT, {"jid": jid}).one_or_none()
 
     def _state(
         self,
@@ -456,37 +466,31 @@ class JobStore:
     ) -> JobState:
         job = from_row(Job, row)
         gate_row = self._gate_row(connection)
-        view = self._outlook(connection, now, gate_row)
         position: Position | None = None
-        if job.status == Status.RUNNING:
-            position = view.running(job, now)
-        elif job.status == Status.PENDING:
-            position = view.waiting(*places.ahead_of(connection, self._settings, job), job.kind)
+        run_needed = False
+        if job.status in (Status.RUNNING, Status.PENDING):  # a finished job has no place
+            view = self._outlook(connection, now, gate_row)
+            if job.status == Status.RUNNING:
+                position = view.running(job, now)
+            else:
+                ahead = places.ahead_of(connection, self._settings, job)
+                position = view.waiting(*ahead, job.kind)
+                run_needed = view.in_flight == 0 and not self._consumer_alive(connection, now)
         produced = row.result_produced_at
         fresh = produced is not None and _fresh(row.result_fingerprint, produced, fingerprint, job)
         gate_state = _gate_state(gate_row, now)
-        run_needed = (
-            job.status == Status.PENDING
-            and view.in_flight == 0
-            and not self._consumer_alive(connection, now)
-        )
         version = _version(job.status, position, fresh, produced, gate_state)
         if known == version and not run_needed:
             return JobState(job, position, None, fresh, gate_state, run_needed, version, True)
         result = None
         if produced is not None:
-            full = connection.execute(select(results).where(results.c.job_id == job.id)).one()
+            full = connection.execute(RESULT, {"jid": job.id}).one()
             result = from_row(Result, full, size_bytes=full.size_bytes or 0)
         return JobState(job, position, result, fresh, gate_state, run_needed, version)
 
     def _consumer_alive(self, connection: Connection, now: dt.datetime) -> bool:
         alive_after = now - dt.timedelta(seconds=self._settings.lease_seconds)
-        found = connection.execute(
-            select(workers.c.name)
-            .where(workers.c.role == "consumer", workers.c.seen_at >= alive_after)
-            .limit(1)
-        ).first()
-        return found is not None
+        return connection.execute(CONSUMER_SEEN, {"after": alive_after}).first() is not None
 
     def list_jobs(self, user_id: str, limit: int = 60) -> list[dict[str, Any]]:
         """The user's queue in the order the worker will take it (R11): running, pending, failed,
