@@ -89,6 +89,11 @@ JOB_AND_RESULT = (
 RESULT = select(results).where(results.c.job_id == bindparam("jid"))
 GATE_ROW = select(gate).where(gate.c.id == schema.GATE_ROW_ID)
 GATE_ROW_LOCKED = GATE_ROW.with_for_update()
+WAITING_BY_PRIORITY = (
+    select(jobs.c.priority, func.count(), func.min(jobs.c.queued_at))
+    .where(jobs.c.status == Status.PENDING)
+    .group_by(jobs.c.priority)
+)
 CONSUMER_SEEN = (
     select(workers.c.name)
     .where(workers.c.role == "consumer", workers.c.seen_at >= bindparam("after"))
@@ -777,13 +782,14 @@ class JobStore:
         the calls in flight, the gate, the tallies, and tokens by kind."""
         with self._read("metrics") as connection:
             now = self._now(connection)
-            screen = (jobs.c.priority <= INTERACTIVE).label("screen")
             waiting: dict[str, tuple[int, dt.datetime | None]]
             waiting = dict.fromkeys(("interactive", "prefetch"), (0, None))
-            pending = jobs.c.status == Status.PENDING
-            query = select(screen, func.count(), func.min(jobs.c.queued_at)).where(pending)
-            for row in connection.execute(query.group_by(screen)):
-                waiting["interactive" if row.screen else "prefetch"] = (int(row[1]), row[2])
+            # By priority, as the queue's index is ordered: one pass over its entries.
+            for priority, count, oldest in connection.execute(WAITING_BY_PRIORITY):
+                name = "interactive" if priority <= INTERACTIVE else "prefetch"
+                before, since = waiting[name]
+                first = min((t for t in (since, oldest) if t is not None), default=None)
+                waiting[name] = (before + int(count), first)
             running = lease.running_rows(connection)
             return Metrics(
                 gate=_gate_state(self._gate_row(connection), now),
