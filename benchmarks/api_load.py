@@ -108,6 +108,7 @@ DEFAULT_POSTGRES_URL = "postgresql://postgres@127.0.0.1:5432/test"
 KIND = "sleep"  # a demo kind: its subject is a date
 SERVER_START_SECONDS = 60.0
 REQUEST_TIMEOUT_SECONDS = 30.0
+HOOK_TRIES = 5  # a post-sync hook's tries when Prefect refuses a run
 SPAWN = multiprocessing.get_context("spawn")
 CHILD_START_SECONDS = 120.0
 LAG_TICK_SECONDS = 0.05
@@ -812,7 +813,14 @@ def run_part_b(url: str, args: argparse.Namespace) -> PartB:
 
         with httpx.Client(base_url=api.url, timeout=REQUEST_TIMEOUT_SECONDS) as http:
             for n in range(args.backfill_users):
-                answer = http.post(f"/v1/users/backfill-{n:03d}/backfills", json={"sync_id": "s1"})
+                # A busy Prefect server may refuse a run (503); the hook is sent again, as
+                # an app would: the same sync starts one run.
+                for _ in range(HOOK_TRIES):
+                    path = f"/v1/users/backfill-{n:03d}/backfills"
+                    answer = http.post(path, json={"sync_id": "s1"})
+                    if answer.status_code == 202 and answer.json().get("status") == "started":
+                        break
+                    time.sleep(1.0)
                 if answer.status_code != 202 or answer.json().get("status") != "started":
                     raise Aborted(
                         f"backfill of backfill-{n:03d}: expected 202 and a run started, got "
