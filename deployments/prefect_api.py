@@ -21,9 +21,8 @@ import httpx
 from queue_store import Settings
 
 SERVE_STATE = "serve.json"
-TIMEOUT_SECONDS = 1.0  # per request; a trigger makes at most two, each retried once on 503
-BUSY_RETRIES = 1
-BUSY_RETRY_PAUSE_SECONDS = 0.2
+TIMEOUT_SECONDS = 1.0  # per request; a trigger makes at most two
+BUSY_RETRY_PAUSES = (0.2, 0.5, 1.0)  # seconds before each retry of a 503
 UNREACHABLE = "Prefect unreachable"
 
 
@@ -126,18 +125,18 @@ class PrefectApi:
         self._http.close()
 
     def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
-        for attempt in range(1 + BUSY_RETRIES):
+        for pause in (*BUSY_RETRY_PAUSES, None):
             try:
                 response = self._http.request(method, path, **kwargs)
             except httpx.HTTPError as exc:
                 raise PrefectUnavailable(
                     f"{UNREACHABLE} at {self.base_url} ({type(exc).__name__})"
                 ) from None
-            # The embedded server's SQLite answers 503 now and then ("database
-            # is locked"): one quick retry usually gets through.
-            if response.status_code != 503 or attempt == BUSY_RETRIES:
+            # The embedded server's SQLite answers 503 now and then ("database is
+            # locked"), in bursts while serve starts: a few spaced retries get through.
+            if response.status_code != 503 or pause is None:
                 return response
-            time.sleep(BUSY_RETRY_PAUSE_SECONDS)
+            time.sleep(pause)
         raise AssertionError("unreachable")
 
     def deployment_id(self, name: str) -> str:
