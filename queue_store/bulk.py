@@ -72,35 +72,34 @@ class Plan:
         return not (self.deletes or self.inserts or self.updates)
 
 
-@dataclasses.dataclass
 class Turns:
-    """The turns a chunk deals (R8b): after the turn being served and each user's last."""
+    """The turns a chunk deals (R8b): after the turn being served and each user's last. Read
+    when the first is dealt, so a chunk that queues nothing anew reads nothing more."""
 
-    fair: bool
-    served: int = 0
-    last: dict[str, int] = dataclasses.field(default_factory=dict)
+    def __init__(self, connection: Connection, settings: Settings, users: set[str]) -> None:
+        self._connection = connection
+        self._fair = settings.order == "fair"
+        self._users = sorted(users)
+        self._served: int | None = None
+        self._last: dict[str, int] = {}
 
-    @classmethod
-    def read(cls, connection: Connection, settings: Settings, users: set[str]) -> Turns:
-        if settings.order != "fair":
-            return cls(False)
-        served = connection.execute(select(schema.gate.c.turn)).scalar_one()
-        rows = connection.execute(
-            select(jobs.c.user_id, func.max(jobs.c.turn))
-            .where(
-                jobs.c.user_id.in_(sorted(users)),
-                jobs.c.status == Status.PENDING,
-                jobs.c.priority > INTERACTIVE,
-            )
+    def _read(self) -> int:
+        served = int(self._connection.execute(select(schema.gate.c.turn)).scalar_one())
+        rows = self._connection.execute(
+            select(jobs.c.user_id, places.LAST_TURN)
+            .where(jobs.c.user_id.in_(self._users))
             .group_by(jobs.c.user_id)
         )
-        return cls(True, int(served), {str(user): int(turn) for user, turn in rows})
+        self._last = {str(user): int(turn) for user, turn in rows if turn is not None}
+        return served
 
     def deal(self, user_id: str, priority: int) -> int:
-        if not self.fair or priority <= INTERACTIVE:
+        if not self._fair or priority <= INTERACTIVE:
             return 0
-        turn = places.turn_after(self.served, self.last.get(user_id))
-        self.last[user_id] = turn
+        if self._served is None:
+            self._served = self._read()
+        turn = places.turn_after(self._served, self._last.get(user_id))
+        self._last[user_id] = turn
         return turn
 
 

@@ -17,7 +17,7 @@ import datetime as dt
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import Connection, Row, bindparam, func, select, tuple_
+from sqlalchemy import Connection, Row, and_, bindparam, case, func, select, tuple_
 
 from queue_store import schema
 from queue_store.models import INTERACTIVE, Job, Position, QueueEntry, Status
@@ -46,19 +46,21 @@ def order_key(job: Job, settings: Settings) -> tuple[Any, ...]:
     return tuple(getattr(job, column.name) for column in order(settings))
 
 
+# A user's last turn among their waiting prefetch jobs. The filter sits inside the aggregate
+# so that the user is the only condition an index can serve: with the status and priority in
+# the WHERE, a planner without statistics walks the fair index through every waiting job.
+LAST_TURN = func.max(
+    case((and_(jobs.c.status == Status.PENDING, jobs.c.priority > INTERACTIVE), jobs.c.turn))
+)
+
+
 def next_turn(connection: Connection, settings: Settings, user_id: str, priority: int) -> int:
     """The turn of a job entering the queue now (R8b): 0 for an interactive job; else the
     turn being served for a user with nothing waiting, or the one after its last job's."""
     if settings.order != "fair" or priority <= INTERACTIVE:
         return 0
     served = connection.execute(select(gate.c.turn).where(gate.c.id == schema.GATE_ROW_ID))
-    last = connection.execute(
-        select(func.max(jobs.c.turn)).where(
-            jobs.c.user_id == user_id,
-            jobs.c.status == Status.PENDING,
-            jobs.c.priority > INTERACTIVE,
-        )
-    )
+    last = connection.execute(select(LAST_TURN).where(jobs.c.user_id == user_id))
     return turn_after(int(served.scalar_one()), last.scalar())
 
 

@@ -350,7 +350,7 @@ class JobStore:
         with self._read("enqueue_many") as connection:
             now = self._now(connection)
             rows = bulk.read(connection, chunk)
-            turns = bulk.Turns.read(connection, self._settings, {r.user_id for r in chunk})
+            turns = bulk.Turns(connection, self._settings, {r.user_id for r in chunk})
             start = bulk.starting_after(now, after)
             decided = bulk.plan(chunk, rows, start, self._settings, turns)
             if decided.writes_nothing:

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from sqlalchemy import Engine, event, insert, text
 
-from queue_store import JobStore, Settings, job_id, migrate
+from queue_store import EnqueueRequest, JobStore, Settings, job_id, migrate
 from queue_store.places import PLACE_BOUND
 from queue_store.schema import jobs
 
@@ -27,7 +27,7 @@ LISTED_USER = "listed"
 LISTED_EVERY = 125  # the listed user's jobs are spread through the backlog
 
 
-def _backlog(store: JobStore) -> None:
+def _backlog(store: JobStore, *, analyse: bool = True) -> None:
     start = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
     rows = []
     for n in range(BACKLOG):
@@ -49,7 +49,8 @@ def _backlog(store: JobStore) -> None:
         )
     with store.engine.begin() as connection:
         connection.execute(insert(jobs), rows)
-        connection.execute(text("ANALYZE"))
+        if analyse:
+            connection.execute(text("ANALYZE"))
 
 
 def _statements(engine: Engine, call: Callable[[], Any]) -> list[tuple[str, Any]]:
@@ -188,3 +189,24 @@ def test_the_queue_view_reads_the_head_of_the_queue_in_index_order(
     assert INDEX[store.settings.order] in plan, plan
     assert not _scans_the_table(plan), plan
     assert not _sorts(plan), plan
+
+
+@pytest.mark.parametrize("analyse", [False, True], ids=["fresh", "analysed"])
+def test_a_new_jobs_turn_is_read_from_its_users_entries_alone(
+    database_url: str, analyse: bool
+) -> None:
+    """R8b: a backfill's turn is after its user's last waiting job. Before any ANALYZE (a
+    bulk load into a new table) that read must not walk the fair index through the backlog."""
+    settings = Settings(database_url=database_url, gap_seconds=0, order="fair")
+    with JobStore(database_url, settings=settings) as store:
+        _backlog(store, analyse=analyse)
+        requests = [EnqueueRequest(LISTED_USER, "k", f"new-{n}", priority=10) for n in range(8)]
+        one = _statements(store.engine, lambda: store.enqueue(LISTED_USER, "k", "1", priority=10))
+        many = _statements(store.engine, lambda: store.enqueue_many(requests))
+
+        for statements in (one, many):
+            turns = [(s, p) for s, p in statements if "max(CASE" in s]
+            assert len(turns) == 1, [s for s, _ in statements]
+            plan = _plan(store.engine, *turns[0])
+            assert "ix_ai_jobs_user" in plan, plan
+            assert "ix_ai_jobs_fair" not in plan and not _scans_the_table(plan), plan
