@@ -85,11 +85,8 @@ class Turns:
 
     def _read(self) -> int:
         served = int(self._connection.execute(select(schema.gate.c.turn)).scalar_one())
-        rows = self._connection.execute(
-            select(jobs.c.user_id, places.LAST_TURN)
-            .where(jobs.c.user_id.in_(self._users))
-            .group_by(jobs.c.user_id)
-        )
+        statement = _last_turns(self._connection.dialect.name == "postgresql")
+        rows = self._connection.execute(statement, {"users": self._users})
         self._last = {str(user): int(turn) for user, turn in rows if turn is not None}
         return served
 
@@ -101,6 +98,27 @@ class Turns:
         turn = places.turn_after(self._served, self._last.get(user_id))
         self._last[user_id] = turn
         return turn
+
+
+@functools.cache
+def _last_turns(postgres: bool) -> Any:
+    """Each user's last turn (places.LAST_TURN). PostgreSQL looks the users up one by one:
+    before its first ANALYZE it takes `user_id = ANY(...)` of a chunk's users for a large part
+    of the table and scans all of it, for every chunk of a backfill."""
+    if not postgres:
+        return (
+            select(jobs.c.user_id, places.LAST_TURN)
+            .where(jobs.c.user_id.in_(bindparam("users", expanding=True)))
+            .group_by(jobs.c.user_id)
+        )
+    users = (
+        func.unnest(bindparam("users", type_=postgresql.ARRAY(String)))
+        .table_valued(column("user_id", String))
+        .render_derived()
+    )
+    last = select(places.LAST_TURN.label("turn")).where(jobs.c.user_id == users.c.user_id)
+    found = last.offset(0).lateral()
+    return select(users.c.user_id, found.c.turn).select_from(users).join(found, true())
 
 
 class Raced(Exception):

@@ -200,7 +200,9 @@ def test_a_new_jobs_turn_is_read_from_its_users_entries_alone(
     settings = Settings(database_url=database_url, gap_seconds=0, order="fair")
     with JobStore(database_url, settings=settings) as store:
         _backlog(store, analyse=analyse)
-        requests = [EnqueueRequest(LISTED_USER, "k", f"new-{n}", priority=10) for n in range(8)]
+        # A chunk's worth of users: the listed one, with jobs waiting, and new ones.
+        users = [LISTED_USER, *(f"new-{n}" for n in range(60))]
+        requests = [EnqueueRequest(user, "k", "new", priority=10) for user in users]
         one = _statements(store.engine, lambda: store.enqueue(LISTED_USER, "k", "1", priority=10))
         many = _statements(store.engine, lambda: store.enqueue_many(requests))
 
