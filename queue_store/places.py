@@ -59,9 +59,10 @@ def next_turn(connection: Connection, settings: Settings, user_id: str, priority
     turn being served for a user with nothing waiting, or the one after its last job's."""
     if settings.order != "fair" or priority <= INTERACTIVE:
         return 0
-    served = connection.execute(select(gate.c.turn).where(gate.c.id == schema.GATE_ROW_ID))
-    last = connection.execute(select(LAST_TURN).where(jobs.c.user_id == user_id))
-    return turn_after(int(served.scalar_one()), last.scalar())
+    last = select(LAST_TURN).where(jobs.c.user_id == user_id).scalar_subquery()
+    turns = select(gate.c.turn, last).where(gate.c.id == schema.GATE_ROW_ID)
+    served, mine = connection.execute(turns).one()
+    return turn_after(int(served), mine)
 
 
 def turn_after(served: int, last: int | None) -> int:
