@@ -84,12 +84,11 @@ class Turns:
         self._last: dict[str, int] = {}
 
     def _read(self) -> int:
-        postgres = self._connection.dialect.name == "postgresql"
-        rows = self._connection.execute(_last_turns(postgres), {"users": self._users}).all()
-        self._last = {str(row.user_id): int(row.turn) for row in rows if row.turn is not None}
-        if postgres:  # one row per user, each with the turn being served
-            return int(rows[0].served)
-        return int(self._connection.execute(select(schema.gate.c.turn)).scalar_one())
+        served = self._connection.execute(places.SERVED_TURN).scalar_one()
+        statement = _last_turns(self._connection.dialect.name == "postgresql")
+        rows = self._connection.execute(statement, {"users": self._users})
+        self._last = {str(user): int(turn) for user, turn in rows if turn is not None}
+        return int(served)
 
     def deal(self, user_id: str, priority: int) -> int:
         if not self._fair or priority <= INTERACTIVE:
@@ -105,11 +104,10 @@ class Turns:
 def _last_turns(postgres: bool) -> Any:
     """Each user's last turn (places.LAST_TURN). PostgreSQL looks the users up one by one:
     before its first ANALYZE it takes `user_id = ANY(...)` of a chunk's users for a large part
-    of the table and scans all of it, for every chunk of a backfill. It reads the turn being
-    served in the same statement (a round trip less)."""
+    of the table and scans all of it, for every chunk of a backfill."""
     if not postgres:
         return (
-            select(jobs.c.user_id, places.LAST_TURN.label("turn"))
+            select(jobs.c.user_id, places.LAST_TURN)
             .where(jobs.c.user_id.in_(bindparam("users", expanding=True)))
             .group_by(jobs.c.user_id)
         )
@@ -120,8 +118,7 @@ def _last_turns(postgres: bool) -> Any:
     )
     last = select(places.LAST_TURN.label("turn")).where(jobs.c.user_id == users.c.user_id)
     found = last.offset(0).lateral()
-    served = select(schema.gate.c.turn).scalar_subquery().label("served")
-    return select(users.c.user_id, found.c.turn, served).select_from(users).join(found, true())
+    return select(users.c.user_id, found.c.turn).select_from(users).join(found, true())
 
 
 class Raced(Exception):

@@ -54,14 +54,16 @@ LAST_TURN = func.max(
 )
 
 
+SERVED_TURN = select(gate.c.turn).where(gate.c.id == schema.GATE_ROW_ID)
+
+
 def next_turn(connection: Connection, settings: Settings, user_id: str, priority: int) -> int:
     """The turn of a job entering the queue now (R8b): 0 for an interactive job; else the
     turn being served for a user with nothing waiting, or the one after its last job's."""
     if settings.order != "fair" or priority <= INTERACTIVE:
         return 0
     last = select(LAST_TURN).where(jobs.c.user_id == user_id).scalar_subquery()
-    turns = select(gate.c.turn, last).where(gate.c.id == schema.GATE_ROW_ID)
-    served, mine = connection.execute(turns).one()
+    served, mine = connection.execute(SERVED_TURN.add_columns(last)).one()
     return turn_after(int(served), mine)
 
 
