@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import json
 import threading
@@ -60,6 +61,7 @@ def no_pauses(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(prefect_api, "BUSY_RETRY_PAUSES", (0.0, 0.0, 0.0))
 
 
+@contextlib.contextmanager
 def serving(busy: int) -> Iterator[BusyPrefect]:
     server = BusyPrefect(busy)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
@@ -84,14 +86,14 @@ def create(server: BusyPrefect) -> str:
 
 @pytest.mark.usefixtures("no_pauses")
 def test_a_burst_of_503s_from_a_busy_prefect_is_retried_until_the_run_is_made() -> None:
-    for server in serving(busy=len(prefect_api.BUSY_RETRY_PAUSES)):
+    with serving(busy=len(prefect_api.BUSY_RETRY_PAUSES)) as server:
         assert create(server) == RUN_ID
         assert server.creations == len(prefect_api.BUSY_RETRY_PAUSES) + 1
 
 
 @pytest.mark.usefixtures("no_pauses")
 def test_a_prefect_that_stays_busy_is_reported_with_its_status() -> None:
-    for server in serving(busy=100):
+    with serving(busy=100) as server:
         with pytest.raises(PrefectUnavailable, match=r"refused the run .*HTTP 503"):
             create(server)
         assert server.creations == len(prefect_api.BUSY_RETRY_PAUSES) + 1
