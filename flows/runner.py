@@ -92,11 +92,21 @@ class LeaseKeeper:
         return self._scope is not None and self._scope.expired()
 
     async def confirm(self) -> None:
-        """Renew now; raise `LeaseEnded` unless the claim is live with time for a call."""
+        """Renew now, marking the call as started (H1); raise `LeaseEnded` unless the claim
+        is live with time for a call."""
         loop = asyncio.get_running_loop()
         sent = loop.time()
+        # A short lease (tests) leaves a short budget: ask for half of it at most. A renewal
+        # always leaves the whole budget, so only the attempt's own limit can be too close.
+        left = self.hard_deadline - sent
+        if left < min(MIN_CALL_SECONDS, self._budget / 2):
+            raise LeaseEnded(
+                f"only {left:.1f} s left of the attempt (AI_JOB_CLAIM_TIMEOUT); no call started"
+            )
         try:
-            renewal = await asyncio.to_thread(self._store.heartbeat, self._job.id, self._holder)
+            renewal = await asyncio.to_thread(
+                self._store.heartbeat, self._job.id, self._holder, calling=True
+            )
         except StoreError as exc:
             self.store_error = self.unconfirmed = str(exc)
             raise LeaseEnded(f"the claim could not be renewed: {exc}") from exc
@@ -104,12 +114,6 @@ class LeaseKeeper:
             self.renewal = renewal
             raise LeaseEnded(f"the claim was {renewal} before the call could start")
         self._renewed(sent)
-        # A short lease (tests) leaves a short budget: ask for half of it at most.
-        if self.time_left < min(MIN_CALL_SECONDS, self._budget / 2):
-            raise LeaseEnded(
-                f"only {self.time_left:.1f} s left of the attempt (AI_JOB_CLAIM_TIMEOUT); "
-                "no call started"
-            )
 
     def _renewed(self, sent: float) -> None:
         self.deadline = min(sent + self._budget, self.hard_deadline)

@@ -380,6 +380,7 @@ def new_job(
         "priority": priority,
         "status": Status.PENDING,
         "attempts": 0,
+        "losses": 0,
         "queued_at": now,
         "created_at": now,
         "updated_at": now,

@@ -124,6 +124,13 @@ class HostClock:
                 if value is not None and value > wall:
                     changes[name] = wall
         connection.execute(update(gate).where(gate.c.id == schema.GATE_ROW_ID).values(**changes))
+        # A hold of the old boot keeps its length from now at most: a wall clock set back
+        # across the reboot must not stretch it (the gateway is on another host's time).
+        holds = schema.holds
+        for hold in connection.execute(select(holds).where(holds.c.until > wall)).all():
+            longest = wall + (hold.until - hold.started_at)
+            if hold.until > longest:
+                connection.execute(update(holds).where(holds.c.id == hold.id).values(until=longest))
         # Every process of the previous boot is gone: its claims are dead now.
         connection.execute(update(jobs).where(jobs.c.status == "running").values(heartbeat_at=None))
         self._anchor = (wall, mono)

@@ -1,4 +1,4 @@
-"""The SQL of the gateway lease: claim, renew, reap and settle (FIX1-FIX6, L1-L3, G1-G4).
+"""The SQL of the gateway lease: claim, renew, reap and settle (FIX1-FIX6, L1-L3, G1-G4, H1, H2).
 
 Every function here runs inside a write transaction that already holds the
 gate lock (PostgreSQL: `SELECT ... FOR UPDATE` on the one `ai_job_gate` row;
@@ -9,6 +9,10 @@ A claim is live while `now - heartbeat_at <= AI_JOB_LEASE_SECONDS` and
 `now - claimed_at <= AI_JOB_CLAIM_TIMEOUT`. A lapsed claim is never renewed;
 it counts as in flight until it is reaped, and reaping ends a call for the
 gap. (The worker stops its call a margin before, see `flows.runner`.)
+
+A call cut on our side (its worker lost, stopped, or past our deadline) may go on at the gateway,
+which finishes what it started: it leaves a hold (`ai_job_holds`) that counts as a call in flight
+until its start plus `Settings.cut_hold`, and the gap counts from the hold's end (H1).
 """
 
 from __future__ import annotations
@@ -18,13 +22,14 @@ import datetime as dt
 import secrets
 from typing import Any
 
-from sqlalchemy import Connection, Row, select, update
+from sqlalchemy import Connection, Row, delete, func, insert, select, update
 
 from queue_store import places, schema, tallies
 from queue_store.models import (
     HOLDER_NONCE_HEX,
     Blocked,
     Claim,
+    CutCause,
     Failure,
     Job,
     PauseKind,
@@ -37,10 +42,24 @@ from queue_store.settings import Settings
 
 jobs = schema.jobs
 gate = schema.gate
+holds = schema.holds
 
 MAX_BACKOFF_DOUBLINGS = 30
 # What liveness checks and ETAs read of the running jobs.
-RUNNING_COLUMNS = ("id", "kind", "holder", "worker", "attempts", "heartbeat_at", "claimed_at")
+RUNNING_COLUMNS = (
+    "id",
+    "kind",
+    "holder",
+    "worker",
+    "attempts",
+    "losses",
+    "heartbeat_at",
+    "claimed_at",
+    "call_started_at",
+)
+# A job whose claims keep being lost with their worker fails after this many in a row
+# (H2 spends no attempt on a lost claim; this keeps a job that kills its worker from looping).
+WORKER_LOST_AGAIN = "worker lost {n} times in a row: the job may be what stops its worker"
 
 
 RUNNING = select(*(jobs.c[name] for name in RUNNING_COLUMNS)).where(jobs.c.status == Status.RUNNING)
@@ -51,23 +70,33 @@ def running_rows(connection: Connection) -> list[Row[Any]]:
 
 
 def reap(connection: Connection, settings: Settings, now: dt.datetime, dead: list[Row[Any]]) -> int:
-    """Take back the jobs of these dead claims (FIX3, FIX5); a last attempt fails (FIX4). A
-    takeover counts as the end of a call for the gap (L3)."""
+    """Take back the jobs of these dead claims (FIX3, FIX5). A lost claim spends no attempt (H2),
+    but a last allowed attempt fails (FIX4), and so does a job lost too often in a row; a call in
+    flight leaves a hold (H1). A takeover counts as the end of a call for the gap (L3)."""
     if not dead:
         return 0
     for row in dead:
-        exhausted = row.attempts >= settings.max_attempts
+        cut(connection, settings, now, row, CutCause.WORKER_LOST)
+        losses = row.losses + 1
         changes: dict[str, Any] = {
             "holder": None,
             "worker": None,
             "heartbeat_at": None,
+            "call_started_at": None,
+            "lost_holder": row.holder,
+            "losses": losses,
             "updated_at": now,
             "revision": jobs.c.revision + 1,
         }
-        if exhausted:
-            changes |= {"status": Status.FAILED, "error": WORKER_LOST, "finished_at": now}
+        if row.attempts >= settings.max_attempts:
+            error: str | None = WORKER_LOST
         else:
+            changes["attempts"] = max(row.attempts - 1, 0)
+            error = _lost_again(losses) if losses >= settings.max_attempts else None
+        if error is None:
             changes |= {"status": Status.PENDING, "claimed_at": None}
+        else:
+            changes |= {"status": Status.FAILED, "error": error, "finished_at": now}
         connection.execute(
             update(jobs)
             .where(jobs.c.id == row.id, jobs.c.holder.is_not_distinct_from(row.holder))
@@ -75,6 +104,44 @@ def reap(connection: Connection, settings: Settings, now: dt.datetime, dead: lis
         )
     _ended_call(connection, now)
     return len(dead)
+
+
+def cut(
+    connection: Connection, settings: Settings, now: dt.datetime, row: Row[Any], cause: CutCause
+) -> None:
+    """The call of this claim, if one started, was cut on our side: it holds the gateway until
+    its start plus the hold (H1). A hold already over by now holds nothing."""
+    started = row.call_started_at
+    if started is None:
+        return
+    until = started + dt.timedelta(seconds=settings.cut_hold)
+    if until > now:
+        values = {"job_id": row.id, "worker": row.worker, "cause": cause, "started_at": started}
+        connection.execute(insert(holds).values(**values, until=until))
+
+
+def held(connection: Connection, now: dt.datetime) -> list[Row[Any]]:
+    """The holds still in force, earliest end first."""
+    query = select(holds).where(holds.c.until > now).order_by(holds.c.until)
+    return list(connection.execute(query).all())
+
+
+def _release_holds(
+    connection: Connection, now: dt.datetime, last: dt.datetime | None
+) -> dt.datetime | None:
+    """Holds that are over become what they stand for, calls that ended at their end (for the
+    gap); returns the last call's end, theirs included."""
+    ended = connection.execute(select(func.max(holds.c.until)).where(holds.c.until <= now))
+    latest: dt.datetime | None = ended.scalar_one_or_none()
+    if latest is None:
+        return last
+    connection.execute(delete(holds).where(holds.c.until <= now))
+    if last is None or latest > last:
+        connection.execute(
+            update(gate).where(gate.c.id == schema.GATE_ROW_ID).values(last_finished_at=latest)
+        )
+        return latest
+    return last
 
 
 def _ended_call(connection: Connection, now: dt.datetime, **more: Any) -> None:
@@ -90,16 +157,19 @@ def claim(
     """Take the highest-priority runnable job if the gate allows a call now (R8, R9, FIX1, FIX6)."""
     running = running_rows(connection)
     dead = [row for row in running if lapsed(row, now, settings)]
-    in_flight = len(running) - len(dead)
-    last_finished = state.last_finished_at
+    last_finished = _release_holds(connection, now, state.last_finished_at)
     if dead:
         reap(connection, settings, now, dead)
         last_finished = now
+    holding = held(connection, now)
+    in_flight = len(running) - len(dead) + len(holding)
 
     if state.paused_until is not None and state.paused_until > now:
         return Claim(None, Blocked.PAUSED, (state.paused_until - now).total_seconds())
     if in_flight >= settings.concurrency:
-        return Claim(None, Blocked.CONCURRENCY, None)
+        # A hold ends at a known time; a live call's end is unknown.
+        first_end = (holding[0].until - now).total_seconds() if holding else None
+        return Claim(None, Blocked.CONCURRENCY, first_end)
     if last_finished is not None:
         quiet_until = last_finished + dt.timedelta(seconds=settings.gap_seconds)
         if quiet_until > now:
@@ -133,6 +203,7 @@ def claim(
             "worker": worker,
             "claimed_at": now,
             "heartbeat_at": now,
+            "call_started_at": None,
             "attempts": candidate.attempts + 1,
             "updated_at": now,
         }
@@ -183,23 +254,39 @@ def held_row(connection: Connection, job_id: str, holder: str) -> Row[Any] | Non
 
 
 def renew(
-    connection: Connection, settings: Settings, now: dt.datetime, job_id: str, holder: str
+    connection: Connection,
+    settings: Settings,
+    now: dt.datetime,
+    job_id: str,
+    holder: str,
+    *,
+    calling: bool = False,
 ) -> Renewal:
-    """Extend a live claim; a lapsed one stays dead, whoever reaches the database first (L3)."""
+    """Extend a live claim; a lapsed one stays dead, whoever reaches the database first (L3).
+    `calling`: the call starts right after this renewal, so it starts now (H1)."""
     row = held_row(connection, job_id, holder)
     if row is None:
         return Renewal.LOST
     if lapsed(row, now, settings):
         return Renewal.LAPSED
+    more = {"call_started_at": now} if calling else {}
     connection.execute(
-        update(jobs).where(jobs.c.id == job_id).values(heartbeat_at=now, revision=row.revision + 1)
+        update(jobs)
+        .where(jobs.c.id == job_id)
+        .values(heartbeat_at=now, revision=row.revision + 1, **more)
     )
     return Renewal.RENEWED
 
 
 def _settle_row(connection: Connection, row: Row[Any], now: dt.datetime, **changes: Any) -> None:
     """End the claim on the row: no holder, no heartbeat, and the given changes."""
-    ended = {"holder": None, "worker": None, "heartbeat_at": None, "finished_at": now}
+    ended = {
+        "holder": None,
+        "worker": None,
+        "heartbeat_at": None,
+        "call_started_at": None,
+        "finished_at": now,
+    }
     values = {**ended, "updated_at": now, "revision": row.revision + 1, **changes}
     connection.execute(update(jobs).where(jobs.c.id == row.id).values(**values))
 
@@ -254,6 +341,7 @@ def settle_failure(
         return Settlement(spent_status, True, None, f"attempt {row.attempts} spent")
 
     if failure is Failure.TIMEOUT:
+        cut(connection, settings, now, row, CutCause.TIMEOUT)
         _settle_row(connection, row, now, status=spent_status, error=error)
         seconds = _backoff(settings, streak + 1)
         _ended_call(connection, now)
@@ -321,9 +409,52 @@ def settle_failure(
         return Settlement(Status.PENDING, False, seconds, why)
 
     # STOPPED: this side stopped the call (shutdown, or its lease was at risk).
+    cut(connection, settings, now, row, CutCause.STOPPED)
     _refund(connection, row, now, error)
     _ended_call(connection, now)
     return Settlement(Status.PENDING, False, None, "handed back; the attempt is not spent")
+
+
+def late_stop(
+    connection: Connection,
+    settings: Settings,
+    now: dt.datetime,
+    job_id: str,
+    holder: str,
+    error: str,
+) -> Settlement | None:
+    """A worker that stopped its call reports it after a takeover got to the job first (H2).
+    The takeover spent no attempt, unless it gave the job up as lost (FIX4, or lost too often):
+    then the stop, which spends nothing, puts it back. Otherwise None: the report changes
+    nothing (FIX2)."""
+    row = connection.execute(
+        select(jobs)
+        .where(jobs.c.id == job_id, jobs.c.lost_holder == holder, jobs.c.status == Status.FAILED)
+        .with_for_update()
+    ).one_or_none()
+    if row is None or row.error not in (WORKER_LOST, _lost_again(row.losses)):
+        return None
+    attempts = row.attempts - 1 if row.attempts >= settings.max_attempts else row.attempts
+    connection.execute(
+        update(jobs)
+        .where(jobs.c.id == job_id)
+        .values(
+            status=Status.PENDING,
+            error=error,
+            attempts=attempts,
+            losses=max(row.losses - 1, 0),
+            lost_holder=None,
+            finished_at=None,
+            claimed_at=None,
+            updated_at=now,
+            revision=row.revision + 1,
+        )
+    )
+    return Settlement(Status.PENDING, False, None, "stopped, and taken over first: kept")
+
+
+def _lost_again(losses: int) -> str:
+    return WORKER_LOST_AGAIN.format(n=losses)
 
 
 def _behind(
@@ -357,6 +488,8 @@ def settle_done(
         error=None,
         unavailable_since=None,
         requested_at=None,
+        losses=0,
+        lost_holder=None,
         **more,
     )
     _ended_call(connection, now, last_answer_at=now, outages_in_a_row=0)

@@ -70,6 +70,24 @@ class Failure(enum.StrEnum):
     STOPPED = "stopped"  # this side stopped the call: shutdown, lease (refund, no pause)
 
 
+class CutCause(enum.StrEnum):
+    """Why a call ended on our side while the gateway may still be working on it (H1)."""
+
+    WORKER_LOST = "worker_lost"  # its claim lapsed: the worker died, stalled or was cut off
+    STOPPED = "stopped"  # its worker stopped it: a graceful stop, or its lease at risk (L2, L4)
+    TIMEOUT = "timeout"  # no complete answer within our deadline (G3)
+    CANCELLED = "cancelled"  # the job was withdrawn while its call ran (its user forgotten)
+
+    @property
+    def described(self) -> str:
+        return {
+            CutCause.WORKER_LOST: "its worker was lost mid-call",
+            CutCause.STOPPED: "its worker stopped it",
+            CutCause.TIMEOUT: "our deadline passed",
+            CutCause.CANCELLED: "its job was withdrawn",
+        }[self]
+
+
 class Renewal(enum.StrEnum):
     """What a heartbeat found."""
 
@@ -137,6 +155,8 @@ class Job:
     unavailable_since: dt.datetime | None  # first "unavailable" of its current streak (G2)
     flow_run_id: str | None
     turn: int = 0  # its turn in the fair order (R8b); 0 for interactive jobs and under fifo
+    call_started_at: dt.datetime | None = None  # when the claim's call started (H1)
+    losses: int = 0  # claims lost with their worker since it last entered the queue (H2)
 
     def __post_init__(self) -> None:
         # Rows hand over the status as text, and the original's rows may lack `queued_at`.
@@ -378,6 +398,31 @@ class GateState:
 
 
 @dataclasses.dataclass(frozen=True)
+class Hold:
+    """A call cut on our side that still holds one unit of AI_JOB_CONCURRENCY (H1)."""
+
+    cause: CutCause
+    started_at: dt.datetime  # when the cut call started
+    until: dt.datetime  # when the gateway can be assumed done with it
+    worker: str | None
+    job: Job | None  # the job whose call it was (None once its user is forgotten)
+
+    def seconds_left(self, now: dt.datetime) -> float:
+        return max(0.0, (self.until - now).total_seconds())
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "cause": str(self.cause),
+            "why": self.cause.described,
+            "started_at": iso(self.started_at),
+            "until": iso(self.until),
+            "worker": self.worker,
+            "job": self.job.run_name if self.job else None,
+            "user_id": self.job.user_id if self.job else None,
+        }
+
+
+@dataclasses.dataclass(frozen=True)
 class Worker:
     """A consumer process that said it is alive (presence, for the operator and the triggers)."""
 
@@ -432,12 +477,14 @@ class QueueView:
     concurrency: int
     usage: list[UsageRow]  # tokens by user and kind, the most first (a few)
     usage_total: UsageRow  # every user's and kind's (user_id and kind "")
+    holds: list[Hold] = dataclasses.field(default_factory=list)  # cut calls still held (H1)
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "now": iso(self.now),
             "concurrency": self.concurrency,
             "gate": self.gate.as_dict(),
+            "holds": [h.as_dict() for h in self.holds],
             "running": [e.as_dict(self.max_attempts) for e in self.running],
             "waiting": [e.as_dict(self.max_attempts) for e in self.waiting],
             "waiting_total": self.waiting_total,
@@ -460,3 +507,4 @@ class Metrics:
     in_flight: int
     tallies: list[Tally]
     usage_by_kind: list[UsageRow]  # user_id ""
+    holds: list[Hold] = dataclasses.field(default_factory=list)  # cut calls still held (H1)

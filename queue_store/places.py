@@ -27,6 +27,7 @@ from queue_store.settings import Settings
 jobs = schema.jobs
 gate = schema.gate
 durations = schema.kind_durations
+holds = schema.holds
 
 # Jobs counted ahead of one before its place becomes "more than".
 PLACE_BOUND = 1000
@@ -35,6 +36,7 @@ DURATION_WINDOW = 20
 FIFO = (jobs.c.priority, jobs.c.queued_at, jobs.c.id)  # ix_ai_jobs_queue
 FAIR = (jobs.c.priority, jobs.c.turn, jobs.c.queued_at, jobs.c.id)  # ix_ai_jobs_fair
 MEANS = select(durations.c.kind, durations.c.mean_seconds)
+HOLD_ENDS = select(holds.c.until)
 
 
 def order(settings: Settings) -> tuple[Any, ...]:
@@ -130,7 +132,8 @@ def outlook(
     gate: Row[Any],
     running: Sequence[Row[Any]],
 ) -> Outlook:
-    """The outlook from the gate row and the running rows (kind, claimed_at, heartbeat_at)."""
+    """The outlook from the gate row and the running rows (kind, claimed_at, heartbeat_at), with
+    the holds of cut calls (H1): each is a call in flight until its end, known to the second."""
     kept = connection.execute(MEANS)
     means = {k: float(m) for k, m in kept}
     default = settings.default_duration_seconds
@@ -139,13 +142,18 @@ def outlook(
         max(means.get(row.kind, default) - (now - row.claimed_at).total_seconds(), 0.0)
         for row in live
     )
+    ends = list(connection.execute(HOLD_ENDS).scalars())
+    holding = [end for end in ends if end > now]
+    remaining += sum((end - now).total_seconds() for end in holding)
     held_back = 0.0
     if gate.paused_until is not None and gate.paused_until > now:
         held_back = (gate.paused_until - now).total_seconds()
-    if not live and gate.last_finished_at is not None:
-        quiet_until = gate.last_finished_at + dt.timedelta(seconds=settings.gap_seconds)
+    # A hold that is over is a call that ended then: the gap counts from it.
+    ended = [t for t in (gate.last_finished_at, *(e for e in ends if e <= now)) if t is not None]
+    if not live and not holding and ended:
+        quiet_until = max(ended) + dt.timedelta(seconds=settings.gap_seconds)
         held_back = max(held_back, (quiet_until - now).total_seconds())
-    return Outlook(len(live), remaining, held_back, means, default, settings)
+    return Outlook(len(live) + len(holding), remaining, held_back, means, default, settings)
 
 
 def _pending_before(settings: Settings, key: tuple[Any, ...]) -> Any:

@@ -27,6 +27,7 @@ UNCLAIMED: dict[str, Any] = {
     "worker": None,
     "claimed_at": None,
     "heartbeat_at": None,
+    "call_started_at": None,
 }
 
 
@@ -36,6 +37,8 @@ def queued_anew(now: dt.datetime, **more: Any) -> dict[str, Any]:
         "status": Status.PENDING,
         **UNCLAIMED,
         "attempts": 0,
+        "losses": 0,
+        "lost_holder": None,
         "error": None,
         "unavailable_since": None,
         "queued_at": now,
@@ -67,7 +70,8 @@ def decide(
 ) -> Decision:
     """What an enqueue of an existing job does (R3-R6)."""
     stale = fingerprint is not None and fingerprint != row.fingerprint
-    exhausted = row.attempts >= settings.max_attempts
+    # Given up: its attempts spent, or its claims lost with their worker too often (H2).
+    exhausted = row.attempts >= settings.max_attempts or row.losses >= settings.max_attempts
     promoted = min(priority, row.priority)
     asked_now = priority <= INTERACTIVE
 
@@ -76,9 +80,8 @@ def decide(
             return Decision(Status.RUNNING)  # R3: promoting it would not speed it up
         # R6 for a dead claim (and FIX4 on its last attempt): taking the job
         # back is a lease decision, made under the gate lock on its clock.
-        return Decision(
-            Status.FAILED if exhausted and not stale else Status.PENDING, reap_first=True
-        )
+        fails = exhausted or row.losses + 1 >= settings.max_attempts
+        return Decision(Status.FAILED if fails and not stale else Status.PENDING, reap_first=True)
 
     if row.status == Status.DONE and not stale:
         return Decision(Status.DONE)  # R4
@@ -98,6 +101,8 @@ def decide(
 
     # R6: (re-)queue; promote, never demote.
     changes = {**requeue, "attempts": 0 if stale else row.attempts}
+    if stale:
+        changes["losses"] = 0
     if row.status in (Status.DONE, Status.FAILED):
         changes["queued_at"] = now
         changes["requested_at"] = now if asked_now else None

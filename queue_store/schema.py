@@ -30,7 +30,7 @@ from sqlalchemy import (
 )
 
 # The migration this code expects; `JobStore` refuses an older database.
-SCHEMA_REVISION = "0005"
+SCHEMA_REVISION = "0006"
 VERSION_TABLE = "insight_queue_version"
 
 GATE_ROW_ID = 1
@@ -110,6 +110,15 @@ jobs = Table(
     Column("unavailable_since", UTCDateTime),
     # The job's turn in the fair order (R8b): users alternate within a priority.
     Column("turn", BigInteger, nullable=False, server_default=text("0")),
+    # When the claim's call started (the store's clock at the renewal right
+    # before it): a call cut on our side holds the gateway from here (H1).
+    Column("call_started_at", UTCDateTime),
+    # Claims lost with their worker since the job last entered the queue: a
+    # lost claim spends no attempt (H2), but a job cannot lose them for ever.
+    Column("losses", Integer, nullable=False, server_default=text("0")),
+    # The token of the claim the last takeover ended: that worker's own late
+    # report of a stop is still heard (H2, whoever writes first).
+    Column("lost_holder", String(200)),
 )
 
 # The queue in claim order: status, priority, age, and the id that breaks ties.
@@ -218,6 +227,20 @@ tallies = Table(
     Column("total", Float, nullable=False, server_default=text("0")),
     # Cumulative counts per bound of the histogram, as JSON.
     Column("buckets", Text, nullable=False, server_default=text("'[]'")),
+)
+
+# Calls cut on our side that the gateway may still be working on (H1): each
+# holds one unit of AI_JOB_CONCURRENCY until `until`, on the store's clock.
+# `job_id` is only for showing which job; it is emptied when its user is forgotten.
+holds = Table(
+    "ai_job_holds",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("job_id", String(64)),
+    Column("worker", String(150)),
+    Column("cause", String(32), nullable=False),
+    Column("started_at", UTCDateTime, nullable=False),
+    Column("until", UTCDateTime, nullable=False),
 )
 
 # Consumers that said they are alive: the operator's view, and how a screen's

@@ -67,6 +67,11 @@ class GatewaySettings(_Checked):
     connect_timeout: float = _f(5.0, "seconds to open a connection", gt=0)
     read_timeout: float = _f(1080.0, "seconds for the whole call (capped by the claim)", gt=0)
     max_answer_bytes: int = _f(MIB, "largest answer read; a longer one is cut off", ge=KIB)
+    cut_hold_seconds: float | None = _f(
+        None,
+        "a call cut on our side holds the gateway this long from its start",
+        ge=0,
+    )
 
     @field_validator("path")
     @classmethod
@@ -175,6 +180,13 @@ class Settings(_Checked):
         return min(self.gateway.read_timeout, self.claim_timeout_seconds - self.lease_margin)
 
     @property
+    def cut_hold(self) -> float:
+        """Seconds from a call's start that a call cut on our side still holds the gateway (H1):
+        by default the read timeout, the longest the gateway is expected to work on one call."""
+        hold = self.gateway.cut_hold_seconds
+        return self.gateway.read_timeout if hold is None else hold
+
+    @property
     def plugin_modules(self) -> list[str]:
         return [name.strip() for name in self.plugins.split(",") if name.strip()]
 
@@ -188,6 +200,8 @@ class Settings(_Checked):
                 value = mask_url(value)
             elif variable == "AI_JOB_LEASE_MARGIN_SECONDS" and value is None:
                 value = f"{self.lease_margin:g} (a sixth of the lease)"
+            elif variable == "AI_GATEWAY_CUT_HOLD_SECONDS" and value is None:
+                value = f"{self.cut_hold:g} (the read timeout)"
             shown[variable] = str(value) if isinstance(value, Path) else value
         return shown
 

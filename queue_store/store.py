@@ -47,9 +47,11 @@ from queue_store.models import (
     INTERACTIVE,
     PREFETCH,
     Claim,
+    CutCause,
     EnqueueRequest,
     Failure,
     GateState,
+    Hold,
     Job,
     JobState,
     Metrics,
@@ -564,12 +566,13 @@ class JobStore:
 
     # -- FIX2, FIX3, L3: the holder's writes ------------------------------------
 
-    def heartbeat(self, jid: str, holder: str) -> Renewal:
-        """Renew the claim. Anything but RENEWED means: stop the call now."""
+    def heartbeat(self, jid: str, holder: str, *, calling: bool = False) -> Renewal:
+        """Renew the claim. Anything but RENEWED means: stop the call now. `calling`: the
+        gateway call starts right after this renewal (a cut call holds the gateway from then)."""
         jid = validation.job_id(jid)
         holder = validation.holder(holder)
         with self._gated("heartbeat") as (connection, now, _state):
-            return lease.renew(connection, self._settings, now, jid, holder)
+            return lease.renew(connection, self._settings, now, jid, holder, calling=calling)
 
     def set_flow_run(self, jid: str, holder: str, flow_run_id: str) -> None:
         """Record which orchestrator run is working on the job (N4)."""
@@ -673,6 +676,10 @@ class JobStore:
             duration_seconds = validation.seconds("duration_seconds", duration_seconds)
         with self._gated("fail") as (connection, now, state):
             row = lease.held_row(connection, jid, holder)
+            if row is None and failure is Failure.STOPPED:
+                late = lease.late_stop(connection, self._settings, now, jid, holder, error)
+                if late is not None:
+                    return late
             if row is None:
                 raise ClaimLost(jid, holder)
             if flow_run_id is not None:
@@ -762,6 +769,7 @@ class JobStore:
             present = self._workers(connection, now)
             usage = list(tallies.usage_rows(connection, USAGE_SHOWN))
             (usage_total,) = tallies.usage_by(connection)
+            held = _holds(connection, now)
         return QueueView(
             now=now,
             gate=_gate_state(state, now),
@@ -775,6 +783,7 @@ class JobStore:
             concurrency=self._settings.concurrency,
             usage=usage,
             usage_total=usage_total,
+            holds=held,
         )
 
     def metrics(self) -> Metrics:
@@ -797,6 +806,7 @@ class JobStore:
                 in_flight=sum(1 for r in running if not lapsed(r, now, self._settings)),
                 tallies=tallies.read(connection),
                 usage_by_kind=tallies.usage_by(connection, schema.usage.c.kind),
+                holds=_holds(connection, now),
             )
 
     # -- presence of consumers ----------------------------------------------------
@@ -873,6 +883,33 @@ def _tally(
     if answer:
         used = answer if isinstance(answer, Usage) else None
         tallies.spent_tokens(connection, row.user_id, row.kind, used)
+
+
+def _holds(connection: Connection, now: dt.datetime) -> list[Hold]:
+    """The holds of cut calls in force (H1), earliest end first, with their jobs."""
+    held = schema.holds
+    query = (
+        select(
+            held.c.cause.label("hold_cause"),
+            held.c.started_at.label("hold_started_at"),
+            held.c.until.label("hold_until"),
+            held.c.worker.label("hold_worker"),
+            jobs,
+        )
+        .outerjoin(jobs, jobs.c.id == held.c.job_id)
+        .where(held.c.until > now)
+        .order_by(held.c.until)
+    )
+    return [
+        Hold(
+            CutCause(row.hold_cause),
+            row.hold_started_at,
+            row.hold_until,
+            row.hold_worker,
+            from_row(Job, row) if row.id is not None else None,
+        )
+        for row in connection.execute(query)
+    ]
 
 
 def _fresh(

@@ -50,12 +50,13 @@ def test_a_lapsed_claim_is_never_revived_and_the_next_claim_takes_it_back(
         row is not None and row.status == Status.RUNNING and row.heartbeat_at == held.heartbeat_at
     )
     # Its worker stopped by its own deadline: it is no call in flight. The
-    # next claim takes the job back and hands it out again, as attempt 2.
+    # next claim takes the job back and hands it out again; the lost claim
+    # spent no attempt (H2), so it is attempt 1 again.
     waiting = other.state(U, "k", "b")
     assert waiting is not None and waiting.position is not None
     assert waiting.position.in_flight == 0
     taken = other.claim_next("w2").job
-    assert taken is not None and (taken.id, taken.attempts) == (held.id, 2)
+    assert taken is not None and (taken.id, taken.attempts, taken.losses) == (held.id, 1, 1)
     assert store.heartbeat(held.id, held.holder) is Renewal.LOST
 
 
@@ -87,7 +88,8 @@ def test_a_lapsed_claim_found_by_a_screen_is_taken_back_and_restarts_the_gap(
     clock.advance(11)
     assert store.enqueue(U, "k", "a", priority=INTERACTIVE) == Status.PENDING
     job = store.jobs([held.id])[held.id]
-    assert job is not None and (job.status, job.holder, job.attempts) == (Status.PENDING, None, 1)
+    # Taken back without spending the attempt (H2).
+    assert job is not None and (job.status, job.holder, job.attempts) == (Status.PENDING, None, 0)
     assert job.priority == INTERACTIVE
     blocked = store.claim_next("w2")
     assert blocked.blocked is Blocked.GAP and blocked.retry_in is not None

@@ -208,8 +208,9 @@ def test_claim_takes_the_interactive_job_then_oldest_first(adopted: JobStore) ->
         assert claim.job is not None, claim
         taken.append((claim.job.subject, claim.job.attempts))
         adopted.finish(claim.job.id, claim.job.holder or "", result={"ok": True})
-    # The old running row was dead, so it went back in line at its own age (05:00).
-    assert taken == [("week", 1), ("2026-01-03", 2), ("2026-01-01", 1), ("2026-01-02", 2)]
+    # The old running row was dead, so it went back in line at its own age (05:00), its lost
+    # claim not counted as an attempt (H2).
+    assert taken == [("week", 1), ("2026-01-03", 1), ("2026-01-01", 1), ("2026-01-02", 2)]
     assert adopted.claim_next("new-worker").job is None
 
 
@@ -218,17 +219,17 @@ def test_the_old_running_claim_is_dead_and_taken_over(adopted: JobStore) -> None
     assert claim.job is not None and claim.job.id == INTERACTIVE_NEWEST.id
     # The claim above also reaped the gone process's row: it waits its turn again.
     released = adopted.jobs([RUNNING_OLD.id])[RUNNING_OLD.id]
-    assert released is not None
-    assert (released.status, released.holder, released.attempts) == (Status.PENDING, None, 1)
+    assert released is not None  # its lost claim is no spent attempt (H2)
+    assert (released.status, released.holder, released.attempts) == (Status.PENDING, None, 0)
     lost = adopted.jobs([RUNNING_LAST.id])[RUNNING_LAST.id]
-    assert lost is not None
+    assert lost is not None  # lost on its last allowed attempt (FIX4)
     assert (lost.status, lost.error, lost.holder) == (Status.FAILED, WORKER_LOST, None)
     adopted.finish(claim.job.id, claim.job.holder or "", result="ok")
 
     takeover = adopted.claim_next("new-worker")
     assert takeover.job is not None and takeover.job.id == RUNNING_OLD.id
     assert takeover.job.holder != RUNNING_OLD.holder
-    assert takeover.job.attempts == 2
+    assert takeover.job.attempts == 1
     assert adopted.finish(takeover.job.id, takeover.job.holder or "", result="x") == Status.DONE
 
 
@@ -236,7 +237,7 @@ def test_recover_releases_the_old_running_rows(adopted: JobStore) -> None:
     assert len(adopted.recover()) == 2
     released = adopted.jobs([RUNNING_OLD.id])[RUNNING_OLD.id]
     assert released is not None
-    assert (released.status, released.holder, released.attempts) == (Status.PENDING, None, 1)
+    assert (released.status, released.holder, released.attempts) == (Status.PENDING, None, 0)
     lost = adopted.jobs([RUNNING_LAST.id])[RUNNING_LAST.id]
     assert lost is not None and lost.status == Status.FAILED
     assert adopted.recover() == []
@@ -251,7 +252,7 @@ def test_enqueue_on_the_old_running_row_requeues_it(adopted: JobStore) -> None:
         Status.PENDING,
         INTERACTIVE,
         None,
-        1,
+        0,
     )
 
 

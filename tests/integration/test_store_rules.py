@@ -453,7 +453,9 @@ def test_silent_claim_is_dead_after_the_lease(make_store: StoreFactory, clock: F
     assert store.claim_next("w2").blocked == Blocked.CONCURRENCY
     clock.advance(2)
     taken = store.claim_next("w2").job
-    assert taken is not None and taken.subject == "d1" and taken.attempts == 2
+    # H2: the lost claim spent no attempt; it is counted as a loss instead.
+    assert taken is not None and taken.subject == "d1"
+    assert (taken.attempts, taken.losses) == (1, 1)
 
 
 def test_claim_timeout_bounds_an_attempt_even_with_heartbeats(
@@ -477,18 +479,45 @@ def test_claim_timeout_bounds_an_attempt_even_with_heartbeats(
 def test_last_attempt_dying_with_its_worker_fails_the_job(
     make_store: StoreFactory, clock: FakeClock
 ) -> None:
+    """FIX4: the last allowed attempt lost with its worker fails the job "worker lost"."""
     store = make_store(max_attempts=2, lease_seconds=60)
     store.enqueue(U, "sleep", "d1")
     store.enqueue(U, "sleep", "d2")
-    assert store.claim_next("w1").job is not None  # attempt 1
-    clock.advance(61)
-    second = store.claim_next("w2").job  # takes d1 over: attempt 2, the last
+    first = store.claim_next("w1").job  # attempt 1, spent by the gateway's refusal
+    assert first is not None and first.holder
+    store.fail(first.id, first.holder, Failure.REJECTED, "HTTP 400")
+    second = store.claim_next("w2").job  # attempt 2, the last
     assert second is not None and second.subject == "d1" and second.attempts == 2
     clock.advance(61)
     nxt = store.claim_next("w3").job
     assert nxt is not None and nxt.subject == "d2"
     row = _row(store, "sleep", "d1")
-    assert (row["status"], row["error"]) == ("failed", WORKER_LOST)
+    assert (row["status"], row["error"], row["attempts"]) == ("failed", WORKER_LOST, 2)
+
+
+def test_a_lost_claim_spends_no_attempt_but_a_job_lost_too_often_fails(
+    make_store: StoreFactory, clock: FakeClock
+) -> None:
+    """H2: a claim lost with its worker is not held against the job's attempts; a job whose
+    claims are lost AI_JOB_MAX_ATTEMPTS times in a row fails, so one that kills its worker
+    cannot loop."""
+    store = make_store(max_attempts=3, lease_seconds=60)
+    store.enqueue(U, "sleep", "d1")
+    for loss in (1, 2):
+        claimed = store.claim_next(f"w{loss}").job
+        assert claimed is not None and claimed.attempts == 1
+        clock.advance(61)
+        assert store.recover() != []
+        row = _row(store, "sleep", "d1")
+        assert (row["status"], row["attempts"], row["losses"]) == ("pending", 0, loss)
+    assert store.claim_next("w3").job is not None
+    clock.advance(61)
+    store.recover()
+    row = _row(store, "sleep", "d1")
+    assert (row["status"], row["attempts"], row["losses"]) == ("failed", 0, 3)
+    assert row["error"] == "worker lost 3 times in a row: the job may be what stops its worker"
+    # Given up like a job whose attempts are spent: polls report it failed during the cooldown.
+    assert store.enqueue(U, "sleep", "d1") == Status.FAILED
 
 
 def test_enqueue_of_a_dead_last_attempt_reports_failed_not_pending(

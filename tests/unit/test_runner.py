@@ -111,12 +111,12 @@ class Store(JobStore):
         self.renewals = 0
         self.renewed_at: list[float] = []  # monotonic send time of each renewal confirmed
 
-    def heartbeat(self, jid: str, holder: str) -> Renewal:
+    def heartbeat(self, jid: str, holder: str, *, calling: bool = False) -> Renewal:
         self.renewals += 1
         if self.fail_renewals_after is not None and self.renewals > self.fail_renewals_after:
             raise DatabaseError("heartbeat: the database cannot be reached (injected)")
         sent = time.monotonic()
-        renewal = super().heartbeat(jid, holder)
+        renewal = super().heartbeat(jid, holder, calling=calling)
         if renewal:
             self.renewed_at.append(sent)
         return renewal
@@ -612,7 +612,12 @@ def test_a_graceful_stop_settles_stopped_keeps_the_attempt_and_reraises(bench: B
     assert (job.status, job.attempts, job.holder) == (Status.PENDING, 0, None)
     assert job.error == "stopped: the consumer is shutting down; the job was handed back"
     assert not bench.store.gate_state().paused
-    assert bench.store.claim_next("another").job is not None
+    # The job is free at once, but the gateway may still work on the stopped call: the next
+    # call waits for the hold, the read timeout from the call's start (H1).
+    claim = bench.store.claim_next("another")
+    assert claim.blocked is Blocked.CONCURRENCY and claim.retry_in is not None
+    assert 55 < claim.retry_in <= 60
+    assert [str(h.cause) for h in bench.store.queue_view().holds] == ["stopped"]
 
 
 def test_a_takeover_before_the_call_means_no_call(tmp_path: Path) -> None:

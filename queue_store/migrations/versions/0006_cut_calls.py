@@ -1,0 +1,43 @@
+"""A call cut on our side holds the gateway until the gateway is done with it (H1, H2).
+
+Adds `ai_jobs.call_started_at` (when the claim's call started), `ai_jobs.losses` (claims lost
+with their worker since the job last entered the queue), `ai_jobs.lost_holder` (the claim the
+last takeover ended), and the table `ai_job_holds` (what each is for: `schema.py`).
+
+Revision ID: 0006
+Revises: 0005
+"""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+from alembic import op
+
+revision = "0006"
+down_revision = "0005"
+branch_labels = None
+depends_on = None
+
+
+def upgrade() -> None:
+    with op.batch_alter_table("ai_jobs") as batch:
+        batch.add_column(sa.Column("call_started_at", sa.DateTime()))
+        batch.add_column(sa.Column("losses", sa.Integer, nullable=False, server_default="0"))
+        batch.add_column(sa.Column("lost_holder", sa.String(200)))
+    op.create_table(
+        "ai_job_holds",
+        sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+        sa.Column("job_id", sa.String(64)),
+        sa.Column("worker", sa.String(150)),
+        sa.Column("cause", sa.String(32), nullable=False),
+        sa.Column("started_at", sa.DateTime(), nullable=False),
+        sa.Column("until", sa.DateTime(), nullable=False),
+    )
+
+
+def downgrade() -> None:
+    op.drop_table("ai_job_holds")
+    with op.batch_alter_table("ai_jobs") as batch:
+        batch.drop_column("lost_holder")
+        batch.drop_column("losses")
+        batch.drop_column("call_started_at")
