@@ -43,6 +43,16 @@ class StoreCollector(Collector):
         yield GaugeMetricFamily(
             f"{PREFIX}_calls_in_flight", "Calls at the gateway now", value=seen.in_flight
         )
+        yield GaugeMetricFamily(
+            f"{PREFIX}_calls_held",
+            "Calls cut on our side that still hold the gateway",
+            value=len(seen.holds),
+        )
+        yield GaugeMetricFamily(
+            f"{PREFIX}_hold_seconds_left",
+            "Seconds until the last hold of a cut call ends",
+            value=max((h.seconds_left(gate.now) for h in seen.holds), default=0.0),
+        )
         paused = GaugeMetricFamily(
             f"{PREFIX}_paused", "1 while claiming is paused, by its cause", labels=["cause"]
         )

@@ -8,6 +8,7 @@ UTC times). Read-only commands never create a database or a directory.
 
 from __future__ import annotations
 
+import datetime as dt
 import functools
 import json
 import re
@@ -21,7 +22,7 @@ import click
 
 from queue_store import migrate
 from queue_store.errors import InvalidArgument, SettingsError, StoreError
-from queue_store.models import INTERACTIVE, PREFETCH, GateState, QueueView, UsageRow, iso
+from queue_store.models import INTERACTIVE, PREFETCH, GateState, Hold, QueueView, UsageRow, iso
 from queue_store.redact import mask_url
 from queue_store.settings import Settings
 from queue_store.store import JobStore
@@ -231,8 +232,11 @@ def _duration(seconds: float) -> str:
     return f"{seconds / 3600:.1f}h"
 
 
-# C0 and C1 controls, DEL, and the Unicode line and paragraph separators.
-_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+# C0 and C1 controls, DEL, the Unicode line and paragraph separators, and the
+# bidirectional controls (marks, embeddings, overrides, isolates).
+_CONTROL = re.compile(
+    "[\x00-\x1f\x7f-\x9f\u2028\u2029\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]"
+)
 
 
 def _printable(text: str) -> str:
@@ -248,7 +252,17 @@ def describe_gate(gate: GateState) -> str:
         return f"claiming: open{streak}"
     return (
         f"claiming: PAUSED ({gate.pause_kind}) for {_duration(gate.pause_seconds_left)}, "
-        f"until {iso(gate.paused_until)}: {_one_line(gate.pause_reason or '')}"
+        f"until {iso(gate.paused_until)}: {_printable(_one_line(gate.pause_reason or ''))}"
+    )
+
+
+def describe_hold(hold: Hold, now: dt.datetime) -> str:
+    """One line about a cut call that still holds the gateway (H1)."""
+    until = hold.until.astimezone(dt.UTC).strftime("%H:%M:%S")
+    job = f"; {_printable(hold.job.run_name)} of {_printable(hold.job.user_id)}" if hold.job else ""
+    return (
+        f"held by a cut call until {until} UTC ({hold.cause.described}; "
+        f"{_duration(hold.seconds_left(now))} left{job})"
     )
 
 
@@ -258,6 +272,7 @@ def render_queue(view: QueueView) -> str:
     out = [
         f"{iso(view.now)}  concurrency {view.concurrency}",
         describe_gate(view.gate),
+        *(describe_hold(hold, view.now) for hold in view.holds),
         f"consumers: {alive}",
         "",
         f"IN FLIGHT ({len(view.running)})",
