@@ -38,7 +38,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from deployments import metrics, prefect_api, queue_page
 from deployments.triggers import InsightState, Triggers
-from queue_store import InvalidArgument, Settings, SettingsError, Status, StoreError
+from queue_store import InvalidArgument, Misconfigured, Settings, Status, Unavailable
 from queue_store.cli import fails_cleanly, settings_from
 from queue_store.models import iso
 
@@ -85,7 +85,7 @@ _SLASH = "\x00"
 _ENCODED_SLASHES = "insight_queue.encoded_slashes"
 
 
-class ApiConfigError(SettingsError):
+class ApiConfigError(Misconfigured):
     """The API cannot be served as asked (a token is required and none is set)."""
 
 
@@ -556,9 +556,7 @@ def create_app(
         render = functools.partial(queue_page.render, ui_url=links(), stylesheet=stylesheet)
         try:
             view = await run_in_threadpool(store.queue_view, limit)
-        except StoreError as exc:
-            if isinstance(exc, ValueError):
-                raise
+        except Unavailable as exc:
             shown = render(None, refresh=refresh or REFRESH_SECONDS, error=str(exc))
             headers = {**PAGE_HEADERS, "Retry-After": str(STORE_DOWN_RETRY_SECONDS)}
             return HTMLResponse(shown, 503, headers)
@@ -590,10 +588,12 @@ def add_error_handlers(app: FastAPI) -> None:
     async def invalid(request: Request, exc: InvalidArgument) -> Response:
         return problem(422, str(exc), exc.argument)
 
-    @app.exception_handler(StoreError)
-    async def store_error(request: Request, exc: StoreError) -> Response:
-        if isinstance(exc, ValueError):  # a setting or a plugin: the server's fault
-            return problem(500, f"the server is misconfigured: {exc}")
+    @app.exception_handler(Misconfigured)
+    async def misconfigured(request: Request, exc: Misconfigured) -> Response:
+        return problem(500, f"the server is misconfigured: {exc}")
+
+    @app.exception_handler(Unavailable)
+    async def store_unavailable(request: Request, exc: Unavailable) -> Response:
         return unavailable(str(exc))
 
     @app.exception_handler(HTTPException)

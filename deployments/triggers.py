@@ -21,7 +21,7 @@ from queue_store import (
     JobStore,
     Settings,
     Status,
-    StoreError,
+    Unavailable,
     job_id,
     validation,
 )
@@ -178,9 +178,7 @@ class Triggers:
         self.runtime.registry.check_kind(kind)
         try:
             state = self.store.poll(user_id, kind, subject, fingerprint, known=known)
-        except StoreError as exc:
-            if isinstance(exc, ValueError):
-                raise
+        except Unavailable as exc:
             logger.error("store unavailable for %s:%s: %s", kind, subject, exc)
             return InsightState(status=str(Status.UNKNOWN), error=str(exc))
         if not state.run_needed:
@@ -216,9 +214,7 @@ class Triggers:
         error: str | None = None
         try:
             self.store.enqueue_many([s.request(user_id) for s in scopes])
-        except StoreError as exc:
-            if isinstance(exc, ValueError):
-                raise
+        except Unavailable as exc:
             # The run queues them itself when it starts.
             logger.error("could not queue the scopes of %s: %s", user_id, exc)
             error = str(exc)

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from flows.gateway import Completion
-from queue_store import PREFETCH, EnqueueRequest, InvalidArgument, SettingsError, validation
+from queue_store import PREFETCH, EnqueueRequest, InvalidArgument, Misconfigured, validation
 
 Messages = Sequence[Mapping[str, Any]]
 BuildRequest = Callable[[str, str], Messages]
@@ -25,7 +25,7 @@ class UnknownKind(LookupError):
     """No generator is registered for a job's kind."""
 
 
-class PluginError(SettingsError):
+class PluginError(Misconfigured):
     """A module named in AI_JOB_PLUGINS could not be imported, or registers nothing."""
 
 

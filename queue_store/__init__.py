@@ -8,10 +8,12 @@ from queue_store.errors import (
     ClaimLost,
     DatabaseError,
     InvalidArgument,
+    Misconfigured,
     SchemaConflict,
     SchemaOutdated,
     SettingsError,
     StoreError,
+    Unavailable,
 )
 from queue_store.models import (
     INTERACTIVE,
@@ -57,6 +59,7 @@ __all__ = [
     "Job",
     "JobState",
     "JobStore",
+    "Misconfigured",
     "PauseKind",
     "Position",
     "QueueEntry",
@@ -72,6 +75,7 @@ __all__ = [
     "Status",
     "StoreError",
     "Tally",
+    "Unavailable",
     "Usage",
     "UsageRow",
     "Worker",

@@ -21,7 +21,7 @@ from typing import Any, ParamSpec, TypeVar
 import click
 
 from queue_store import migrate
-from queue_store.errors import InvalidArgument, SettingsError, StoreError
+from queue_store.errors import InvalidArgument, Misconfigured, StoreError
 from queue_store.models import INTERACTIVE, PREFETCH, GateState, Hold, QueueView, UsageRow, iso
 from queue_store.redact import mask_url
 from queue_store.settings import Settings
@@ -44,7 +44,7 @@ def fails_cleanly(command: Callable[P, R]) -> Callable[P, R]:
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
         try:
             return command(*args, **kwargs)
-        except (InvalidArgument, SettingsError) as exc:
+        except (InvalidArgument, Misconfigured) as exc:
             click.echo(f"error: {exc}", err=True)
             sys.exit(EXIT_BAD_INPUT)
         except StoreError as exc:

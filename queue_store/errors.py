@@ -1,7 +1,14 @@
-"""The store's errors: one base class, subclasses that say what went wrong.
+"""The store's errors: one base class, and a branch for each thing a caller does about them.
 
-Callers catch these, never SQLAlchemy's: driver errors are wrapped `from exc`
-at the store's edge, with any database password removed from the message.
+- `InvalidArgument`: the caller's input was refused before anything was touched (a `ValueError`,
+  as FIX8 asks): tell the caller.
+- `Misconfigured`: a setting, a plugin or the API's configuration is wrong: nothing works until
+  an operator fixes it.
+- `Unavailable`: the database cannot be reached or its schema is behind: try again later.
+- `ClaimLost`: the caller's claim was taken over: it must stop.
+
+Callers catch these, never SQLAlchemy's: driver errors are wrapped `from exc` at the store's
+edge, with any database password removed from the message.
 """
 
 from __future__ import annotations
@@ -19,16 +26,28 @@ class InvalidArgument(StoreError, ValueError):
         self.argument = argument
 
 
-class SettingsError(StoreError, ValueError):
+class Misconfigured(StoreError):
+    """The deployment is set up wrong (settings, plugins, the API): an operator must fix it."""
+
+
+class SettingsError(Misconfigured):
     """An environment variable or settings value is not usable."""
 
 
-class SchemaOutdated(StoreError):
-    """The database's schema is missing or older than this code needs."""
-
-
-class SchemaConflict(StoreError):
+class SchemaConflict(Misconfigured):
     """The database holds tables this store cannot adopt; nothing was changed."""
+
+
+class Unavailable(StoreError):
+    """The store cannot be used right now; the call changed nothing. Try again later."""
+
+
+class DatabaseError(Unavailable):
+    """The database failed or could not be reached."""
+
+
+class SchemaOutdated(Unavailable):
+    """The database's schema is missing or older than this code needs."""
 
 
 class ClaimLost(StoreError):
@@ -38,7 +57,3 @@ class ClaimLost(StoreError):
         super().__init__(f"job {job_id[:12]}… is no longer held by {holder}")
         self.job_id = job_id
         self.holder = holder
-
-
-class DatabaseError(StoreError):
-    """The database failed or could not be reached; the call changed nothing."""
