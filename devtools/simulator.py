@@ -18,7 +18,7 @@ fault reaches the very next request instead of missing a pooled connection.
 
 HTTP endpoints besides the chat-completions path:
     GET  /_sim/stats   {"workers", "latency", "in_flight", "waiting", "peak_in_flight",
-                        "fault", "requests": [...]}
+                        "peak_occupancy", "min_occupancy_gap", "fault", "requests": [...]}
     POST /_sim/reset   forget the recorded requests and the peak; clear any fault
     POST /_sim/latency {"latency": 2 | [1, 3] | "1-3"}: seconds per answer from now on
     POST /_sim/fault   {"kind": ..., ...} as below; {"kind": "none"} clears
@@ -69,6 +69,13 @@ has been completely written (handed to the kernel) or the client has
 disconnected, whichever comes first; its record's `ended` is that moment,
 and `disconnected` is when the server saw the client go, if it did.
 
+The records' (started, ended) spans are the gateway's occupancy, from the
+simulator's own times rather than its counters or the connections:
+`SimulatorStats.peak_occupancy` is the most that overlapped at any instant,
+and `min_occupancy_gap` the smallest quiet time between the start of one and
+the end of every earlier one (negative when they overlapped), as the
+recorder measures connections.
+
 A request body may carry `"sim_latency": <seconds>` to override the latency
 for that request. A request is labelled in the records by its body's `"job"`
 text, else its `X-Insight-Job` header (percent-decoded), else its first user
@@ -109,6 +116,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from devtools.intervals import Span, gaps_between, peak_overlap
 from devtools.listener import ThreadedListener
 
 logger = logging.getLogger(__name__)
@@ -226,6 +234,12 @@ class RequestRecord:
 
 @dataclasses.dataclass(frozen=True)
 class SimulatorStats:
+    """The simulator's counters and records at one moment.
+
+    `peak_in_flight` is counted as workers are taken; `peak_occupancy` and
+    the occupancy gaps are worked out from the records' times instead.
+    """
+
     workers: int
     latency: tuple[float, float]  # seconds per answer, minimum and maximum
     in_flight: int
@@ -234,6 +248,28 @@ class SimulatorStats:
     fault: dict[str, Any] | None
     requests: tuple[RequestRecord, ...]
 
+    def occupancy(self) -> tuple[Span, ...]:
+        """(started, ended) of each recorded request that took a worker, in
+        order of start; ended is None while its worker is still on it."""
+        spans = [(r.started, r.ended) for r in self.requests if r.started is not None]
+        return tuple(sorted(spans, key=lambda span: span[0]))
+
+    @property
+    def peak_occupancy(self) -> int:
+        """The most workers busy at once, from the records' own times."""
+        return peak_overlap(self.occupancy())
+
+    def occupancy_gaps(self, now: float | None = None) -> tuple[float, ...]:
+        """For occupancy in order of start, the quiet time before each start
+        since every earlier one ended (negative: they overlapped); one still
+        running ends at `now` (default: the current `time.time()`)."""
+        return gaps_between(self.occupancy(), time.time() if now is None else now)
+
+    @property
+    def min_occupancy_gap(self) -> float | None:
+        """The smallest of `occupancy_gaps()`; None with fewer than two."""
+        return min(self.occupancy_gaps(), default=None)
+
     def to_json(self) -> dict[str, Any]:
         return {
             "workers": self.workers,
@@ -241,6 +277,8 @@ class SimulatorStats:
             "in_flight": self.in_flight,
             "waiting": self.waiting,
             "peak_in_flight": self.peak_in_flight,
+            "peak_occupancy": self.peak_occupancy,
+            "min_occupancy_gap": self.min_occupancy_gap,
             "fault": self.fault,
             "requests": [record.to_json() for record in self.requests],
         }

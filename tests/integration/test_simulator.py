@@ -265,6 +265,61 @@ def test_a_request_is_in_flight_until_its_client_leaves(simulator: GatewaySimula
     assert record.disconnected <= record.ended
 
 
+# --- occupancy ------------------------------------------------------------------------
+
+
+def made_record(key: int, started: float | None, ended: float | None) -> RequestRecord:
+    return RequestRecord(key, 0.0, started, ended, "ok", 200, None)
+
+
+def stats_of(*records: RequestRecord) -> SimulatorStats:
+    return SimulatorStats(4, (0.0, 0.0), 0, 0, 0, None, records)
+
+
+def test_occupancy_is_worked_out_from_the_records_own_times() -> None:
+    stats = stats_of(
+        made_record(1, 0.0, 1.0),
+        made_record(2, None, 0.2),  # answered at the door: it took no worker
+        made_record(3, 0.5, 3.0),  # overlaps the first by 0.5 s
+        made_record(4, 3.25, 4.0),  # 0.25 s after the third ended
+        made_record(5, 5.0, 6.0),
+    )
+    assert stats.occupancy() == ((0.0, 1.0), (0.5, 3.0), (3.25, 4.0), (5.0, 6.0))
+    assert stats.peak_occupancy == 2
+    assert stats.occupancy_gaps() == (-0.5, 0.25, 1.0)
+    assert stats.min_occupancy_gap == -0.5
+
+    # Order of start, not of the records; an earlier long one covers a later gap.
+    covered = stats_of(
+        made_record(1, 2.0, 3.0), made_record(2, 0.0, 10.0), made_record(3, 4.0, 5.0)
+    )
+    assert covered.occupancy() == ((0.0, 10.0), (2.0, 3.0), (4.0, 5.0))
+    assert (covered.occupancy_gaps(), covered.peak_occupancy) == ((-8.0, -6.0), 2)
+
+    # A worker taken as another is freed follows it, it does not overlap it.
+    handed_over = stats_of(made_record(1, 0.0, 1.0), made_record(2, 1.0, 2.0))
+    assert (handed_over.occupancy_gaps(), handed_over.peak_occupancy) == ((0.0,), 1)
+
+    # One still being worked on runs on: it overlaps whatever starts later.
+    running = stats_of(made_record(1, 0.0, None), made_record(2, 5.0, 6.0))
+    assert running.occupancy() == ((0.0, None), (5.0, 6.0))
+    assert (running.occupancy_gaps(now=8.0), running.peak_occupancy) == ((-3.0,), 2)
+
+    assert stats_of(made_record(1, 0.0, 1.0)).min_occupancy_gap is None
+    assert stats_of().peak_occupancy == 0
+
+
+def test_stats_report_the_occupancy_over_http(simulator: GatewaySimulator) -> None:
+    for _ in range(2):
+        assert post(simulator).status_code == 200
+    stats = simulator.wait_for(settled, WAIT_LIMIT)
+    assert stats.peak_occupancy == 1
+    assert stats.min_occupancy_gap is not None and stats.min_occupancy_gap >= 0
+
+    shown = httpx.get(f"{simulator.url}/_sim/stats").json()
+    assert (shown["peak_occupancy"], shown["min_occupancy_gap"]) == (1, stats.min_occupancy_gap)
+
+
 # --- faults -----------------------------------------------------------------------
 
 
