@@ -265,6 +265,108 @@ def test_a_request_is_in_flight_until_its_client_leaves(simulator: GatewaySimula
     assert record.disconnected <= record.ended
 
 
+# --- workers that finish abandoned calls ------------------------------------------------
+
+CALL_SECONDS = 1.5  # latency of a call whose client leaves part way
+LEAVE_AFTER = 0.2  # seconds into its call a client leaves
+TIMER_SLACK = 0.05  # seconds a timer or a clock may be out by
+
+
+def abandon(simulator: GatewaySimulator, text: str) -> int:
+    """Send a call, leave once a worker has it, and wait until the simulator
+    has seen the client go; the call's index in the records."""
+    index = len(simulator.stats().requests)
+    sock = open_request(simulator.port, body(text))
+    simulator.wait_for(
+        lambda s: len(s.requests) > index and s.requests[index].started is not None, WAIT_LIMIT
+    )
+    time.sleep(LEAVE_AFTER)
+    sock.close()
+    simulator.wait_for(lambda s: s.requests[index].disconnected is not None, WAIT_LIMIT)
+    return index
+
+
+def test_a_worker_finishes_a_call_whose_client_left() -> None:
+    with GatewaySimulator(workers=1, latency=CALL_SECONDS, finish_abandoned=True) as simulator:
+        abandon(simulator, "left")
+        record = simulator.wait_for(settled, WAIT_LIMIT).requests[0]
+
+    assert (record.outcome, record.status) == ("abandoned", None)
+    assert record.started is not None and record.ended is not None
+    assert record.disconnected is not None
+    assert record.started < record.disconnected < record.ended
+    assert record.ended - record.started >= CALL_SECONDS - TIMER_SLACK
+
+
+def test_a_call_arriving_meanwhile_waits_for_the_abandoned_one() -> None:
+    with GatewaySimulator(workers=1, latency=CALL_SECONDS, finish_abandoned=True) as simulator:
+        abandon(simulator, "left")
+        assert post(simulator, "next", sim_latency=0).status_code == 200
+        left, served = simulator.wait_for(settled, WAIT_LIMIT).requests
+
+    assert (left.outcome, served.outcome) == ("abandoned", "ok")
+    assert left.ended is not None and served.started is not None
+    assert served.received < left.ended  # it came while the worker was still busy
+    assert served.started >= left.ended  # and had that worker only once it was done
+
+
+@pytest.mark.parametrize(("finish_abandoned", "peak"), [(True, 2), (False, 1)])
+def test_an_abandoned_call_occupies_the_gateway_while_its_worker_is_on_it(
+    finish_abandoned: bool, peak: int
+) -> None:
+    with GatewaySimulator(
+        workers=2, latency=CALL_SECONDS, finish_abandoned=finish_abandoned
+    ) as simulator:
+        abandon(simulator, "left")
+        if not finish_abandoned:
+            simulator.wait_for(settled, WAIT_LIMIT)  # freed as its client went
+        assert post(simulator, "next", sim_latency=0).status_code == 200
+        stats = simulator.wait_for(settled, WAIT_LIMIT)
+
+    assert stats.peak_occupancy == stats.peak_in_flight == peak
+    gap = stats.min_occupancy_gap
+    assert gap is not None and (gap < 0) == finish_abandoned
+    outcome = "abandoned" if finish_abandoned else "client_gone"
+    assert [r.outcome for r in stats.requests] == [outcome, "ok"]
+
+
+def test_a_request_whose_client_left_the_backlog_is_still_served() -> None:
+    with GatewaySimulator(workers=1, finish_abandoned=True) as simulator:
+        simulator.set_fault("hang", requests=1)
+        holder = Call(simulator, "holder")
+        simulator.wait_for(lambda s: s.in_flight == 1, WAIT_LIMIT)
+        waiter = open_request(simulator.port, body("waiter", sim_latency=LEAVE_AFTER))
+        simulator.wait_for(lambda s: s.waiting == 1, WAIT_LIMIT)
+
+        waiter.close()
+        stats = simulator.wait_for(lambda s: s.requests[1].disconnected is not None, WAIT_LIMIT)
+        assert (stats.waiting, stats.requests[1].started) == (1, None)
+        simulator.clear_fault()
+        assert holder.result().status_code == 200
+        held, left = simulator.wait_for(settled, WAIT_LIMIT).requests
+
+    assert (held.outcome, left.outcome) == ("hung", "abandoned")
+    assert held.ended is not None and left.started is not None and left.ended is not None
+    assert left.started >= held.ended
+    assert left.ended - left.started >= LEAVE_AFTER - TIMER_SLACK
+
+
+@pytest.mark.parametrize(
+    ("fault", "status"), [({"kind": "hang"}, None), ({"kind": "trickle", "interval": 600}, 200)]
+)
+def test_a_held_call_keeps_its_worker_after_its_client_left_until_released(
+    fault: dict[str, Any], status: int | None
+) -> None:
+    with GatewaySimulator(workers=1, finish_abandoned=True) as simulator:
+        simulator.set_fault(**fault)
+        index = abandon(simulator, "held")
+        assert simulator.stats().in_flight == 1
+        simulator.clear_fault()
+        record = simulator.wait_for(settled, WAIT_LIMIT).requests[index]
+
+    assert (record.outcome, record.status) == ("abandoned", status)
+
+
 # --- occupancy ------------------------------------------------------------------------
 
 
@@ -834,6 +936,17 @@ def test_command_help_and_bad_latency() -> None:
     for option in ("--host", "--port", "--workers", "--latency", str(DEFAULT_PORT)):
         assert option in shown.output
     assert runner.invoke(gateway_sim_command, ["--latency", "soon"]).exit_code == 2
+
+
+@pytest.mark.parametrize(("args", "expected"), [([], False), (["--finish-abandoned"], True)])
+def test_command_passes_on_finish_abandoned(
+    monkeypatch: pytest.MonkeyPatch, args: list[str], expected: bool
+) -> None:
+    seen: dict[str, Any] = {}
+    monkeypatch.setattr("devtools.simulator.run", lambda *_, **options: seen.update(options))
+    result = CliRunner().invoke(gateway_sim_command, args)
+    assert result.exit_code == 0, result.output
+    assert seen["finish_abandoned"] is expected
 
 
 def test_command_reports_a_taken_port() -> None:
