@@ -48,6 +48,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from devtools.intervals import gaps_between
 from devtools.listener import ThreadedListener
 
 logger = logging.getLogger(__name__)
@@ -111,14 +112,7 @@ def gaps(intervals: Sequence[ConnectionInterval], now: float | None = None) -> t
     """
     current = time.monotonic() if now is None else now
     ordered = sorted(intervals, key=lambda interval: (interval.opened, interval.id))
-    result: list[float] = []
-    latest_close: float | None = None
-    for interval in ordered:
-        if latest_close is not None:
-            result.append(interval.opened - latest_close)
-        close = current if interval.closed is None else interval.closed
-        latest_close = close if latest_close is None else max(latest_close, close)
-    return tuple(result)
+    return gaps_between(((interval.opened, interval.closed) for interval in ordered), current)
 
 
 @dataclasses.dataclass(eq=False)

@@ -18,7 +18,7 @@ fault reaches the very next request instead of missing a pooled connection.
 
 HTTP endpoints besides the chat-completions path:
     GET  /_sim/stats   {"workers", "latency", "in_flight", "waiting", "peak_in_flight",
-                        "fault", "requests": [...]}
+                        "peak_occupancy", "min_occupancy_gap", "fault", "requests": [...]}
     POST /_sim/reset   forget the recorded requests and the peak; clear any fault
     POST /_sim/latency {"latency": 2 | [1, 3] | "1-3"}: seconds per answer from now on
     POST /_sim/fault   {"kind": ..., ...} as below; {"kind": "none"} clears
@@ -36,14 +36,15 @@ and, by kind:
 
     status      answer `status` (400-599, default 503) with an OpenAI-style
                 error body and any extra `headers` ({"Retry-After": "30"}, ...)
-    hang        hold the request on its worker until the client goes, the fault
-                is set or cleared, `hold_seconds` pass, or the simulator stops;
-                then answer normally (outcome "hung")
+    hang        hold the request on its worker until the client goes (not with
+                finish_abandoned, below), the fault is set or cleared,
+                `hold_seconds` pass, or the simulator stops; then answer
+                normally (outcome "hung")
     drop        close the connection without a byte of answer
     close_mid_body  send 200 and a Content-Length, half the body, then close
     trickle     send 200, then the body one byte every `interval` seconds
-                (default 2) until done, the client goes, or the fault changes
-                (then the rest at once)
+                (default 2) until done, the client goes (not with
+                finish_abandoned), or the fault changes (then the rest at once)
     huge        a valid completion whose content is `size` bytes (default
                 50 MiB), streamed in chunks
     huge_raw    `size` bytes of non-JSON under a JSON content type
@@ -65,9 +66,30 @@ Faults other than refuse meet only the chat-completions path. `status`,
 worker; the others hold a worker like an answer does.
 
 A request counts as in flight from when a worker takes it until its answer
-has been completely written (handed to the kernel) or the client has
-disconnected, whichever comes first; its record's `ended` is that moment,
-and `disconnected` is when the server saw the client go, if it did.
+has been completely written (handed to the kernel) or, unless workers finish
+abandoned calls (below), the client has disconnected, whichever comes first;
+its record's `ended` is that moment, and `disconnected` is when the server
+saw the client go, if it did (recorded as soon as it is seen).
+
+With `finish_abandoned=True` (`--finish-abandoned`) the workers are those of
+a threaded gateway, whose threads go on with a call after its client has
+gone: a request keeps the worker it took until its work is done, whatever
+the client does, and only the simulator stopping ends it early. A normal
+answer keeps its worker for its latency; a hang until its hold, a fault
+change or its `seconds`; a trickle until its last byte would have gone at
+its pace (the rest at once on a fault change); huge and huge_raw, written as
+fast as the client reads, are done as soon as it has gone. A request still
+in the backlog when its client leaves is served all the same once a worker
+is free. A request worked to its end after its client went has the outcome
+"abandoned" (the answer was not delivered), `ended` when its worker was
+freed; answers whose client stayed are recorded as without the mode.
+
+The records' (started, ended) spans are the gateway's occupancy, from the
+simulator's own times rather than its counters or the connections:
+`SimulatorStats.peak_occupancy` is the most that overlapped at any instant,
+and `min_occupancy_gap` the smallest quiet time between the start of one and
+the end of every earlier one (negative when they overlapped), as the
+recorder measures connections.
 
 A request body may carry `"sim_latency": <seconds>` to override the latency
 for that request. A request is labelled in the records by its body's `"job"`
@@ -109,6 +131,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from devtools.intervals import Span, gaps_between, peak_overlap
 from devtools.listener import ThreadedListener
 
 logger = logging.getLogger(__name__)
@@ -187,6 +210,7 @@ REDIRECTED = "redirected"
 BAD_REQUEST = "bad_request"
 UNAUTHORIZED = "unauthorized"
 CLIENT_GONE = "client_gone"  # the client disconnected before its answer was written
+ABANDONED = "abandoned"  # worked to the end, but its client had gone: not delivered
 STOPPED = "stopped"  # the simulator stopped before answering
 
 # Why a wait ended.
@@ -206,7 +230,8 @@ class RequestRecord:
     Times are `time.time()` wall-clock seconds, so other processes can line
     them up with their own logs. `started` is when a worker took the request
     (None if none did); `ended` is when its answer was completely written,
-    the connection closed, or the client went; `disconnected` is when the
+    the connection closed, or the client went (with `finish_abandoned`:
+    when its worker was done with it); `disconnected` is when the
     server saw the client go (None if it did not); `status` is the HTTP
     status sent, None if none was.
     """
@@ -226,6 +251,12 @@ class RequestRecord:
 
 @dataclasses.dataclass(frozen=True)
 class SimulatorStats:
+    """The simulator's counters and records at one moment.
+
+    `peak_in_flight` is counted as workers are taken; `peak_occupancy` and
+    the occupancy gaps are worked out from the records' times instead.
+    """
+
     workers: int
     latency: tuple[float, float]  # seconds per answer, minimum and maximum
     in_flight: int
@@ -234,6 +265,28 @@ class SimulatorStats:
     fault: dict[str, Any] | None
     requests: tuple[RequestRecord, ...]
 
+    def occupancy(self) -> tuple[Span, ...]:
+        """(started, ended) of each recorded request that took a worker, in
+        order of start; ended is None while its worker is still on it."""
+        spans = [(r.started, r.ended) for r in self.requests if r.started is not None]
+        return tuple(sorted(spans, key=lambda span: span[0]))
+
+    @property
+    def peak_occupancy(self) -> int:
+        """The most workers busy at once, from the records' own times."""
+        return peak_overlap(self.occupancy())
+
+    def occupancy_gaps(self, now: float | None = None) -> tuple[float, ...]:
+        """For occupancy in order of start, the quiet time before each start
+        since every earlier one ended (negative: they overlapped); one still
+        running ends at `now` (default: the current `time.time()`)."""
+        return gaps_between(self.occupancy(), time.time() if now is None else now)
+
+    @property
+    def min_occupancy_gap(self) -> float | None:
+        """The smallest of `occupancy_gaps()`; None with fewer than two."""
+        return min(self.occupancy_gaps(), default=None)
+
     def to_json(self) -> dict[str, Any]:
         return {
             "workers": self.workers,
@@ -241,6 +294,8 @@ class SimulatorStats:
             "in_flight": self.in_flight,
             "waiting": self.waiting,
             "peak_in_flight": self.peak_in_flight,
+            "peak_occupancy": self.peak_occupancy,
+            "min_occupancy_gap": self.min_occupancy_gap,
             "fault": self.fault,
             "requests": [record.to_json() for record in self.requests],
         }
@@ -615,6 +670,8 @@ class GatewaySimulator(ThreadedListener):
 
     `latency` is seconds per answer: a number, or a (minimum, maximum) range
     drawn uniformly. `token`, when given, is required as a bearer token.
+    `finish_abandoned` makes its workers finish every call whatever the
+    client does, as a threaded gateway does (see the module docstring).
     Start with `start()` or a `with` block; `stop()` ends the one thread it
     started.
     """
@@ -631,6 +688,7 @@ class GatewaySimulator(ThreadedListener):
         path: str = DEFAULT_PATH,
         token: str | None = None,
         seed: int | None = None,
+        finish_abandoned: bool = False,
     ) -> None:
         if workers < 1:
             raise ValueError("workers: expected at least 1")
@@ -642,6 +700,7 @@ class GatewaySimulator(ThreadedListener):
         self._path = path
         self._token = token
         self._random = random.Random(seed)
+        self._finish_abandoned = finish_abandoned
 
         # Shared with other threads; every change notifies `_changed`.
         self._lock = threading.Lock()
@@ -1079,8 +1138,16 @@ class GatewaySimulator(ThreadedListener):
             message = await receive()
             if message["type"] == "http.disconnect":
                 break
-        if exchange.connection.lost_at is not None:  # not merely the answer completing
-            exchange.gone.set()
+        lost_at = exchange.connection.lost_at
+        if lost_at is None:  # merely the answer completing
+            return
+        with self._lock:
+            record = self._records.get(exchange.record_id)
+            if not exchange.closed_by_server and record is not None and record.ended is None:
+                # Shown at once: a worker may go on with the call long after.
+                self._update(exchange.record_id, disconnected=lost_at)
+                self._changed.notify_all()
+        exchange.gone.set()
 
     async def _serve_completion(
         self,
@@ -1221,7 +1288,9 @@ class GatewaySimulator(ThreadedListener):
                 await self._close(exchange, STOPPED)
                 return
             if exchange.connection.lost_at is not None:
-                self._finish(exchange, CLIENT_GONE, exchange.status_sent)
+                # Written as fast as the client reads: with no client, the
+                # rest is done at once.
+                self._finish(exchange, self._undelivered(exchange), exchange.status_sent)
                 return
         await self._send_last(exchange, b"", outcome)
 
@@ -1256,7 +1325,7 @@ class GatewaySimulator(ThreadedListener):
     ) -> None:
         """Send a whole answer; finished once it is written or the client went."""
         if exchange.connection.lost_at is not None:
-            self._finish(exchange, CLIENT_GONE, None)
+            self._finish(exchange, self._undelivered(exchange), None)
             return
         await self._start_answer(exchange, status, len(payload), extra)
         await self._send_last(exchange, payload, outcome)
@@ -1280,8 +1349,12 @@ class GatewaySimulator(ThreadedListener):
                 return
         if connection.flow.write_paused:
             await connection.flow.drain()
-        outcome = outcome if self._written(connection) else CLIENT_GONE
+        outcome = outcome if self._written(connection) else self._undelivered(exchange)
         self._finish(exchange, outcome, exchange.status_sent)
+
+    def _undelivered(self, exchange: _Exchange) -> str:
+        """The outcome of an answer its client went away from."""
+        return ABANDONED if self._finish_abandoned and exchange.holds_worker else CLIENT_GONE
 
     @staticmethod
     def _written(connection: _Connection) -> bool:
@@ -1306,14 +1379,16 @@ class GatewaySimulator(ThreadedListener):
         release: asyncio.Event | None = None,
         slot: asyncio.Future[None] | None = None,
     ) -> str:
-        """Wait for the first of: stop, the client going, a worker slot, a
-        release, or `timeout` seconds; says which (in that order of priority)."""
+        """Wait for the first of: stop, the client going (unless workers
+        finish abandoned calls), a worker slot, a release, or `timeout`
+        seconds; says which (in that order of priority)."""
         state = self._state
         assert state is not None
         helpers: dict[asyncio.Future[Any], str] = {
             asyncio.ensure_future(state.stopping.wait()): _STOP,
-            asyncio.ensure_future(exchange.gone.wait()): _GONE,
         }
+        if not self._finish_abandoned:
+            helpers[asyncio.ensure_future(exchange.gone.wait())] = _GONE
         if release is not None:
             helpers[asyncio.ensure_future(release.wait())] = _RELEASE
         waits: dict[asyncio.Future[Any], str] = dict(helpers)
@@ -1334,7 +1409,8 @@ class GatewaySimulator(ThreadedListener):
 
     async def _take_worker(self, exchange: _Exchange) -> bool:
         """Wait for a free worker, first come first served; False (and the
-        request finished) when the client goes or the simulator stops first."""
+        request finished) when the simulator stops first, or the client goes
+        unless workers finish abandoned calls."""
         state = self._state
         assert state is not None
         with self._lock:
@@ -1505,11 +1581,13 @@ def run(
     latency_min: float = 0.0,
     latency_max: float | None = None,
     *,
+    finish_abandoned: bool = False,
     announce: Callable[[str], None] | None = None,
 ) -> None:
     """Serve a gateway simulator until SIGINT, SIGTERM or SIGHUP; call from the main thread.
 
-    `announce` receives one line with the URL once listening (default: the log).
+    `finish_abandoned` is `GatewaySimulator`'s. `announce` receives one line
+    with the URL once listening (default: the log).
     Raises OSError when the port cannot be had.
     """
     stop = threading.Event()
@@ -1520,7 +1598,9 @@ def run(
     previous = {sig: signal.signal(sig, on_signal) for sig in STOP_SIGNALS}
     try:
         latency = (latency_min, latency_min if latency_max is None else latency_max)
-        with GatewaySimulator(host, port, workers, latency) as simulator:
+        with GatewaySimulator(
+            host, port, workers, latency, finish_abandoned=finish_abandoned
+        ) as simulator:
             line = (
                 f"gateway simulator (development tool, not a gateway) at {simulator.url}"
                 f" with {workers} workers; stats at {simulator.url}/_sim/stats"
@@ -1564,10 +1644,25 @@ def _latency_option(
     callback=_latency_option,
     help="Seconds per answer: '2', or a range such as '1-3'.",
 )
-def gateway_sim_command(host: str, port: int, workers: int, latency: tuple[float, float]) -> None:
+@click.option(
+    "--finish-abandoned",
+    is_flag=True,
+    help="Workers finish every call even when its client has gone, as a threaded gateway does.",
+)
+def gateway_sim_command(
+    host: str, port: int, workers: int, latency: tuple[float, float], finish_abandoned: bool
+) -> None:
     """Run a local gateway simulator (a development tool) until interrupted."""
     try:
-        run(host, port, workers, latency[0], latency[1], announce=click.echo)
+        run(
+            host,
+            port,
+            workers,
+            latency[0],
+            latency[1],
+            finish_abandoned=finish_abandoned,
+            announce=click.echo,
+        )
     except OSError as exc:
         if exc.errno == errno.EADDRINUSE:
             raise click.ClickException(

@@ -265,6 +265,163 @@ def test_a_request_is_in_flight_until_its_client_leaves(simulator: GatewaySimula
     assert record.disconnected <= record.ended
 
 
+# --- workers that finish abandoned calls ------------------------------------------------
+
+CALL_SECONDS = 1.5  # latency of a call whose client leaves part way
+LEAVE_AFTER = 0.2  # seconds into its call a client leaves
+TIMER_SLACK = 0.05  # seconds a timer or a clock may be out by
+
+
+def abandon(simulator: GatewaySimulator, text: str) -> int:
+    """Send a call, leave once a worker has it, and wait until the simulator
+    has seen the client go; the call's index in the records."""
+    index = len(simulator.stats().requests)
+    sock = open_request(simulator.port, body(text))
+    simulator.wait_for(
+        lambda s: len(s.requests) > index and s.requests[index].started is not None, WAIT_LIMIT
+    )
+    time.sleep(LEAVE_AFTER)
+    sock.close()
+    simulator.wait_for(lambda s: s.requests[index].disconnected is not None, WAIT_LIMIT)
+    return index
+
+
+def test_a_worker_finishes_a_call_whose_client_left() -> None:
+    with GatewaySimulator(workers=1, latency=CALL_SECONDS, finish_abandoned=True) as simulator:
+        abandon(simulator, "left")
+        record = simulator.wait_for(settled, WAIT_LIMIT).requests[0]
+
+    assert (record.outcome, record.status) == ("abandoned", None)
+    assert record.started is not None and record.ended is not None
+    assert record.disconnected is not None
+    assert record.started < record.disconnected < record.ended
+    assert record.ended - record.started >= CALL_SECONDS - TIMER_SLACK
+
+
+def test_a_call_arriving_meanwhile_waits_for_the_abandoned_one() -> None:
+    with GatewaySimulator(workers=1, latency=CALL_SECONDS, finish_abandoned=True) as simulator:
+        abandon(simulator, "left")
+        assert post(simulator, "next", sim_latency=0).status_code == 200
+        left, served = simulator.wait_for(settled, WAIT_LIMIT).requests
+
+    assert (left.outcome, served.outcome) == ("abandoned", "ok")
+    assert left.ended is not None and served.started is not None
+    assert served.received < left.ended  # it came while the worker was still busy
+    assert served.started >= left.ended  # and had that worker only once it was done
+
+
+@pytest.mark.parametrize(("finish_abandoned", "peak"), [(True, 2), (False, 1)])
+def test_an_abandoned_call_occupies_the_gateway_while_its_worker_is_on_it(
+    finish_abandoned: bool, peak: int
+) -> None:
+    with GatewaySimulator(
+        workers=2, latency=CALL_SECONDS, finish_abandoned=finish_abandoned
+    ) as simulator:
+        abandon(simulator, "left")
+        if not finish_abandoned:
+            simulator.wait_for(settled, WAIT_LIMIT)  # freed as its client went
+        assert post(simulator, "next", sim_latency=0).status_code == 200
+        stats = simulator.wait_for(settled, WAIT_LIMIT)
+
+    assert stats.peak_occupancy == stats.peak_in_flight == peak
+    gap = stats.min_occupancy_gap
+    assert gap is not None and (gap < 0) == finish_abandoned
+    outcome = "abandoned" if finish_abandoned else "client_gone"
+    assert [r.outcome for r in stats.requests] == [outcome, "ok"]
+
+
+def test_a_request_whose_client_left_the_backlog_is_still_served() -> None:
+    with GatewaySimulator(workers=1, finish_abandoned=True) as simulator:
+        simulator.set_fault("hang", requests=1)
+        holder = Call(simulator, "holder")
+        simulator.wait_for(lambda s: s.in_flight == 1, WAIT_LIMIT)
+        waiter = open_request(simulator.port, body("waiter", sim_latency=LEAVE_AFTER))
+        simulator.wait_for(lambda s: s.waiting == 1, WAIT_LIMIT)
+
+        waiter.close()
+        stats = simulator.wait_for(lambda s: s.requests[1].disconnected is not None, WAIT_LIMIT)
+        assert (stats.waiting, stats.requests[1].started) == (1, None)
+        simulator.clear_fault()
+        assert holder.result().status_code == 200
+        held, left = simulator.wait_for(settled, WAIT_LIMIT).requests
+
+    assert (held.outcome, left.outcome) == ("hung", "abandoned")
+    assert held.ended is not None and left.started is not None and left.ended is not None
+    assert left.started >= held.ended
+    assert left.ended - left.started >= LEAVE_AFTER - TIMER_SLACK
+
+
+@pytest.mark.parametrize(
+    ("fault", "status"), [({"kind": "hang"}, None), ({"kind": "trickle", "interval": 600}, 200)]
+)
+def test_a_held_call_keeps_its_worker_after_its_client_left_until_released(
+    fault: dict[str, Any], status: int | None
+) -> None:
+    with GatewaySimulator(workers=1, finish_abandoned=True) as simulator:
+        simulator.set_fault(**fault)
+        index = abandon(simulator, "held")
+        assert simulator.stats().in_flight == 1
+        simulator.clear_fault()
+        record = simulator.wait_for(settled, WAIT_LIMIT).requests[index]
+
+    assert (record.outcome, record.status) == ("abandoned", status)
+
+
+# --- occupancy ------------------------------------------------------------------------
+
+
+def made_record(key: int, started: float | None, ended: float | None) -> RequestRecord:
+    return RequestRecord(key, 0.0, started, ended, "ok", 200, None)
+
+
+def stats_of(*records: RequestRecord) -> SimulatorStats:
+    return SimulatorStats(4, (0.0, 0.0), 0, 0, 0, None, records)
+
+
+def test_occupancy_is_worked_out_from_the_records_own_times() -> None:
+    stats = stats_of(
+        made_record(1, 0.0, 1.0),
+        made_record(2, None, 0.2),  # answered at the door: it took no worker
+        made_record(3, 0.5, 3.0),  # overlaps the first by 0.5 s
+        made_record(4, 3.25, 4.0),  # 0.25 s after the third ended
+        made_record(5, 5.0, 6.0),
+    )
+    assert stats.occupancy() == ((0.0, 1.0), (0.5, 3.0), (3.25, 4.0), (5.0, 6.0))
+    assert stats.peak_occupancy == 2
+    assert stats.occupancy_gaps() == (-0.5, 0.25, 1.0)
+    assert stats.min_occupancy_gap == -0.5
+
+    # Order of start, not of the records; an earlier long one covers a later gap.
+    covered = stats_of(
+        made_record(1, 2.0, 3.0), made_record(2, 0.0, 10.0), made_record(3, 4.0, 5.0)
+    )
+    assert covered.occupancy() == ((0.0, 10.0), (2.0, 3.0), (4.0, 5.0))
+    assert (covered.occupancy_gaps(), covered.peak_occupancy) == ((-8.0, -6.0), 2)
+
+    # A worker taken as another is freed follows it, it does not overlap it.
+    handed_over = stats_of(made_record(1, 0.0, 1.0), made_record(2, 1.0, 2.0))
+    assert (handed_over.occupancy_gaps(), handed_over.peak_occupancy) == ((0.0,), 1)
+
+    # One still being worked on runs on: it overlaps whatever starts later.
+    running = stats_of(made_record(1, 0.0, None), made_record(2, 5.0, 6.0))
+    assert running.occupancy() == ((0.0, None), (5.0, 6.0))
+    assert (running.occupancy_gaps(now=8.0), running.peak_occupancy) == ((-3.0,), 2)
+
+    assert stats_of(made_record(1, 0.0, 1.0)).min_occupancy_gap is None
+    assert stats_of().peak_occupancy == 0
+
+
+def test_stats_report_the_occupancy_over_http(simulator: GatewaySimulator) -> None:
+    for _ in range(2):
+        assert post(simulator).status_code == 200
+    stats = simulator.wait_for(settled, WAIT_LIMIT)
+    assert stats.peak_occupancy == 1
+    assert stats.min_occupancy_gap is not None and stats.min_occupancy_gap >= 0
+
+    shown = httpx.get(f"{simulator.url}/_sim/stats").json()
+    assert (shown["peak_occupancy"], shown["min_occupancy_gap"]) == (1, stats.min_occupancy_gap)
+
+
 # --- faults -----------------------------------------------------------------------
 
 
@@ -779,6 +936,17 @@ def test_command_help_and_bad_latency() -> None:
     for option in ("--host", "--port", "--workers", "--latency", str(DEFAULT_PORT)):
         assert option in shown.output
     assert runner.invoke(gateway_sim_command, ["--latency", "soon"]).exit_code == 2
+
+
+@pytest.mark.parametrize(("args", "expected"), [([], False), (["--finish-abandoned"], True)])
+def test_command_passes_on_finish_abandoned(
+    monkeypatch: pytest.MonkeyPatch, args: list[str], expected: bool
+) -> None:
+    seen: dict[str, Any] = {}
+    monkeypatch.setattr("devtools.simulator.run", lambda *_, **options: seen.update(options))
+    result = CliRunner().invoke(gateway_sim_command, args)
+    assert result.exit_code == 0, result.output
+    assert seen["finish_abandoned"] is expected
 
 
 def test_command_reports_a_taken_port() -> None:

@@ -2,8 +2,10 @@
 
 `Gateway` is the simulator behind the recording TCP proxy: the proxy, not the
 store, says how many calls were in flight at once and how quiet it was
-between them. `Workers` starts `tests.support.worker` processes (optionally
-under libfaketime with a shifted clock) and stops them by PID.
+between them, and the simulator's own times say how long its workers were
+busy (with `finish_abandoned`, past a client that left). `Workers` starts
+`tests.support.worker` processes (optionally under libfaketime with a
+shifted clock) and stops them by PID.
 """
 
 from __future__ import annotations
@@ -32,8 +34,12 @@ GAP_SLACK_SECONDS = 0.05
 
 
 class Gateway:
-    def __init__(self, latency: float = 1.0, workers: int = 4) -> None:
-        self.simulator = GatewaySimulator(latency=latency, workers=workers)
+    def __init__(
+        self, latency: float = 1.0, workers: int = 4, finish_abandoned: bool = False
+    ) -> None:
+        self.simulator = GatewaySimulator(
+            latency=latency, workers=workers, finish_abandoned=finish_abandoned
+        )
         self.recorder: GatewayRecorder | None = None
 
     def __enter__(self) -> Gateway:
@@ -56,16 +62,24 @@ class Gateway:
         return self.recorder.snapshot()
 
     def assert_kept(self, concurrency: int, gap: float) -> RecorderSnapshot:
-        """The promise, measured at the gateway: peak in flight and every gap."""
+        """The promise, measured at the gateway: peak and every gap, of the
+        connections (the recorder) and of the workers' occupancy (the
+        simulator's own times, which outlast a client that left when the
+        workers finish abandoned calls)."""
         seen = self.snapshot()
-        smallest = "-" if seen.min_gap is None else f"{seen.min_gap:.3f} s"
+        stats = self.simulator.stats()
+        peak, quiet = stats.peak_occupancy, stats.min_occupancy_gap
         print(
             f"FIGURES recorder: {seen.count} connections, peak in flight "
-            f"{seen.peak_in_flight}, smallest gap {smallest}"
+            f"{seen.peak_in_flight}, smallest gap {_seconds(seen.min_gap)}; "
+            f"simulator: peak occupancy {peak}, smallest occupancy gap {_seconds(quiet)}"
         )
         assert seen.peak_in_flight <= concurrency, f"{seen.peak_in_flight} calls at once"
         if seen.min_gap is not None:
             assert seen.min_gap >= gap - GAP_SLACK_SECONDS, f"gap of {seen.min_gap:.3f} s"
+        assert peak <= concurrency, f"{peak} calls on the gateway's workers at once"
+        if quiet is not None:
+            assert quiet >= gap - GAP_SLACK_SECONDS, f"occupancy gap of {quiet:.3f} s"
         return seen
 
     def served(self) -> list[str]:
@@ -80,6 +94,10 @@ class Gateway:
     def answers_for(self, job: str) -> int:
         """Calls for a job the gateway answered in full."""
         return sum(1 for r in self.simulator.stats().requests if r.job == job and r.outcome == OK)
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f} s"
 
 
 def libfaketime() -> Path | None:
