@@ -2,15 +2,17 @@
 
 Two machines on one host, each with its own working directory, PREFECT_HOME
 and data directory; Prefect's server and the store on PostgreSQL; the gateway
-is the simulator behind the independent recorder. Each machine is what the
+is the simulator, in the mode where its workers finish a call whose client went away (as the
+real gateway does), behind the independent recorder. Each machine is what the
 README's recipe runs (`insight-queue worker`: Prefect's process worker and a
 warm consumer), or, workers only, `prefect worker start` alone. Backfills for
 three users and a screen go in; while a call is in flight, every process of
 the machine making it gets SIGKILL (Prefect starts flow runs in sessions of
 their own: the machine's processes are its process tree).
 
-At the recorder: every job is done, never more than one call at once, and no
-job called twice but the one whose call was cut. In Prefect: no run of ours is
+At the gateway (its own workers' start and end times, and the recorder's connections): every
+job is done, never more than one call at once, and no job called twice but the one whose call
+was cut; the cut call holds the gateway (H1) until its start plus the hold. In Prefect: no run of ours is
 left Running or Pending once the automations `deploy` created had time to
 see the machine gone. The healing time (kill to the next call) and a screen's
 pickup on an idle gateway are printed.
@@ -45,6 +47,7 @@ pytestmark = [pytest.mark.prefect, pytest.mark.slow, pytest.mark.postgres]
 GAP = 0.3
 CALL_SECONDS = 1.5  # each call at the gateway: long enough to be cut mid-way
 LEASE = 10.0
+HOLD = 4.0  # AI_GATEWAY_CUT_HOLD_SECONDS: past a call's end at the gateway
 DEADLINE = 300.0  # seconds for every job to be done after the kill
 # After the kill, a lost run is Crashed once it missed its heartbeats for
 # CRASH_AFTER_SECONDS, within the automations' evaluation (every 5 s).
@@ -59,6 +62,7 @@ def pool_env(server: PrefectServer, store_url: str, gateway: Gateway, home: Path
         **client_env(server.api_url, home / "deployer"),
         "AI_JOB_DATABASE_URL": store_url,
         "AI_GATEWAY_URL": gateway.url,
+        "AI_GATEWAY_CUT_HOLD_SECONDS": str(HOLD),
         "AI_JOB_GAP_SECONDS": str(GAP),
         "AI_JOB_HEARTBEAT_SECONDS": "1",
         "AI_JOB_LEASE_SECONDS": str(LEASE),
@@ -111,7 +115,7 @@ def first_call_after(snapshot_at: float, gateway: Gateway) -> float | None:
 def test_a_machine_killed_mid_call_stalls_nothing_and_leaves_no_run_open(
     pg_prefect: PrefectServer, store_url: str, tmp_path: Path, recipe: str
 ) -> None:
-    with Gateway(latency=CALL_SECONDS) as gateway:
+    with Gateway(latency=CALL_SECONDS, finish_abandoned=True) as gateway:
         env = pool_env(pg_prefect, store_url, gateway, tmp_path)
         run_cli("deploy", "--source", str(ROOT), env=env, timeout=300)
         if recipe == "workers-only":
@@ -219,6 +223,6 @@ def _lose_a_machine(
     shown_pickup = "-" if pickup is None else f"{pickup:.2f} s"
     print(
         f"FIGURES machine loss ({recipe}): healing {healing:.1f} s (kill to the next call; "
-        f"lease {LEASE:g} s), pickup of a screen on an idle gateway {shown_pickup}; "
+        f"lease {LEASE:g} s, hold {HOLD:g} s from the cut call's start), pickup of a screen on an idle gateway {shown_pickup}; "
         f"crashed runs: {crashed}"
     )
