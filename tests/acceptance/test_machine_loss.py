@@ -12,8 +12,8 @@ their own: the machine's processes are its process tree).
 
 At the gateway (its own workers' start and end times, and the recorder's connections): every
 job is done, never more than one call at once, and no job called twice but the one whose call
-was cut; the cut call holds the gateway (H1) until its start plus the hold. In Prefect: no run of ours is
-left Running or Pending once the automations `deploy` created had time to
+was cut; the cut call holds the gateway (H1) until its start plus the hold. In Prefect: no run
+of ours is left Running or Pending once the automations `deploy` created had time to
 see the machine gone. The healing time (kill to the next call) and a screen's
 pickup on an idle gateway are printed.
 """
@@ -223,6 +223,7 @@ def _lose_a_machine(
     shown_pickup = "-" if pickup is None else f"{pickup:.2f} s"
     print(
         f"FIGURES machine loss ({recipe}): healing {healing:.1f} s (kill to the next call; "
-        f"lease {LEASE:g} s, hold {HOLD:g} s from the cut call's start), pickup of a screen on an idle gateway {shown_pickup}; "
+        f"lease {LEASE:g} s, hold {HOLD:g} s from the cut call's start), "
+        f"pickup of a screen on an idle gateway {shown_pickup}; "
         f"crashed runs: {crashed}"
     )
