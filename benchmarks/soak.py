@@ -7,7 +7,10 @@ got when starting it:
 - a Prefect server (`deployments.stack.PrefectServer`: file-backed
   concurrency leases, no UI) on a free 127.0.0.1 port with its own home;
 - the gateway simulator (`devtools.simulator.GatewaySimulator`) in this process,
-  4 workers, 0.3-1.0 s per answer;
+  4 workers, 0.3-1.0 s per answer, each finishing a call whose client went
+  away (as the real gateway's threads do), so a call cut by a kill still
+  holds the gateway until its start plus the hold (H1; the read timeout,
+  20 s here);
 - the store: a SQLite file (default) or, with `--postgres-url`, a database
   of its own (`insight_queue_soak_<hex>`) created on that server and dropped
   afterwards; a trigger logs every transition of a job to `done` with the
@@ -128,6 +131,9 @@ BACKOFF_SECONDS = 1.0
 BACKOFF_MAX_SECONDS = 8.0
 LATENCY = (0.3, 1.0)
 SIM_WORKERS = 4
+# The whole call's deadline, and so the hold of a call we cut (H1): longer than
+# the simulator works on any call (its longest hang, 12 s, plus an answer).
+READ_TIMEOUT_SECONDS = 20.0
 SCREEN_POLL_SECONDS = 1.0
 MAX_SCREENS = 2
 # A kill waits this long for a call in flight whose holder it can name.
@@ -186,7 +192,9 @@ class Stack:
         self.server = PrefectServer(
             workdir / "prefect-server", processes.free_port(), ui=False, reuse=False
         )
-        self.sim = GatewaySimulator(workers=SIM_WORKERS, latency=LATENCY, seed=seed)
+        self.sim = GatewaySimulator(
+            workers=SIM_WORKERS, latency=LATENCY, seed=seed, finish_abandoned=True
+        )
         self.settings: Settings | None = None
         self.store: JobStore | None = None  # this script's reads, opened at the start
         self.serve: ServeProcess | None = None
@@ -212,7 +220,7 @@ class Stack:
             backoff_seconds=BACKOFF_SECONDS,
             backoff_max_seconds=BACKOFF_MAX_SECONDS,
             plugins="flows.demo",
-            gateway={"url": self.sim.url},
+            gateway={"url": self.sim.url, "read_timeout": READ_TIMEOUT_SECONDS},
         )
         # This process calls the triggers as the app would, and reads the
         # `gateway` limit: both from the environment, set before Prefect loads.

@@ -5,6 +5,11 @@ really stopped (its connection closes at the gateway, unanswered), the job is
 handed back without spending its attempt, its run ends Cancelled, and nothing
 of serve's is left running. Started again, serve takes the job at once and it
 is done after exactly one answer from the gateway.
+
+The gateway here stops working on a call whose client went away (the
+simulator's default), so the stopped call holds nothing: the hold is 0
+(`AI_GATEWAY_CUT_HOLD_SECONDS`, H1). With a gateway that finishes what it
+started, the restart waits for the hold: `test_cut_calls.py`.
 """
 
 from __future__ import annotations
@@ -49,7 +54,7 @@ def test_stopping_serve_mid_call_hands_the_job_back_and_a_restart_finishes_it(
             data_dir=tmp_path / "data",
             gap_seconds=0.2,
             plugins="tests.support.plugins",
-            gateway={"url": gateway.url},
+            gateway={"url": gateway.url, "cut_hold_seconds": 0},
         )
         store = JobStore(settings.database_url, settings=settings)
         subject = f"stop-{sig.name}"
