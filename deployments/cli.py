@@ -119,7 +119,7 @@ def main(ctx: click.Context, database_url: str | None, verbose: bool) -> None:
     except SettingsError as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(EXIT_BAD_INPUT)
-    install_log_redaction(Redactor.for_settings(settings))
+    install_log_redaction(Redactor(settings.secrets()))
     ctx.obj = {"check_kind": _check_kind}
 
 

@@ -301,7 +301,7 @@ def queue_page(out_dir: Path) -> list[Path]:
         )
         registry = Registry()
         runtime = Runtime(
-            settings, JobStore(url, settings=settings), registry, Redactor.for_settings(settings)
+            settings, JobStore(url, settings=settings), registry, Redactor(settings.secrets())
         )
         try:
             triggers = Triggers(runtime, prefect_url=f"http://127.0.0.1:{processes.free_port()}")

@@ -253,7 +253,7 @@ class GatewayClient:
         self._token = token
         self._model = settings.gateway.model
         self._transport = _Borrowed(transport) if transport is not None else None
-        self._redact = redactor or Redactor.for_settings(settings)
+        self._redact = redactor or Redactor(settings.secrets())
         self._max_bytes = settings.gateway.max_answer_bytes
         self._call_timeout = settings.call_timeout
         short = settings.gateway.connect_timeout

@@ -197,7 +197,7 @@ class JobRunner:
         self._registry = registry
         self._client = client
         self.ledger = ledger or NullLedger()
-        self._redact = redactor or Redactor.for_settings(settings)
+        self._redact = redactor or Redactor(settings.secrets())
 
     async def run(self, job: Job, claim_sent: float) -> Report:
         """Make the job's gateway call under its lease and record what happened.

@@ -33,7 +33,7 @@ class Runtime:
         settings = settings or Settings()
         registry = Registry.from_plugins(settings.plugin_modules)
         store = JobStore(settings.database_url, settings=settings, check_schema=check_schema)
-        return cls(settings, store, registry, Redactor.for_settings(settings))
+        return cls(settings, store, registry, Redactor(settings.secrets()))
 
     def redact_logs(self) -> None:
         """Remove this runtime's secrets from every log record of this process (ours, Prefect's,

@@ -3,8 +3,8 @@
 A gateway may echo our bearer token in an error body: plainly, JSON-escaped (`sk-abc\\/def=`, or
 every character as `\\u0073...`), URL-encoded, in a bytes repr, escaped twice, any mixture of
 these, or inside the base64 of `user:token` of a basic-auth header. A URL setting may carry
-`user:password@` or `?password=`. `Redactor` knows the secrets of one `Settings` and removes
-every such form from a text; the store applies it to every error it stores, the flows to every
+`user:password@` or `?password=`. `Redactor` is given the secrets (`Settings.secrets()`) and
+removes every such form from a text; the store applies it to every error it stores, the flows to every
 message, log line and run-history entry they write.
 
 Pure Python: no Prefect, no httpx.
@@ -17,10 +17,6 @@ import logging
 import re
 import urllib.parse
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from queue_store.settings import Settings
 
 REDACTED = "[redacted]"
 # Secrets shorter than this are not searched for: redacting "ab" would mangle
@@ -34,9 +30,9 @@ MAX_ESCAPE_BACKSLASHES = 8
 
 _CREDENTIALS_IN_URL = re.compile(r"(?<=://)[^/@\s\"']*@")
 # URL query parameters that carry a password (libpq reads `password`).
-_PASSWORD_PARAMETERS = frozenset({"password", "passwd", "pwd", "sslpassword"})
+PASSWORD_PARAMETERS = frozenset({"password", "passwd", "pwd", "sslpassword"})
 _PASSWORD_IN_QUERY = re.compile(
-    r"(?i)([?&](?:" + "|".join(sorted(_PASSWORD_PARAMETERS)) + r")=)[^&\s\"']*"
+    r"(?i)([?&](?:" + "|".join(sorted(PASSWORD_PARAMETERS)) + r")=)[^&\s\"']*"
 )
 # Characters with a short escape of their own in JSON or a Python repr.
 _SHORT_ESCAPES = {
@@ -153,27 +149,6 @@ class Redactor:
         # Longest first, so a form that contains another is removed whole.
         ordered = sorted(forms, key=lambda form: (-len(form), form))
         self._pattern = re.compile("|".join(map(_spelled, ordered))) if ordered else None
-
-    @classmethod
-    def for_settings(cls, settings: Settings) -> Redactor:
-        secrets = [settings.gateway.token.get_secret_value(), settings.api.token.get_secret_value()]
-        for url in (settings.gateway.url, settings.database_url):
-            parts = urllib.parse.urlsplit(url) if "://" in url else None
-            if parts is None:
-                continue
-            for value in (parts.password, parts.username):
-                if value:
-                    secrets.append(urllib.parse.unquote(value))
-            if parts.username and parts.password is not None:
-                pair = (
-                    f"{urllib.parse.unquote(parts.username)}:{urllib.parse.unquote(parts.password)}"
-                )
-                secrets.append(pair)
-            # libpq also takes the password as a query parameter.
-            for name, value in urllib.parse.parse_qsl(parts.query):
-                if name.lower() in _PASSWORD_PARAMETERS and value:
-                    secrets.append(value)
-        return cls(secrets)
 
     def __call__(self, text: str) -> str:
         if self._pattern is not None:

@@ -18,7 +18,7 @@ from pydantic import AliasChoices, Field, SecretStr, ValidationError, field_vali
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from queue_store.errors import SettingsError
-from queue_store.redact import mask_url
+from queue_store.redact import PASSWORD_PARAMETERS, mask_url
 
 KIB, MIB = 1 << 10, 1 << 20
 _MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
@@ -189,6 +189,24 @@ class Settings(_Checked):
     @property
     def plugin_modules(self) -> list[str]:
         return [name.strip() for name in self.plugins.split(",") if name.strip()]
+
+    def secrets(self) -> list[str]:
+        """Every secret these settings hold, as text may echo it: the tokens, and the user, the
+        password and `user:password` of each URL (libpq also takes `?password=`)."""
+        found = [self.gateway.token.get_secret_value(), self.api.token.get_secret_value()]
+        for url in (self.gateway.url, self.database_url):
+            parts = urllib.parse.urlsplit(url) if "://" in url else None
+            if parts is None:
+                continue
+            user = urllib.parse.unquote(parts.username or "")
+            password = urllib.parse.unquote(parts.password or "")
+            found += [user, password, f"{user}:{password}" if user and password else ""]
+            found += [
+                value
+                for name, value in urllib.parse.parse_qsl(parts.query)
+                if name.lower() in PASSWORD_PARAMETERS
+            ]
+        return [secret for secret in found if secret]
 
     def public(self) -> dict[str, Any]:
         """Every setting by its variable, as shown to people: secrets and URL credentials masked."""

@@ -147,7 +147,7 @@ class JobStore:
             self._clock = HostClock()
         else:
             self._clock = DatabaseClock()
-        self._redact = Redactor.for_settings(self._settings)
+        self._redact = Redactor(self._settings.secrets())
         if check_schema:
             try:
                 if create and self._is_sqlite and self._revision() != schema.SCHEMA_REVISION:

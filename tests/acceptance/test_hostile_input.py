@@ -174,7 +174,7 @@ def app(store: JobStore) -> Iterator[Triggers]:
 
     registry = Registry()
     registry.register_scopes(demo_scopes)
-    runtime = Runtime(store.settings, store, registry, Redactor.for_settings(store.settings))
+    runtime = Runtime(store.settings, store, registry, Redactor(store.settings.secrets()))
     yield Triggers(runtime, prefect_url=f"http://127.0.0.1:{free_port()}/api")
 
 

@@ -89,7 +89,7 @@ def served_page(database_url: str, tmp_path: Path) -> Iterator[str]:
         settings,
         JobStore(database_url, settings=settings),
         registry,
-        Redactor.for_settings(settings),
+        Redactor(settings.secrets()),
     )
     try:
         fill(runtime.store)

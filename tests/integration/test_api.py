@@ -115,7 +115,7 @@ def runtime(settings: Settings) -> Iterator[Runtime]:
         registry.register_generator(kind, _ask)
     registry.register_scopes(_scopes)
     store = JobStore(settings.database_url, settings=settings)
-    made = Runtime(settings, store, registry, Redactor.for_settings(settings))
+    made = Runtime(settings, store, registry, Redactor(settings.secrets()))
     yield made
     made.close()
 

@@ -122,7 +122,7 @@ def test_the_secrets_of_the_settings_are_known() -> None:
         gateway={"token": SecretStr(TOKEN), "url": "http://gw-user:gw-p%40ss-word@gateway.test/"},
         api={"token": SecretStr("api-token-0123456789")},
     )
-    redact = Redactor.for_settings(settings)
+    redact = Redactor(settings.secrets())
     secrets = [
         TOKEN,
         "api-token-0123456789",
@@ -141,7 +141,7 @@ def test_a_password_given_as_a_url_query_parameter_is_known_too() -> None:
     settings = Settings(
         database_url="postgresql://db-role@127.0.0.1:5432/q?sslmode=disable&password=pw-in-query-42"
     )
-    redact = Redactor.for_settings(settings)
+    redact = Redactor(settings.secrets())
     for form in echo_forms("pw-in-query-42").values():
         assert exposures(redact(f"failed: {form}"), "pw-in-query-42") == [], form
     assert redact("sslmode=disable") == "sslmode=disable"
