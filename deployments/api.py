@@ -37,9 +37,9 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from deployments import metrics, prefect_api, queue_page
+from deployments.cli import fails_cleanly, settings_from
 from deployments.triggers import InsightState, Triggers
 from queue_store import InvalidArgument, Misconfigured, Settings, Status, Unavailable
-from queue_store.cli import fails_cleanly, settings_from
 from queue_store.models import iso
 
 logger = logging.getLogger(__name__)

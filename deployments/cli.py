@@ -6,24 +6,92 @@ for Prefect or uvicorn, and `--help` lists everything from the table below.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 import os
 import sys
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 import click
 
-from queue_store import DatabaseError, Redactor, Settings, SettingsError
-from queue_store.cli import EXIT_BAD_INPUT, echo_json, fails_cleanly, settings_from
+from deployments.render import as_json, printable
+from queue_store import (
+    INTERACTIVE,
+    PREFETCH,
+    DatabaseError,
+    InvalidArgument,
+    JobStore,
+    Misconfigured,
+    Redactor,
+    Settings,
+    SettingsError,
+    StoreError,
+)
 from queue_store.redact import install_log_redaction
 from queue_store.settings import variables
 
 if TYPE_CHECKING:
     from deployments.triggers import Triggers
 
+P = ParamSpec("P")
+R = TypeVar("R")
+
+EXIT_FAILURE = 1
+EXIT_BAD_INPUT = 2
+
+
+def fails_cleanly(command: Callable[P, R]) -> Callable[P, R]:
+    """Turn the store's errors into a one-line message and an exit code: 2 for what the caller
+    or the operator must fix, 1 for what may pass (the database away)."""
+
+    @functools.wraps(command)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return command(*args, **kwargs)
+        except (InvalidArgument, Misconfigured) as exc:
+            click.echo(f"error: {printable(str(exc))}", err=True)
+            sys.exit(EXIT_BAD_INPUT)
+        except StoreError as exc:
+            click.echo(f"error: {printable(str(exc))}", err=True)
+            sys.exit(EXIT_FAILURE)
+
+    return wrapper
+
+
+def settings_from(ctx: click.Context) -> Settings:
+    url = ctx.find_root().params.get("database_url")
+    return Settings(database_url=url) if url else Settings()
+
+
+def open_store(ctx: click.Context, *, write: bool) -> JobStore:
+    """The store, to use in a `with`; a read-only command never creates one."""
+    settings = settings_from(ctx)
+    return JobStore(settings.database_url, settings=settings, create=write)
+
+
+def echo_json(value: Any) -> None:
+    click.echo(as_json(value))
+
+
+def priority_option(command: Callable[P, R]) -> Callable[P, R]:
+    command = click.option(
+        "--priority",
+        type=click.IntRange(0, 1_000_000),
+        default=None,
+        help=f"lower runs first (interactive {INTERACTIVE}, prefetch {PREFETCH})",
+    )(command)
+    interactive = f"a screen is waiting: priority {INTERACTIVE}"
+    return click.option("--interactive", is_flag=True, help=interactive)(command)
+
+
+def json_option(command: Callable[P, R]) -> Callable[P, R]:
+    return click.option("--json", "as_json", is_flag=True, help="print JSON")(command)
+
+
 # name -> (module, attribute, one-line help); kept here so `--help` imports nothing.
-_CLI, _CONSUMERS, _STORE = "deployments.cli", "deployments.consumers", "queue_store.cli"
+_CLI, _CONSUMERS, _STORE = "deployments.cli", "deployments.consumers", "deployments.store_commands"
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "serve": (
         _CLI,

@@ -16,10 +16,10 @@ from collections.abc import Callable
 import click
 
 from deployments import processes, table
+from deployments.cli import fails_cleanly, settings_from
 from deployments.prefect_api import api_url
 from deployments.stack import executable
 from queue_store import JobStore, Settings
-from queue_store.cli import fails_cleanly, settings_from
 
 # How often a machine's worker looks for flow runs (Prefect's default is 10 s):
 # a drain that a lost machine's work needs starts within seconds.

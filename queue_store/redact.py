@@ -4,8 +4,8 @@ A gateway may echo our bearer token in an error body: plainly, JSON-escaped (`sk
 every character as `\\u0073...`), URL-encoded, in a bytes repr, escaped twice, any mixture of
 these, or inside the base64 of `user:token` of a basic-auth header. A URL setting may carry
 `user:password@` or `?password=`. `Redactor` is given the secrets (`Settings.secrets()`) and
-removes every such form from a text; the store applies it to every error it stores, the flows to every
-message, log line and run-history entry they write.
+removes every such form from a text; the store applies it to every error it stores, the flows
+to every message, log line and run-history entry they write.
 
 Pure Python: no Prefect, no httpx.
 """
@@ -15,7 +15,6 @@ from __future__ import annotations
 import base64
 import logging
 import re
-import urllib.parse
 from collections.abc import Iterable
 
 REDACTED = "[redacted]"

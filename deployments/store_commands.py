@@ -1,0 +1,270 @@
+"""The store's verbs on the command line: `db`, `enqueue`, `status`, `jobs`, `queue`, ...
+
+They need nothing but the store, so they start without importing Prefect. Every error becomes
+one line on stderr and a non-zero exit, never a traceback. JSON output uses the store's one
+vocabulary (snake_case keys, ISO 8601 UTC times). Read-only commands never create a database or
+a directory.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import time
+
+import click
+
+from deployments.cli import (
+    EXIT_FAILURE,
+    echo_json,
+    fails_cleanly,
+    json_option,
+    open_store,
+    priority_option,
+    settings_from,
+)
+from deployments.render import as_json as as_json_text
+from deployments.render import describe_gate, printable, render_jobs, render_queue
+from queue_store import GateState, InvalidArgument, JobStore, StoreError, migrate
+from queue_store.models import INTERACTIVE, PREFETCH, iso
+from queue_store.redact import mask_url
+
+
+@click.group("db")
+def db_group() -> None:
+    """The store's schema."""
+
+
+@db_group.command("upgrade")
+@click.pass_context
+@fails_cleanly
+def db_upgrade(ctx: click.Context) -> None:
+    """Create the schema, or upgrade it (an original ai_jobs table is adopted in place)."""
+    settings = settings_from(ctx)
+    revision = migrate.upgrade(settings.database_url)
+    click.echo(f"{mask_url(settings.database_url)} is at schema revision {revision}")
+
+
+@db_group.command("status")
+@click.pass_context
+@fails_cleanly
+def db_status(ctx: click.Context) -> None:
+    """Say whether the schema is current (creates nothing)."""
+    settings = settings_from(ctx)
+    JobStore(settings.database_url, settings=settings, create=False).close()  # checks the schema
+    click.echo(f"{mask_url(settings.database_url)}: schema is current")
+
+
+@click.command("enqueue")
+@click.argument("user_id")
+@click.argument("kind")
+@click.argument("subject")
+@click.option("--fingerprint", default=None, help="hash of the data the insight is made from")
+@priority_option
+@json_option
+@click.pass_context
+@fails_cleanly
+def enqueue_command(
+    ctx: click.Context,
+    user_id: str,
+    kind: str,
+    subject: str,
+    fingerprint: str | None,
+    priority: int | None,
+    interactive: bool,
+    as_json: bool,
+) -> None:
+    """Queue one generation, or promote it; prints the job's status."""
+    if interactive and priority is not None:
+        raise InvalidArgument("priority", "give --interactive or --priority, not both")
+    # How the command that mounts these verbs checks a kind, once the plugins are loaded.
+    if callable(check := (ctx.find_root().obj or {}).get("check_kind")):
+        check(kind)
+    chosen = INTERACTIVE if interactive else PREFETCH if priority is None else priority
+    with open_store(ctx, write=True) as store:
+        status = store.enqueue(user_id, kind, subject, fingerprint, chosen)
+        job = store.job(user_id, kind, subject)
+    if as_json:
+        echo_json({"status": str(status), "job": job.as_dict() if job else None})
+    else:
+        click.echo(status)
+
+
+@click.command("status")
+@click.argument("user_id")
+@click.argument("kind")
+@click.argument("subject")
+@click.pass_context
+@fails_cleanly
+def status_command(ctx: click.Context, user_id: str, kind: str, subject: str) -> None:
+    """One job's status, place in line, ETA and latest result, as JSON."""
+    with open_store(ctx, write=False) as store:
+        state = store.state(user_id, kind, subject)
+    if state is None:
+        click.echo(f"error: no job for {user_id!r} {kind}:{subject}", err=True)
+        sys.exit(EXIT_FAILURE)
+    echo_json(state.as_dict(store.settings.max_attempts))
+
+
+@click.command("jobs")
+@click.option("--user", "user_id", required=True, help="whose queue to show")
+@click.option("--limit", type=click.IntRange(1, 1000), default=60, show_default=True)
+@json_option
+@click.pass_context
+@fails_cleanly
+def jobs_command(ctx: click.Context, user_id: str, limit: int, as_json: bool) -> None:
+    """The user's queue in the order the worker will take it."""
+    with open_store(ctx, write=False) as store:
+        listed = store.list_jobs(user_id, limit)
+    if as_json:
+        echo_json(listed)
+        return
+    click.echo(render_jobs(listed))
+
+
+@click.command("queue")
+@click.option(
+    "--limit",
+    type=click.IntRange(1, 1000),
+    default=30,
+    show_default=True,
+    help="waiting jobs shown",
+)
+@click.option(
+    "--watch",
+    "watch",
+    type=click.FloatRange(0.5, 3600),
+    default=None,
+    is_flag=False,
+    flag_value=2.0,
+    metavar="[SECONDS]",
+    help="refresh in place every SECONDS (default 2) until Ctrl-C",
+)
+@json_option
+@click.pass_context
+@fails_cleanly
+def queue_command(ctx: click.Context, limit: int, watch: float | None, as_json: bool) -> None:
+    """The whole queue at a glance: every user, in the order the worker takes them."""
+    with open_store(ctx, write=False) as store:
+        if watch is None:
+            view = store.queue_view(limit)
+            if as_json:
+                echo_json(view.as_dict())
+            else:
+                click.echo(render_queue(view))
+            return
+        try:
+            while True:
+                view = store.queue_view(limit)
+                text = as_json_text(view.as_dict()) if as_json else render_queue(view)
+                height = shutil.get_terminal_size((100, 40)).lines
+                lines = text.splitlines()[: max(height - 1, 5)]
+                # Home the cursor, draw, clear what is left of the old screen.
+                click.echo(
+                    "\x1b[H" + "\n".join(line + "\x1b[K" for line in lines) + "\x1b[J", nl=False
+                )
+                time.sleep(watch)
+        except KeyboardInterrupt:
+            click.echo()
+
+
+@click.command("retry-failed")
+@click.argument("user_id")
+@click.pass_context
+@fails_cleanly
+def retry_failed_command(ctx: click.Context, user_id: str) -> None:
+    """Put every failed job of the user back in the queue now."""
+    with open_store(ctx, write=True) as store:
+        retried = store.retry_failed(user_id)
+        pending = store.pending_count(user_id)
+    click.echo(
+        f"retried {retried} failed job(s) of {printable(user_id)}; {pending} now pending or running"
+    )
+
+
+@click.command("requeue")
+@click.option("--kind", "kinds", multiple=True, help="only this kind (repeatable); default all")
+@click.pass_context
+@fails_cleanly
+def requeue_command(ctx: click.Context, kinds: tuple[str, ...]) -> None:
+    """Queue every finished job again, for every user: after a prompt change."""
+    with open_store(ctx, write=True) as store:
+        queued = store.requeue(list(kinds) or None)
+    click.echo(f"queued {queued} finished job(s) again at prefetch priority")
+
+
+@click.command("result")
+@click.argument("user_id")
+@click.argument("kind")
+@click.argument("subject")
+@click.pass_context
+@fails_cleanly
+def result_command(ctx: click.Context, user_id: str, kind: str, subject: str) -> None:
+    """The latest result for a key, as JSON (also while a newer one is being made)."""
+    with open_store(ctx, write=False) as store:
+        result = store.result_of(user_id, kind, subject)
+    if result is None:
+        click.echo(f"error: no result yet for {user_id!r} {kind}:{subject}", err=True)
+        sys.exit(EXIT_FAILURE)
+    echo_json(result.as_dict())
+
+
+@click.command("settings")
+@json_option
+@click.pass_context
+@fails_cleanly
+def settings_command(ctx: click.Context, as_json: bool) -> None:
+    """Every setting with its environment variable and value (secrets masked), and claiming."""
+    settings = settings_from(ctx)
+    by_variable = settings.public()
+    gate: GateState | None = None
+    try:
+        with JobStore(settings.database_url, settings=settings, create=False) as store:
+            gate = store.gate_state()
+    except StoreError as exc:
+        gate_line = f"claiming: unknown ({exc})"
+    else:
+        gate_line = describe_gate(gate)
+    if as_json:
+        echo_json({"settings": by_variable, "gate": gate.as_dict() if gate else None})
+        return
+    width = max(len(name) for name in by_variable)
+    for name, value in by_variable.items():
+        click.echo(f"{name.ljust(width)}  {value}")
+    click.echo(gate_line)
+
+
+@click.command("pause", context_settings={"ignore_unknown_options": True})
+@click.argument("seconds", type=click.FloatRange(0, 7 * 24 * 3600))
+@click.option("--reason", default="paused by an operator", show_default=True)
+@click.pass_context
+@fails_cleanly
+def pause_command(ctx: click.Context, seconds: float, reason: str) -> None:
+    """Stop every worker from claiming for SECONDS (0 to 604800)."""
+    with open_store(ctx, write=True) as store:
+        until = store.pause(seconds, reason)
+    click.echo(f"claiming paused until {iso(until)}")
+
+
+@click.command("resume")
+@click.pass_context
+@fails_cleanly
+def resume_command(ctx: click.Context) -> None:
+    """Lift a pause (an operator's, or one the gateway's answers caused)."""
+    with open_store(ctx, write=True) as store:
+        store.resume()
+    click.echo("claiming resumed")
+
+
+@click.command("recover")
+@click.option("--worker", default=None, help="also take back this worker's own claims")
+@click.pass_context
+@fails_cleanly
+def recover_command(ctx: click.Context, worker: str | None) -> None:
+    """Take back claims whose worker is gone (never a live one)."""
+    with open_store(ctx, write=True) as store:
+        taken = store.recover(worker)
+    click.echo(f"took back {len(taken)} claim(s)")
+    for job in taken:
+        who = f"user {printable(job.user_id)}, worker {job.worker}"
+        click.echo(f"  {printable(job.run_name)} ({who})")
