@@ -350,13 +350,13 @@ class StandingBy:
         self._thread = threading.Thread(target=self._run, name="bench-standby", daemon=True)
 
     def start(self) -> None:
-        self.store.worker_seen(CONSUMER, "consumer")
+        self.store.presence(CONSUMER, "consumer")
         self._thread.start()
 
     def _run(self) -> None:
         while not self._stop.wait(CONSUMER_SEEN_SECONDS):
             try:
-                self.store.worker_seen(CONSUMER, "consumer")
+                self.store.presence(CONSUMER, "consumer")
             except StoreError as exc:
                 self.errors.append(str(exc))
 
@@ -365,7 +365,7 @@ class StandingBy:
         if self._thread.is_alive():
             self._thread.join(30)
         with contextlib.suppress(StoreError):
-            self.store.worker_gone(CONSUMER)
+            self.store.presence(CONSUMER, "consumer", leaving=True)
 
 
 @dataclasses.dataclass(frozen=True)

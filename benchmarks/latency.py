@@ -43,6 +43,7 @@ from devtools.recorder import GatewayRecorder, RecorderSnapshot
 from devtools.simulator import GatewaySimulator
 from devtools.stack import ServeProcess
 from queue_store import JobStore, Settings
+from tests.support.reads import pending
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNNER_POLL_SECONDS = "1"  # what `serve` uses too
@@ -61,7 +62,7 @@ def _busy_after(count: int) -> Callable[[RecorderSnapshot], bool]:
 
 def _quiet(store: JobStore, recorder: GatewayRecorder, gap: float) -> None:
     """Wait until nothing is queued or in flight and the gap has passed."""
-    processes.wait_for(lambda: store.pending_count() == 0, timeout=120, what="an empty queue")
+    processes.wait_for(lambda: pending(store) == 0, timeout=120, what="an empty queue")
     recorder.wait_until_idle(60)
     time.sleep(gap + 0.3)
 

@@ -77,7 +77,6 @@ if not __package__:  # run as a script: the development tools and helpers are in
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.figures import percentile
 from devtools.simulator import GatewaySimulator
-from flows.gateway import GatewayClient
 from flows.registry import Registry
 from flows.runner import JobRunner
 from queue_store import (
@@ -91,6 +90,8 @@ from queue_store import (
     schema,
 )
 from queue_store.engine import create_store_engine
+from tests.support.factories import gateway_client, job_runner
+from tests.support.reads import pending
 
 DEFAULT_POSTGRES_URL = "postgresql://postgres@127.0.0.1:5432/test"
 KIND = "load"
@@ -153,15 +154,15 @@ def runner_for(store: JobStore, settings: Settings, client: str) -> JobRunner:
     calls all go through one transport made from one SSL context.
     """
     if client == "per-job":
-        gateway = GatewayClient(settings)
+        gateway = gateway_client(settings)
     elif client == "shared-tls":
         # Safe only because a consumer process makes one call at a time: every
         # call's `AsyncClient` closes the transport's connections as it ends.
         context = httpx.create_ssl_context()
-        gateway = GatewayClient(settings, transport=httpx.AsyncHTTPTransport(verify=context))
+        gateway = gateway_client(settings, transport=httpx.AsyncHTTPTransport(verify=context))
     else:
         raise ValueError(f"client: expected one of {CLIENTS}, got {client!r}")
-    return JobRunner(store, settings, REGISTRY, gateway)
+    return job_runner(store, settings, REGISTRY, gateway)
 
 
 def consume(
@@ -190,7 +191,7 @@ def consume(
     try:
         configured = Settings(**settings)
         store = JobStore(url, settings=configured)
-        store.pending_count()  # connected before the start line
+        pending(store)  # connected before the start line
         ready.put(name)
         if not start.wait(START_TIMEOUT_SECONDS):
             raise TimeoutError("the start signal never came")
@@ -237,7 +238,9 @@ async def drain(
         job = claim.job
         if job is None:
             blocked[str(claim.blocked)] += 1
-            if claim.blocked is Blocked.EMPTY and await asyncio.to_thread(store.pending_count) == 0:
+            if claim.blocked is Blocked.EMPTY and not await asyncio.to_thread(
+                store.has_work, or_running=True
+            ):
                 return
             await asyncio.sleep(poll_seconds)
             continue

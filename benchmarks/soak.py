@@ -121,6 +121,7 @@ from deployments.triggers import Triggers  # noqa: E402
 from devtools.simulator import GatewaySimulator, RequestRecord  # noqa: E402
 from devtools.stack import ServeProcess  # noqa: E402
 from queue_store import JobStore, Settings  # noqa: E402
+from tests.support.reads import listed_jobs, pending  # noqa: E402
 
 CONCURRENCY = 1
 GAP_SECONDS = 0.3
@@ -292,7 +293,9 @@ class Stack:
         assert self.settings is not None and self.store is not None
         name = serve_worker(self.settings)
         with contextlib.suppress(StoreError):
-            return next((w.seen_at for w in self.store.workers() if w.name == name), None)
+            return next(
+                (w.seen_at for w in self.store.queue_view(0).workers if w.name == name), None
+            )
         return None
 
     def _serve_ready(
@@ -660,7 +663,7 @@ class Soak:
         if self.stack.serve is None:
             self.record("kill", "skipped: serve is down, waiting to be started again")
             return
-        if self.store.pending_count() == 0:
+        if pending(self.store) == 0:
             self.do_backfill("work for the kill: ", new_user=True)
         calls_before = len(self.stack.sim.stats().requests)
         # Time spent starting Prefect or serve again (`tick`) does not count
@@ -709,7 +712,7 @@ class Soak:
         try:
             gate = self.store.gate_state()
             paused = f"{gate.pause_kind} pause" if gate.paused else "no pause"
-            queued = f"{self.store.pending_count()} pending or running, {paused}"
+            queued = f"{pending(self.store)} pending or running, {paused}"
         except Exception as exc:  # noqa: BLE001 - a description, whatever the store says
             queued = f"store unreadable ({type(exc).__name__})"
         return (
@@ -795,9 +798,7 @@ class Soak:
         while time.monotonic() < deadline:
             self.tick()
             with contextlib.suppress(Exception):
-                if self.store.pending_count() == 0 and all(
-                    not t.is_alive() for t in self.screen_threads
-                ):
+                if pending(self.store) == 0 and all(not t.is_alive() for t in self.screen_threads):
                     break
             time.sleep(1)
         self.stop_screens.set()
@@ -811,7 +812,7 @@ class Soak:
 
         missing = {}
         for user in sorted(set(self.users)):
-            present = {(e["kind"], e["subject"]) for e in self.store.list_jobs(user, limit=1000)}
+            present = {(e["kind"], e["subject"]) for e in listed_jobs(self.store, user, 1000)}
             lacking = [s for s in demo_scopes(user) if (s.kind, s.subject) not in present]
             if lacking:
                 missing[user] = len(lacking)

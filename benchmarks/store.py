@@ -95,6 +95,7 @@ from queue_store.models import INTERACTIVE, PREFETCH, EnqueueRequest, Status, jo
 from queue_store.places import PLACE_BOUND
 from queue_store.settings import Settings
 from queue_store.store import JobStore
+from tests.support.reads import state_of
 
 if not __package__:  # run as a script: the shared helpers are in this folder's package
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -523,7 +524,7 @@ def measure_claims(url: str, calls: int) -> list[float]:
 
 
 def _position(store: JobStore, key: Key) -> Any:
-    state = store.state(key.user_id, key.kind, key.subject)
+    state = state_of(store, key.user_id, key.kind, key.subject)
     return state.position if state else None
 
 

@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from queue_store import INTERACTIVE, JobStore, Settings, migrate
 from tests.support.databases import PostgresDatabases
 from tests.support.faults import Gateway, Workers
+from tests.support.reads import job_of, pending
 
 CALL_SECONDS = 300.0  # the killed call: far longer than any lease
 
@@ -68,11 +69,11 @@ def measure(database_url: str, workdir: Path) -> dict[str, float]:
             recorder.wait_until(lambda s: s.in_flight == 1, 120, "a call in flight")
             workers.start("survivor")
             wait_for(
-                lambda: any(w.name == "survivor" and w.alive for w in store.workers()),
+                lambda: any(w.name == "survivor" and w.alive for w in store.queue_view(0).workers),
                 120,
                 "survivor standing by",
             )
-            row = store.job(*key)
+            row = job_of(store, *key)
             assert row is not None and row.heartbeat_at is not None
             gateway.simulator.set_latency(1.0)
             killed = time.monotonic()
@@ -81,15 +82,15 @@ def measure(database_url: str, workdir: Path) -> dict[str, float]:
             assert closed.count == 1
 
             def taken_over() -> bool:
-                job = store.job(*key)
+                job = job_of(store, *key)
                 return job is not None and job.worker == "survivor"
 
             takeover = wait_for(taken_over, 300, "takeover")
             wait_for(lambda: recorder.snapshot().count >= 2, 60, "retried call")
             retried = time.monotonic()
-            wait_for(lambda: store.pending_count() == 0, 60, "job done")
+            wait_for(lambda: pending(store) == 0, 60, "job done")
             workers.stop_all()
-        final = store.job(*key)
+        final = job_of(store, *key)
         assert final is not None and final.status == "done" and final.attempts == 2
         assert final.claimed_at is not None
         beat_to_claim = (final.claimed_at - row.heartbeat_at).total_seconds()

@@ -523,23 +523,19 @@ def create_app(
 
     @app.post("/v1/pause", dependencies=[Depends(operator), *Changes])
     async def pause(body: PauseRequest) -> Response:
-        until = await run_in_threadpool(store.pause, body.seconds, body.reason)
-        gate = await run_in_threadpool(store.gate_state)
-        return JSONResponse({"paused_until": iso(until), "gate": gate.as_dict()}, headers=NO_STORE)
+        gate = await run_in_threadpool(store.pause, body.seconds, body.reason)
+        answer = {"paused_until": iso(gate.paused_until), "gate": gate.as_dict()}
+        return JSONResponse(answer, headers=NO_STORE)
 
     @app.post("/v1/resume", dependencies=[Depends(operator), *Changes])
     async def resume(body: _Body | None = None) -> Response:
-        await run_in_threadpool(store.resume)
-        gate = await run_in_threadpool(store.gate_state)
+        gate = await run_in_threadpool(store.resume)
         return JSONResponse({"gate": gate.as_dict()}, headers=NO_STORE)
 
     @app.post("/v1/users/{user_id}/retry-failed", dependencies=[Depends(operator), *Changes])
     async def retry_failed(request: Request, body: _Body | None = None) -> Response:
-        user = path_user(request)
-        retried = await run_in_threadpool(store.retry_failed, user)
-        pending = await run_in_threadpool(store.pending_count, user)
-        answer = {"user_id": user, "retried": retried, "pending": pending}
-        return JSONResponse(answer, headers=NO_STORE)
+        done = await run_in_threadpool(store.retry_failed, path_user(request))
+        return JSONResponse(done.as_dict(), headers=NO_STORE)
 
     scraped = metrics.registry_for(store)
 

@@ -119,12 +119,10 @@ def worker_command(ctx: click.Context, pool: str, limit: int | None) -> None:
 @fails_cleanly
 def drain_command(ctx: click.Context, max_jobs: int | None) -> None:
     """Run queued jobs in priority order until nothing is runnable (as a `drain` flow run)."""
-    from flows.consumer import standing_by
-
     settings = settings_from(ctx)
     _require_prefect(settings)
     with JobStore(settings.database_url, settings=settings) as store:
-        standing = standing_by(store)
+        standing = store.gate_state().standing_by
     if standing:
         click.echo(f"a consumer is standing by ({', '.join(standing)}): it takes queued work")
         return
@@ -156,7 +154,7 @@ def setup_limit_command(ctx: click.Context, repair: bool) -> None:
     limit = ensure_gateway_limit(settings.concurrency)
     if repair:
         with JobStore(settings.database_url, settings=settings) as store:
-            alive = [w.name for w in store.workers() if w.alive]
+            alive = list(store.gate_state().workers)
         if alive:
             raise click.ClickException(
                 f"consumers are alive ({', '.join(alive)}): their slots would be given back too"

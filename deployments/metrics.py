@@ -1,7 +1,7 @@
 """`GET /metrics`: the queue in Prometheus' text format, read from the store (M1).
 
 A collector on a registry of its own (never the process-global one) reads
-`JobStore.metrics()` at every scrape, so every API process reports the same
+`JobStore.queue_view(0)` at every scrape, so every API process reports the same
 figures. `docs/alerts.yml` has example alert rules.
 """
 
@@ -30,13 +30,13 @@ class StoreCollector(Collector):
         self._store = store
 
     def collect(self) -> Iterator[Metric]:
-        seen = self._store.metrics()
+        seen = self._store.queue_view(0)
         gate = seen.gate
         waiting = GaugeMetricFamily(f"{PREFIX}_waiting_jobs", "Jobs waiting", labels=["class"])
         oldest = GaugeMetricFamily(
             f"{PREFIX}_oldest_waiting_seconds", "Age of the oldest waiting job", labels=["class"]
         )
-        for name, (count, since) in seen.waiting.items():
+        for name, (count, since) in seen.waiting_by_class.items():
             waiting.add_metric([name], count)
             oldest.add_metric([name], (gate.now - since).total_seconds() if since else 0.0)
         yield from (waiting, oldest)

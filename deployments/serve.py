@@ -329,5 +329,5 @@ def _stop(
         # Everything that wrote to it has stopped: it need not wait for clients.
         logger.info("stopping: the Prefect server")
         server.stop(grace_seconds=STOP_SERVER_SECONDS)
-    with contextlib.suppress(Exception):
-        JobStore(settings.database_url, settings=settings).worker_gone(serve_worker(settings))
+    with contextlib.suppress(Exception), JobStore(settings=settings) as store:
+        store.presence(serve_worker(settings), "consumer", leaving=True)

@@ -25,7 +25,7 @@ from deployments.cli import (
 )
 from deployments.render import as_json as as_json_text
 from deployments.render import describe_gate, printable, render_jobs, render_queue
-from queue_store import GateState, InvalidArgument, JobStore, StoreError, migrate
+from queue_store import GateState, InvalidArgument, JobStore, StoreError, job_id, migrate
 from queue_store.models import INTERACTIVE, PREFETCH, iso
 from queue_store.redact import mask_url
 
@@ -83,7 +83,8 @@ def enqueue_command(
     chosen = INTERACTIVE if interactive else PREFETCH if priority is None else priority
     with open_store(ctx, write=True) as store:
         status = store.enqueue(user_id, kind, subject, fingerprint, chosen)
-        job = store.job(user_id, kind, subject)
+        jid = job_id(user_id, kind, subject)
+        job = store.jobs([jid]).get(jid)
     if as_json:
         echo_json({"status": str(status), "job": job.as_dict() if job else None})
     else:
@@ -99,11 +100,11 @@ def enqueue_command(
 def status_command(ctx: click.Context, user_id: str, kind: str, subject: str) -> None:
     """One job's status, place in line, ETA and latest result, as JSON."""
     with open_store(ctx, write=False) as store:
-        state = store.state(user_id, kind, subject)
+        state = store.poll(user_id, kind, subject, queue=False)
     if state is None:
         click.echo(f"error: no job for {user_id!r} {kind}:{subject}", err=True)
         sys.exit(EXIT_FAILURE)
-    echo_json(state.as_dict(store.settings.max_attempts))
+    echo_json(state.as_dict(settings_from(ctx).max_attempts))
 
 
 @click.command("jobs")
@@ -115,7 +116,8 @@ def status_command(ctx: click.Context, user_id: str, kind: str, subject: str) ->
 def jobs_command(ctx: click.Context, user_id: str, limit: int, as_json: bool) -> None:
     """The user's queue in the order the worker will take it."""
     with open_store(ctx, write=False) as store:
-        listed = store.list_jobs(user_id, limit)
+        found = store.list_jobs(user_id, limit)
+    listed = [entry.as_dict(settings_from(ctx).max_attempts) for entry in found]
     if as_json:
         echo_json(listed)
         return
@@ -175,10 +177,10 @@ def queue_command(ctx: click.Context, limit: int, watch: float | None, as_json: 
 def retry_failed_command(ctx: click.Context, user_id: str) -> None:
     """Put every failed job of the user back in the queue now."""
     with open_store(ctx, write=True) as store:
-        retried = store.retry_failed(user_id)
-        pending = store.pending_count(user_id)
+        done = store.retry_failed(user_id)
     click.echo(
-        f"retried {retried} failed job(s) of {printable(user_id)}; {pending} now pending or running"
+        f"retried {done.retried} failed job(s) of {printable(user_id)}; "
+        f"{done.pending} now pending or running"
     )
 
 
@@ -202,7 +204,8 @@ def requeue_command(ctx: click.Context, kinds: tuple[str, ...]) -> None:
 def result_command(ctx: click.Context, user_id: str, kind: str, subject: str) -> None:
     """The latest result for a key, as JSON (also while a newer one is being made)."""
     with open_store(ctx, write=False) as store:
-        result = store.result_of(user_id, kind, subject)
+        state = store.poll(user_id, kind, subject, queue=False)
+    result = state.result if state is not None else None
     if result is None:
         click.echo(f"error: no result yet for {user_id!r} {kind}:{subject}", err=True)
         sys.exit(EXIT_FAILURE)
@@ -242,8 +245,8 @@ def settings_command(ctx: click.Context, as_json: bool) -> None:
 def pause_command(ctx: click.Context, seconds: float, reason: str) -> None:
     """Stop every worker from claiming for SECONDS (0 to 604800)."""
     with open_store(ctx, write=True) as store:
-        until = store.pause(seconds, reason)
-    click.echo(f"claiming paused until {iso(until)}")
+        gate = store.pause(seconds, reason)
+    click.echo(f"claiming paused until {iso(gate.paused_until)}")
 
 
 @click.command("resume")

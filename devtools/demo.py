@@ -155,7 +155,7 @@ class Demo:
 
         assert isinstance(runtime, Runtime) and self.recorder is not None
         deadline = time.monotonic() + DEMO_TIMEOUT_SECONDS
-        while runtime.store.pending_count(DEMO_USER) and time.monotonic() < deadline:
+        while runtime.store.has_work(or_running=True) and time.monotonic() < deadline:
             time.sleep(0.5)
         order = sorted(
             (r for r in self.sim.stats().requests if r.started), key=lambda r: r.started or 0

@@ -83,7 +83,8 @@ class ServeProcess:
                 for deployment in table.DEPLOYMENTS:
                     api.deployment_id(deployment.name)
                 return any(
-                    w.alive and w.role == "consumer" and w.pid == self.pid for w in store.workers()
+                    w.alive and w.role == "consumer" and w.pid == self.pid
+                    for w in store.queue_view(0).workers
                 )
             except (PrefectUnavailable, StoreError):
                 return False

@@ -146,7 +146,7 @@ def build_queue(url: str, clock: Clock) -> None:
         )
         clock.at(134)
         jid, holder = _claim(store)
-        store.set_flow_run(jid, holder, "0b8f3c2e-9d14-4a6b-8c3e-5f7a9b1d2e4f")
+        store.heartbeat(jid, holder, flow_run_id="0b8f3c2e-9d14-4a6b-8c3e-5f7a9b1d2e4f")
         for seconds_ago in range(104, 0, -25):  # renewed all along (a lapsed claim stays lapsed)
             clock.at(seconds_ago)
             assert store.heartbeat(jid, holder)
@@ -156,7 +156,7 @@ def build_queue(url: str, clock: Clock) -> None:
         store.enqueue("u-5120", "sleep", "2026-11-30", "u-5120-sleep", INTERACTIVE)
 
         clock.at(2)
-        store.worker_seen(WORKER, "consumer", {"busy": ["sleep:2026-11-30"]})
+        store.presence(WORKER, "consumer", {"busy": ["sleep:2026-11-30"]})
     finally:
         store.close()
     # The consumer is a sample one: give it a neutral host and pid.

@@ -25,7 +25,7 @@ from typing import Any
 from flows.guard import Guard, GuardUnavailable, Held, NullGuard
 from flows.ledger import Outcome, Report
 from flows.runner import JobRunner
-from queue_store import Blocked, JobStore, PauseKind, Settings, StoreError
+from queue_store import Blocked, Failure, PauseKind, Settings, StoreError, WorkerStore
 
 logger = logging.getLogger(__name__)
 
@@ -38,11 +38,6 @@ MAX_WAIT_SECONDS = 5.0
 STORE_OUTAGE_SECONDS = 60.0
 
 
-def standing_by(store: JobStore) -> list[str]:
-    """The consumers that say they stand by, alive: they take queued work without a new run."""
-    return [w.name for w in store.workers() if w.alive and w.role == "consumer"]
-
-
 def worker_name(role: str = "consumer") -> str:
     """A fresh worker name for this process: role, host, pid and a nonce (no '/')."""
     return f"{role}@{short_hostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
@@ -51,6 +46,25 @@ def worker_name(role: str = "consumer") -> str:
 def short_hostname() -> str:
     """This host's name as a worker name may hold it."""
     return "".join(c if c.isalnum() or c in ".-" else "-" for c in socket.gethostname())[:60]
+
+
+@dataclasses.dataclass(frozen=True)
+class ConsumerConfig:
+    """What a consumer reads of the settings."""
+
+    enabled: bool  # AI_JOBS: false makes `run` return at once
+    concurrency: int  # lanes, each with at most one slot and one claim
+    poll_seconds: float  # how often to look again after a miss
+    heartbeat_seconds: float  # how often to say it is alive
+
+    @classmethod
+    def of(cls, settings: Settings) -> ConsumerConfig:
+        return cls(
+            settings.enabled,
+            settings.concurrency,
+            settings.poll_seconds,
+            settings.heartbeat_seconds,
+        )
 
 
 @dataclasses.dataclass
@@ -80,8 +94,8 @@ class Consumer:
 
     def __init__(
         self,
-        store: JobStore,
-        settings: Settings,
+        store: WorkerStore,
+        settings: ConsumerConfig,
         runner: JobRunner,
         *,
         worker: str,
@@ -158,7 +172,7 @@ class Consumer:
             await asyncio.gather(presence, return_exceptions=True)
             self._runner.ledger.stopped(self.worker)
             with contextlib.suppress(StoreError):
-                await asyncio.to_thread(self._store.worker_gone, self.worker)
+                await asyncio.to_thread(self._store.presence, self.worker, self._role, leaving=True)
         for lane in self._lanes:
             if not lane.cancelled() and (error := lane.exception()) is not None:
                 raise error
@@ -221,11 +235,9 @@ class Consumer:
         self._store_down_since = None
         job = claim.job
         if job is None:
-            if (
-                claim.blocked is Blocked.PAUSED
-                and not self._standby
-                and await self._stop_if_refused() is None
-            ):
+            refused = claim.pause_reason if claim.pause_kind is PauseKind.REFUSED else None
+            if claim.blocked is Blocked.PAUSED and not self._standby and refused is not None:
+                self._stop_refused(refused)
                 return None
             if claim.blocked in (Blocked.GAP, Blocked.PAUSED):
                 return min(claim.retry_in or self._settings.poll_seconds, MAX_WAIT_SECONDS)
@@ -243,20 +255,17 @@ class Consumer:
         self.summary.add(report)
         log = logger.info if report.outcome is Outcome.DONE else logger.warning
         log("%s: %s (%s)", job.run_name, report.outcome, report.message)
-        if report.outcome is not Outcome.DONE and not self._standby:
-            return await self._stop_if_refused()
+        if report.failure is Failure.REFUSED and not self._standby:
+            self._stop_refused(report.message)
+            return None
         return 0.0
 
-    async def _stop_if_refused(self) -> float | None:
+    def _stop_refused(self, reason: str) -> None:
         """A draining consumer stops once the gateway refuses our credentials: only a fixed token
         (or an operator's `resume`) ends such a pause, so it leaves the job queued with its
         attempts and stops, saying why, rather than probe again and again."""
-        refused = await self._refusal()
-        if refused is None:
-            return 0.0
-        logger.error("the gateway refuses us, stopping: %s", refused)
-        self._finished(f"refused: {refused}")
-        return None
+        logger.error("the gateway refuses us, stopping: %s", reason)
+        self._finished(f"refused: {reason}")
 
     def _store_trouble(self, exc: StoreError) -> float:
         now = time.monotonic()
@@ -283,16 +292,6 @@ class Consumer:
             return 0.0
         return self._settings.poll_seconds
 
-    async def _refusal(self) -> str | None:
-        """The reason claiming is paused, if the gateway refused our credentials."""
-        try:
-            gate = await asyncio.to_thread(self._store.gate_state)
-        except StoreError:
-            return None
-        if gate.paused and gate.pause_kind is PauseKind.REFUSED:
-            return gate.pause_reason or "the gateway refused our credentials"
-        return None
-
     async def _work_waiting(self) -> bool:
         """Whether a claim could find something (indexed reads; never a write). A drain counts
         every call in flight too, so that it stays until every call is over, its own or anyone's."""
@@ -311,7 +310,7 @@ class Consumer:
         while True:
             try:
                 await asyncio.to_thread(
-                    self._store.worker_seen,
+                    self._store.presence,
                     self.worker,
                     self._role,
                     {"busy": self.busy, "lanes": self._settings.concurrency},

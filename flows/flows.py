@@ -28,7 +28,7 @@ from prefect.client.schemas.objects import State
 from prefect.runtime import flow_run
 from prefect.states import Completed, Failed
 
-from flows.consumer import Consumer, standing_by, worker_name
+from flows.consumer import Consumer, worker_name
 from flows.guard import PrefectSlotGuard
 from flows.history import PrefectLedger, run_url
 from flows.runtime import Runtime
@@ -74,7 +74,7 @@ def _stop_on_signals(consumer: Consumer) -> Iterator[None]:
 async def _consuming(rt: Runtime, *, role: str) -> AsyncIterator[Consumer | None]:
     """A draining consumer for this run, unless a warm one stands by (then None)."""
     try:
-        warm = bool(await asyncio.to_thread(standing_by, rt.store))
+        warm = bool((await asyncio.to_thread(rt.store.gate_state)).standing_by)
     except StoreError:
         warm = False
     if warm:
@@ -174,7 +174,8 @@ async def _interactive(
         jobs = await _follow(rt, [jid], None, consumer)
     job = jobs.get(jid)
     waited = time.time() - asked
-    result = await asyncio.to_thread(rt.store.result_of, user_id, kind, subject)
+    state = await asyncio.to_thread(rt.store.poll, user_id, kind, subject, queue=False)
+    result = state.result if state is not None else None
     ui = _ui_url()
     made_by = (result.flow_run_id if result else None) or (job.flow_run_id if job else None)
     link = f"[{kind}:{subject}]({run_url(ui, made_by)})" if made_by else "(no run recorded)"

@@ -26,8 +26,9 @@ from typing import Any, ClassVar
 
 import httpx
 
-from queue_store import Failure, Redactor, Settings, Usage
+from queue_store import Failure, Redactor, Usage
 from queue_store.errors import SettingsError
+from queue_store.settings import GatewaySettings
 
 logger = logging.getLogger(__name__)
 
@@ -227,13 +228,16 @@ class GatewayClient:
 
     def __init__(
         self,
-        settings: Settings,
+        gateway: GatewaySettings,
         *,
+        redactor: Redactor,
+        call_timeout: float | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
-        redactor: Redactor | None = None,
     ) -> None:
-        parts = urllib.parse.urlsplit(settings.gateway.url)
-        token = settings.gateway.token.get_secret_value()
+        """`call_timeout`: the whole call's deadline (`Settings.call_timeout`; default the read
+        timeout); `redactor` removes every secret of the process from what the client says."""
+        parts = urllib.parse.urlsplit(gateway.url)
+        token = gateway.token.get_secret_value()
         if not _TOKEN_CHARACTERS.fullmatch(token):
             # A control character would make httpx fail with the header, and
             # so the token, in its message.
@@ -244,19 +248,19 @@ class GatewayClient:
         if parts.port is not None:
             netloc += f":{parts.port}"
         base = urllib.parse.urlunsplit((parts.scheme, netloc, parts.path.rstrip("/"), "", ""))
-        self._url = base + settings.gateway.path
+        self._url = base + gateway.path
         self._auth: httpx.Auth | None = None
         if parts.username is not None and not token:
             self._auth = httpx.BasicAuth(
                 urllib.parse.unquote(parts.username), urllib.parse.unquote(parts.password or "")
             )
         self._token = token
-        self._model = settings.gateway.model
+        self._model = gateway.model
         self._transport = _Borrowed(transport) if transport is not None else None
-        self._redact = redactor or Redactor(settings.secrets())
-        self._max_bytes = settings.gateway.max_answer_bytes
-        self._call_timeout = settings.call_timeout
-        short = settings.gateway.connect_timeout
+        self._redact = redactor
+        self._max_bytes = gateway.max_answer_bytes
+        self._call_timeout = call_timeout if call_timeout is not None else gateway.read_timeout
+        short = gateway.connect_timeout
         self._timeout = httpx.Timeout(
             connect=short, write=short, pool=short, read=self._call_timeout
         )

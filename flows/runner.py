@@ -26,7 +26,6 @@ from queue_store import (
     Failure,
     InvalidArgument,
     Job,
-    JobStore,
     Redactor,
     Renewal,
     Settings,
@@ -34,6 +33,7 @@ from queue_store import (
     Status,
     StoreError,
     Usage,
+    WorkerStore,
 )
 
 logger = logging.getLogger(__name__)
@@ -43,8 +43,32 @@ logger = logging.getLogger(__name__)
 RECORD_BACKOFF_SECONDS = (0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 15.0, 15.0)
 # How long a stopped attempt waits for its history entry's id, seconds.
 STOP_RUN_ID_WAIT_SECONDS = 5.0
+# How long the job row waits for its attempt's history entry, seconds: past the attempt's end,
+# so an entry a slow Prefect writes late is still linked.
+RUN_ID_NOTE_SECONDS = 120.0
 # Less than this left before the deadline: do not start a call.
 MIN_CALL_SECONDS = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class LeaseConfig:
+    """What the runner reads of the settings: the lease's times, and the longest pause."""
+
+    heartbeat_seconds: float
+    lease_seconds: float
+    lease_margin: float
+    claim_timeout_seconds: float
+    backoff_max_seconds: float
+
+    @classmethod
+    def of(cls, settings: Settings) -> LeaseConfig:
+        return cls(
+            settings.heartbeat_seconds,
+            settings.lease_seconds,
+            settings.lease_margin,
+            settings.claim_timeout_seconds,
+            settings.backoff_max_seconds,
+        )
 
 
 class LeaseEnded(Exception):
@@ -54,7 +78,9 @@ class LeaseEnded(Exception):
 class LeaseKeeper:
     """Renews a claim in the background and ends the attempt's scope before it could lapse."""
 
-    def __init__(self, store: JobStore, job: Job, settings: Settings, claim_sent: float) -> None:
+    def __init__(
+        self, store: WorkerStore, job: Job, settings: LeaseConfig, claim_sent: float
+    ) -> None:
         if not job.holder:
             raise ValueError("job: a claimed job carries its holder token")
         self._store = store
@@ -184,20 +210,21 @@ class JobRunner:
 
     def __init__(
         self,
-        store: JobStore,
-        settings: Settings,
+        store: WorkerStore,
+        lease: LeaseConfig,
         registry: Registry,
         client: GatewayClient,
         *,
+        redactor: Redactor,
         ledger: Ledger | None = None,
-        redactor: Redactor | None = None,
     ) -> None:
         self._store = store
-        self._settings = settings
+        self._settings = lease
         self._registry = registry
         self._client = client
         self.ledger = ledger or NullLedger()
-        self._redact = redactor or Redactor(settings.secrets())
+        self._notes: set[asyncio.Task[None]] = set()
+        self._redact = redactor
 
     async def run(self, job: Job, claim_sent: float) -> Report:
         """Make the job's gateway call under its lease and record what happened.
@@ -284,19 +311,24 @@ class JobRunner:
                 attempt.entry.close(task.result())
             noted.cancel()
             raise
-        noted.cancel()
+        # The history entry may still be on its way: `_note_run` links it when it comes.
+        self._notes.add(noted)
+        noted.add_done_callback(self._notes.discard)
         report = task.result()
         attempt.entry.close(report)
         return report
 
     async def _note_run(self, attempt: _Attempt) -> None:
-        """Once the attempt's history entry exists, the job row points at it (N4)."""
-        run_id = await attempt.entry.run_id()
+        """Once the attempt's history entry exists, the job row points at it (N4), even when
+        the entry is written after the attempt ended (a slow Prefect)."""
+        run_id = await attempt.entry.run_id(RUN_ID_NOTE_SECONDS)
         if run_id is None:
             return
         job = attempt.job
         with contextlib.suppress(StoreError):
-            await asyncio.to_thread(self._store.set_flow_run, job.id, job.holder or "", run_id)
+            await asyncio.to_thread(
+                self._store.heartbeat, job.id, job.holder or "", flow_run_id=run_id
+            )
 
     async def _finish(self, attempt: _Attempt, result: Any) -> Report:
         job, answer = attempt.job, attempt.answer

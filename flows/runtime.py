@@ -9,12 +9,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Self
 
-from flows.consumer import Consumer, worker_name
+from flows.consumer import Consumer, ConsumerConfig, worker_name
 from flows.gateway import GatewayClient
 from flows.guard import Guard
 from flows.ledger import Ledger
 from flows.registry import Registry
-from flows.runner import JobRunner
+from flows.runner import JobRunner, LeaseConfig
 from queue_store import JobStore, Redactor, Settings
 from queue_store.redact import install_log_redaction
 
@@ -51,13 +51,17 @@ class Runtime:
         hold_slot_when_idle: bool = False,
         role: str = "consumer",
     ) -> Consumer:
-        client = GatewayClient(self.settings, redactor=self.redactor)
+        settings = self.settings
+        client = GatewayClient(
+            settings.gateway, redactor=self.redactor, call_timeout=settings.call_timeout
+        )
+        lease = LeaseConfig.of(settings)
         runner = JobRunner(
-            self.store, self.settings, self.registry, client, ledger=ledger, redactor=self.redactor
+            self.store, lease, self.registry, client, redactor=self.redactor, ledger=ledger
         )
         return Consumer(
             self.store,
-            self.settings,
+            ConsumerConfig.of(settings),
             runner,
             worker=worker or worker_name(role),
             guard=guard,

@@ -25,11 +25,13 @@ from queue_store.models import (
     GateState,
     Job,
     JobState,
+    ListedJob,
     PauseKind,
     Position,
     QueueEntry,
     QueueView,
     Renewal,
+    Requeued,
     Result,
     Settlement,
     Status,
@@ -40,8 +42,9 @@ from queue_store.models import (
     job_id,
     priority_class,
 )
+from queue_store.ports import OperatorStore, ScreenStore, WorkerStore
 from queue_store.redact import Redactor
-from queue_store.settings import Settings
+from queue_store.settings import Settings, StoreConfig
 from queue_store.store import JobStore
 from queue_store.validation import user_id as check_user_id
 
@@ -59,26 +62,32 @@ __all__ = [
     "Job",
     "JobState",
     "JobStore",
+    "ListedJob",
     "Misconfigured",
+    "OperatorStore",
     "PauseKind",
     "Position",
     "QueueEntry",
     "QueueView",
     "Redactor",
     "Renewal",
+    "Requeued",
     "Result",
     "SchemaConflict",
     "SchemaOutdated",
+    "ScreenStore",
     "Settings",
     "SettingsError",
     "Settlement",
     "Status",
+    "StoreConfig",
     "StoreError",
     "Tally",
     "Unavailable",
     "Usage",
     "UsageRow",
     "Worker",
+    "WorkerStore",
     "check_user_id",
     "job_id",
     "priority_class",

@@ -40,7 +40,7 @@ from sqlalchemy.engine import Dialect
 from queue_store import places, schema
 from queue_store.models import INTERACTIVE, EnqueueRequest, Status, job_id
 from queue_store.rules import decide
-from queue_store.settings import Settings
+from queue_store.settings import StoreConfig
 
 jobs = schema.jobs
 
@@ -76,7 +76,7 @@ class Turns:
     """The turns a chunk deals (R8b): after the turn being served and each user's last. Read
     when the first is dealt, so a chunk that queues nothing anew reads nothing more."""
 
-    def __init__(self, connection: Connection, settings: Settings, users: set[str]) -> None:
+    def __init__(self, connection: Connection, settings: StoreConfig, users: set[str]) -> None:
         self._connection = connection
         self._fair = settings.order == "fair"
         self._users = sorted(users)
@@ -223,7 +223,7 @@ def plan(
     chunk: Sequence[EnqueueRequest],
     rows: dict[str, dict[str, Any]],
     start: dt.datetime,
-    settings: Settings,
+    settings: StoreConfig,
     turns: Turns,
 ) -> Plan:
     """Decide every request of the chunk in order, on the rows as the earlier ones left them;

@@ -12,7 +12,7 @@ gap. (The worker stops its call a margin before, see `flows.runner`.)
 
 A call cut on our side (its worker lost, stopped, or past our deadline) may go on at the gateway,
 which finishes what it started: it leaves a hold (`ai_job_holds`) that counts as a call in flight
-until its start plus `Settings.cut_hold`, and the gap counts from the hold's end (H1).
+until its start plus the hold (`cut_hold`), and the gap counts from the hold's end (H1).
 """
 
 from __future__ import annotations
@@ -22,9 +22,10 @@ import datetime as dt
 import secrets
 from typing import Any
 
-from sqlalchemy import Connection, Row, delete, func, insert, select, update
+from sqlalchemy import Connection, Row, and_, delete, func, insert, select, update
 
 from queue_store import places, schema, tallies
+from queue_store.errors import SchemaOutdated
 from queue_store.models import (
     HOLDER_NONCE_HEX,
     Blocked,
@@ -38,9 +39,10 @@ from queue_store.models import (
     Status,
 )
 from queue_store.rules import WORKER_LOST, lapsed
-from queue_store.settings import Settings
+from queue_store.settings import StoreConfig
 
 jobs = schema.jobs
+results = schema.results
 gate = schema.gate
 holds = schema.holds
 
@@ -63,13 +65,25 @@ WORKER_LOST_AGAIN = "worker lost {n} times in a row: the job may be what stops i
 
 
 RUNNING = select(*(jobs.c[name] for name in RUNNING_COLUMNS)).where(jobs.c.status == Status.RUNNING)
+GATE_ROW = select(gate).where(gate.c.id == schema.GATE_ROW_ID)
+GATE_ROW_LOCKED = GATE_ROW.with_for_update()
+
+
+def gate_row(connection: Connection, *, lock: bool = False) -> Row[Any]:
+    """The one gate row (locked for the transaction with `lock`: every lease decision)."""
+    row = connection.execute(GATE_ROW_LOCKED if lock else GATE_ROW).one_or_none()
+    if row is None:
+        raise SchemaOutdated("the gate row is missing; run `insight-queue db upgrade`")
+    return row
 
 
 def running_rows(connection: Connection) -> list[Row[Any]]:
     return list(connection.execute(RUNNING).all())
 
 
-def reap(connection: Connection, settings: Settings, now: dt.datetime, dead: list[Row[Any]]) -> int:
+def reap(
+    connection: Connection, settings: StoreConfig, now: dt.datetime, dead: list[Row[Any]]
+) -> int:
     """Take back the jobs of these dead claims (FIX3, FIX5). A lost claim spends no attempt (H2),
     but a last allowed attempt fails (FIX4), and so does a job lost too often in a row; a call in
     flight leaves a hold (H1). A takeover counts as the end of a call for the gap (L3)."""
@@ -83,7 +97,7 @@ def reap(connection: Connection, settings: Settings, now: dt.datetime, dead: lis
             "worker": None,
             "heartbeat_at": None,
             "call_started_at": None,
-            "lost_holder": row.holder,
+            "last_holder": row.holder,
             "losses": losses,
             "updated_at": now,
             "revision": jobs.c.revision + 1,
@@ -107,7 +121,7 @@ def reap(connection: Connection, settings: Settings, now: dt.datetime, dead: lis
 
 
 def cut(
-    connection: Connection, settings: Settings, now: dt.datetime, row: Row[Any], cause: CutCause
+    connection: Connection, settings: StoreConfig, now: dt.datetime, row: Row[Any], cause: CutCause
 ) -> None:
     """The call of this claim, if one started, was cut on our side: it holds the gateway until
     its start plus the hold (H1). A hold already over by now holds nothing."""
@@ -152,7 +166,7 @@ def _ended_call(connection: Connection, now: dt.datetime, **more: Any) -> None:
 
 
 def claim(
-    connection: Connection, settings: Settings, now: dt.datetime, state: Row[Any], worker: str
+    connection: Connection, settings: StoreConfig, now: dt.datetime, state: Row[Any], worker: str
 ) -> Claim:
     """Take the highest-priority runnable job if the gate allows a call now (R8, R9, FIX1, FIX6)."""
     running = running_rows(connection)
@@ -224,7 +238,7 @@ def claim(
 
 
 def _first_pending(
-    connection: Connection, settings: Settings, *, avoid_suspects: bool
+    connection: Connection, settings: StoreConfig, *, avoid_suspects: bool
 ) -> Row[Any] | None:
     # The id breaks ties of age: the claim takes jobs in the very order that
     # places in line are counted in (`places`), a queue index's order.
@@ -255,21 +269,27 @@ def held_row(connection: Connection, job_id: str, holder: str) -> Row[Any] | Non
 
 def renew(
     connection: Connection,
-    settings: Settings,
+    settings: StoreConfig,
     now: dt.datetime,
     job_id: str,
     holder: str,
     *,
     calling: bool = False,
+    flow_run_id: str | None = None,
 ) -> Renewal:
     """Extend a live claim; a lapsed one stays dead, whoever reaches the database first (L3).
-    `calling`: the call starts right after this renewal, so it starts now (H1)."""
+    `calling`: the call starts right after this renewal, so it starts now (H1). `flow_run_id`:
+    the attempt's run in the history (N4), kept even when it arrives after the attempt ended."""
     row = held_row(connection, job_id, holder)
     if row is None:
+        if flow_run_id is not None:
+            _note_run_after(connection, job_id, holder, flow_run_id)
         return Renewal.LOST
     if lapsed(row, now, settings):
         return Renewal.LAPSED
-    more = {"call_started_at": now} if calling else {}
+    more: dict[str, Any] = {"call_started_at": now} if calling else {}
+    if flow_run_id is not None:
+        more["flow_run_id"] = flow_run_id
     connection.execute(
         update(jobs)
         .where(jobs.c.id == job_id)
@@ -278,10 +298,31 @@ def renew(
     return Renewal.RENEWED
 
 
+def _note_run_after(connection: Connection, job_id: str, holder: str, flow_run_id: str) -> None:
+    """The run of a claim that has ended goes on its job, and on the result it produced, unless
+    a newer claim holds the job (FIX2: the token of the claim that ended must match)."""
+    ended = and_(jobs.c.id == job_id, jobs.c.last_holder == holder, jobs.c.status != Status.RUNNING)
+    row = connection.execute(select(jobs.c.claimed_at).where(ended)).one_or_none()
+    if row is None:
+        return
+    connection.execute(update(jobs).where(ended).values(flow_run_id=flow_run_id))
+    if row.claimed_at is not None:
+        connection.execute(
+            update(results)
+            .where(
+                results.c.job_id == job_id,
+                results.c.flow_run_id.is_(None),
+                results.c.produced_at >= row.claimed_at,
+            )
+            .values(flow_run_id=flow_run_id)
+        )
+
+
 def _settle_row(connection: Connection, row: Row[Any], now: dt.datetime, **changes: Any) -> None:
     """End the claim on the row: no holder, no heartbeat, and the given changes."""
     ended = {
         "holder": None,
+        "last_holder": row.holder,
         "worker": None,
         "heartbeat_at": None,
         "call_started_at": None,
@@ -291,7 +332,7 @@ def _settle_row(connection: Connection, row: Row[Any], now: dt.datetime, **chang
     connection.execute(update(jobs).where(jobs.c.id == row.id).values(**values))
 
 
-def _backoff(settings: Settings, streak: int) -> float:
+def _backoff(settings: StoreConfig, streak: int) -> float:
     """The pause after `streak` troubles in a row: doubling from the base, capped."""
     doublings = min(max(streak - 1, 0), MAX_BACKOFF_DOUBLINGS)
     return float(min(settings.backoff_seconds * 2**doublings, settings.backoff_max_seconds))
@@ -319,7 +360,7 @@ def pause(
 
 def settle_failure(
     connection: Connection,
-    settings: Settings,
+    settings: StoreConfig,
     now: dt.datetime,
     state: Row[Any],
     row: Row[Any],
@@ -417,7 +458,7 @@ def settle_failure(
 
 def late_stop(
     connection: Connection,
-    settings: Settings,
+    settings: StoreConfig,
     now: dt.datetime,
     job_id: str,
     holder: str,
@@ -429,7 +470,7 @@ def late_stop(
     nothing (FIX2)."""
     row = connection.execute(
         select(jobs)
-        .where(jobs.c.id == job_id, jobs.c.lost_holder == holder, jobs.c.status == Status.FAILED)
+        .where(jobs.c.id == job_id, jobs.c.last_holder == holder, jobs.c.status == Status.FAILED)
         .with_for_update()
     ).one_or_none()
     if row is None or row.error not in (WORKER_LOST, _lost_again(row.losses)):
@@ -443,7 +484,7 @@ def late_stop(
             error=error,
             attempts=attempts,
             losses=max(row.losses - 1, 0),
-            lost_holder=None,
+            last_holder=None,
             finished_at=None,
             claimed_at=None,
             updated_at=now,
@@ -458,7 +499,7 @@ def _lost_again(losses: int) -> str:
 
 
 def _behind(
-    connection: Connection, settings: Settings, row: Row[Any], now: dt.datetime
+    connection: Connection, settings: StoreConfig, row: Row[Any], now: dt.datetime
 ) -> dict[str, Any]:
     """Back in the queue behind the jobs of its priority: queued now, in a new turn (R8b)."""
     turn = places.next_turn(connection, settings, row.user_id, row.priority)
@@ -489,7 +530,6 @@ def settle_done(
         unavailable_since=None,
         requested_at=None,
         losses=0,
-        lost_holder=None,
         **more,
     )
     _ended_call(connection, now, last_answer_at=now, outages_in_a_row=0)

@@ -10,6 +10,7 @@ import dataclasses
 import datetime as dt
 import enum
 import hashlib
+from collections.abc import Mapping
 from typing import Any
 
 # Lower runs first.
@@ -259,6 +260,8 @@ class Claim:
     job: Job | None
     blocked: Blocked | None = None
     retry_in: float | None = None  # seconds until a claim could succeed; None: unknown
+    pause_kind: PauseKind | None = None  # while PAUSED: who or what paused claiming
+    pause_reason: str | None = None
 
     def __bool__(self) -> bool:
         return self.job is not None
@@ -373,6 +376,14 @@ class GateState:
     pause_reason: str | None
     outages_in_a_row: int
     last_answer_at: dt.datetime | None
+    # The workers that said they are alive within a lease, by name: their role. Not in
+    # `as_dict`: a screen sees the gate, never the deployment's hosts.
+    workers: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+    @property
+    def standing_by(self) -> list[str]:
+        """The consumers standing by: they take queued work without a new run."""
+        return [name for name, role in self.workers.items() if role == "consumer"]
 
     @property
     def paused(self) -> bool:
@@ -462,22 +473,56 @@ class QueueEntry:
 
 
 @dataclasses.dataclass(frozen=True)
+class ListedJob:
+    """One job of a user's queue (R11), with its place and ETA while it waits or runs."""
+
+    job: Job
+    position: Position | None
+
+    def as_dict(self, max_attempts: int) -> dict[str, Any]:
+        place = self.position.as_dict() if self.position else {}
+        return {**self.job.as_dict(max_attempts), "interactive": self.job.interactive, **place}
+
+
+@dataclasses.dataclass(frozen=True)
+class Requeued:
+    """What `retry_failed` did (R10): the failed jobs put back, and the user's jobs waiting or
+    running afterwards."""
+
+    user_id: str
+    retried: int
+    pending: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
 class QueueView:
-    """The whole queue at a glance: what runs, what waits (in worker order), what failed."""
+    """The whole queue at a glance, read in one transaction: what runs, what waits (in worker
+    order), what failed, what it cost; and the figures /metrics shows (M1)."""
 
     now: dt.datetime
     gate: GateState
     running: list[QueueEntry]
     waiting: list[QueueEntry]
-    waiting_total: int
+    # Pending jobs by class ("interactive", "prefetch"): how many, and the oldest's queued_at.
+    waiting_by_class: dict[str, tuple[int, dt.datetime | None]]
     recent_failures: list[QueueEntry]
     failed_total: int
     workers: list[Worker]
     max_attempts: int
     concurrency: int
+    in_flight: int  # live calls (cut calls still held are `holds`)
     usage: list[UsageRow]  # tokens by user and kind, the most first (a few)
     usage_total: UsageRow  # every user's and kind's (user_id and kind "")
+    usage_by_kind: list[UsageRow]  # user_id ""
+    tallies: list[Tally]
     holds: list[Hold] = dataclasses.field(default_factory=list)  # cut calls still held (H1)
+
+    @property
+    def waiting_total(self) -> int:
+        return sum(count for count, _ in self.waiting_by_class.values())
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -496,15 +541,3 @@ class QueueView:
                 "by_user_and_kind": [u.as_dict() for u in self.usage],
             },
         }
-
-
-@dataclasses.dataclass(frozen=True)
-class Metrics:
-    """What /metrics shows, read from the store in one transaction (M1)."""
-
-    gate: GateState
-    waiting: dict[str, tuple[int, dt.datetime | None]]  # class -> jobs, oldest queued_at
-    in_flight: int
-    tallies: list[Tally]
-    usage_by_kind: list[UsageRow]  # user_id ""
-    holds: list[Hold] = dataclasses.field(default_factory=list)  # cut calls still held (H1)

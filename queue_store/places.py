@@ -22,7 +22,7 @@ from sqlalchemy import Connection, Row, and_, bindparam, case, func, select, tup
 from queue_store import schema
 from queue_store.models import INTERACTIVE, Job, Position, QueueEntry, Status
 from queue_store.rules import lapsed
-from queue_store.settings import Settings
+from queue_store.settings import StoreConfig
 
 jobs = schema.jobs
 gate = schema.gate
@@ -39,12 +39,12 @@ MEANS = select(durations.c.kind, durations.c.mean_seconds)
 HOLD_ENDS = select(holds.c.until)
 
 
-def order(settings: Settings) -> tuple[Any, ...]:
+def order(settings: StoreConfig) -> tuple[Any, ...]:
     """The claim order's columns: the order of one of the queue's indexes."""
     return FAIR if settings.order == "fair" else FIFO
 
 
-def order_key(job: Job, settings: Settings) -> tuple[Any, ...]:
+def order_key(job: Job, settings: StoreConfig) -> tuple[Any, ...]:
     return tuple(getattr(job, column.name) for column in order(settings))
 
 
@@ -59,7 +59,7 @@ LAST_TURN = func.max(
 SERVED_TURN = select(gate.c.turn).where(gate.c.id == schema.GATE_ROW_ID)
 
 
-def next_turn(connection: Connection, settings: Settings, user_id: str, priority: int) -> int:
+def next_turn(connection: Connection, settings: StoreConfig, user_id: str, priority: int) -> int:
     """The turn of a job entering the queue now (R8b): 0 for an interactive job; else the
     turn being served for a user with nothing waiting, or the one after its last job's."""
     if settings.order != "fair" or priority <= INTERACTIVE:
@@ -83,7 +83,7 @@ class Outlook:
     held_back_seconds: float  # pause or gap still running before the next claim
     means: dict[str, float]  # mean call seconds per kind
     default_seconds: float
-    settings: Settings
+    settings: StoreConfig
 
     def duration(self, kind: str) -> float:
         return self.means.get(kind, self.default_seconds)
@@ -127,7 +127,7 @@ def record_duration(connection: Connection, kind: str, seconds: float) -> None:
 
 def outlook(
     connection: Connection,
-    settings: Settings,
+    settings: StoreConfig,
     now: dt.datetime,
     gate: Row[Any],
     running: Sequence[Row[Any]],
@@ -156,7 +156,7 @@ def outlook(
     return Outlook(len(live) + len(holding), remaining, held_back, means, default, settings)
 
 
-def _pending_before(settings: Settings, key: tuple[Any, ...]) -> Any:
+def _pending_before(settings: StoreConfig, key: tuple[Any, ...]) -> Any:
     """The pending jobs before `key` in claim order, head first."""
     return _pending_before_columns(order(settings), key)
 
@@ -183,7 +183,7 @@ def _kinds_ahead(columns: tuple[Any, ...]) -> Any:
 KINDS_AHEAD = {"fifo": _kinds_ahead(FIFO), "fair": _kinds_ahead(FAIR)}
 
 
-def ahead_of(connection: Connection, settings: Settings, job: Job) -> tuple[int, dict[str, int]]:
+def ahead_of(connection: Connection, settings: StoreConfig, job: Job) -> tuple[int, dict[str, int]]:
     """How many pending jobs are before `job` (up to the bound plus one), and their kinds."""
     key = {f"k{n}": value for n, value in enumerate(order_key(job, settings))}
     counted = connection.execute(KINDS_AHEAD[settings.order], key)

@@ -13,7 +13,7 @@ import datetime as dt
 from typing import Any
 
 from queue_store.models import INTERACTIVE, Status
-from queue_store.settings import Settings
+from queue_store.settings import StoreConfig
 
 WORKER_LOST = (
     "worker lost: its claim lapsed on the last allowed attempt "
@@ -38,7 +38,7 @@ def queued_anew(now: dt.datetime, **more: Any) -> dict[str, Any]:
         **UNCLAIMED,
         "attempts": 0,
         "losses": 0,
-        "lost_holder": None,
+        "last_holder": None,
         "error": None,
         "unavailable_since": None,
         "queued_at": now,
@@ -53,7 +53,7 @@ class Decision:
     reap_first: bool = False  # a lapsed claim must be taken back under the gate lock first
 
 
-def lapsed(row: Any, now: dt.datetime, settings: Settings) -> bool:
+def lapsed(row: Any, now: dt.datetime, settings: StoreConfig) -> bool:
     """A running row whose claim is dead: not renewed within the lease, or past the claim timeout
     (a missing `heartbeat_at` or `claimed_at` is not live)."""
     if row.heartbeat_at is None or row.claimed_at is None:
@@ -66,7 +66,7 @@ def lapsed(row: Any, now: dt.datetime, settings: Settings) -> bool:
 
 
 def decide(
-    row: Any, fingerprint: str | None, priority: int, now: dt.datetime, settings: Settings
+    row: Any, fingerprint: str | None, priority: int, now: dt.datetime, settings: StoreConfig
 ) -> Decision:
     """What an enqueue of an existing job does (R3-R6)."""
     stale = fingerprint is not None and fingerprint != row.fingerprint

@@ -116,9 +116,10 @@ jobs = Table(
     # Claims lost with their worker since the job last entered the queue: a
     # lost claim spends no attempt (H2), but a job cannot lose them for ever.
     Column("losses", Integer, nullable=False, server_default=text("0")),
-    # The token of the claim the last takeover ended: that worker's own late
-    # report of a stop is still heard (H2, whoever writes first).
-    Column("lost_holder", String(200)),
+    # The token of the last claim that ended (settled, or taken over): its
+    # worker's late word is still heard: a stop after a takeover (H2, whoever
+    # writes first), or the run history's id arriving after the result.
+    Column("last_holder", String(200)),
 )
 
 # The queue in claim order: status, priority, age, and the id that breaks ties.

@@ -7,6 +7,7 @@ its variable. No Prefect or httpx: `flows` reads the gateway settings as data.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import urllib.parse
 from collections.abc import Iterator
@@ -187,6 +188,24 @@ class Settings(_Checked):
         return self.gateway.read_timeout if hold is None else hold
 
     @property
+    def store(self) -> StoreConfig:
+        """What the store decides with: its rules' numbers, and no secret."""
+        return StoreConfig(
+            concurrency=self.concurrency,
+            gap_seconds=self.gap_seconds,
+            max_attempts=self.max_attempts,
+            retry_after_seconds=self.retry_after_seconds,
+            claim_timeout_seconds=self.claim_timeout_seconds,
+            lease_seconds=self.lease_seconds,
+            backoff_seconds=self.backoff_seconds,
+            backoff_max_seconds=self.backoff_max_seconds,
+            default_duration_seconds=self.default_duration_seconds,
+            max_result_bytes=self.max_result_bytes,
+            order=self.order,
+            cut_hold=self.cut_hold,
+        )
+
+    @property
     def plugin_modules(self) -> list[str]:
         return [name.strip() for name in self.plugins.split(",") if name.strip()]
 
@@ -235,6 +254,24 @@ class Settings(_Checked):
 
     def __repr_args__(self) -> Any:
         return list(self.public().items())
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreConfig:
+    """The settings the store's rules read (`Settings.store`), under the same names."""
+
+    concurrency: int = 1
+    gap_seconds: float = 20.0
+    max_attempts: int = 3
+    retry_after_seconds: float = 1800.0
+    claim_timeout_seconds: float = 1800.0
+    lease_seconds: float = 60.0
+    backoff_seconds: float = 15.0
+    backoff_max_seconds: float = 600.0
+    default_duration_seconds: float = 120.0
+    max_result_bytes: int = MIB
+    order: Literal["fair", "fifo"] = "fair"
+    cut_hold: float = 1080.0  # seconds a call cut on our side holds the gateway (H1)
 
 
 def _variable(model: type[BaseSettings], name: str) -> str:

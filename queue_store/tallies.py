@@ -66,6 +66,19 @@ def spent_tokens(connection: Connection, user_id: str, kind: str, used: Usage | 
         connection.execute(update(usage).where(*key).values(**values))
 
 
+def tally_attempt(
+    connection: Connection, row: Any, outcome: str, seconds: float | None, answer: Usage | bool
+) -> None:
+    """Count a settled attempt of the job `row`, its call's time and its answer's tokens (M1,
+    M2). `answer`: the tokens the answer said it used, True if one came that did not say."""
+    count(connection, ATTEMPTS, row.kind, str(outcome))
+    if seconds is not None:
+        count(connection, CALL_SECONDS, row.kind, str(outcome), seconds)
+    if answer:
+        used = answer if isinstance(answer, Usage) else None
+        spent_tokens(connection, row.user_id, row.kind, used)
+
+
 def read(connection: Connection) -> list[Tally]:
     return [
         Tally(r.name, r.kind, r.outcome, r._mapping["count"], r.total, tuple(json.loads(r.buckets)))

@@ -82,8 +82,8 @@ def priority(value: object) -> int:
     return _integer("priority", value, 0, MAX_PRIORITY)
 
 
-def limit(value: object) -> int:
-    return _integer("limit", value, 1, MAX_LIST_LIMIT)
+def limit(value: object, *, minimum: int = 1) -> int:
+    return _integer("limit", value, minimum, MAX_LIST_LIMIT)
 
 
 def _integer(name: str, value: object, minimum: int, maximum: int) -> int:

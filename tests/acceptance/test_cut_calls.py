@@ -31,6 +31,7 @@ from devtools.simulator import RequestRecord
 from queue_store import INTERACTIVE, JobStore, Settings, migrate
 from tests.support.faults import GAP_SLACK_SECONDS, Gateway, Workers
 from tests.support.pgcluster import ThrowawayPostgres
+from tests.support.reads import engine_of, job_of
 from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.slow
@@ -93,7 +94,7 @@ def first_call(gateway: Gateway) -> RequestRecord:
 
 
 def renewed(store: JobStore) -> bool:
-    job = store.job(*VICTIM)
+    job = job_of(store, *VICTIM)
     return (
         job is not None
         and job.status == "running"
@@ -104,7 +105,7 @@ def renewed(store: JobStore) -> bool:
 
 
 def all_done(store: JobStore) -> bool:
-    jobs = [store.job(*key) for key in (VICTIM, *OTHERS)]
+    jobs = [job_of(store, *key) for key in (VICTIM, *OTHERS)]
     return all(j is not None and j.status == "done" for j in jobs)
 
 
@@ -131,7 +132,7 @@ def check_the_gateway_was_held(
     # the gateway's longest call (the default read timeout is a minute past its 17).
     assert waited >= hold + GAP - SEND_SLACK_SECONDS, (waited, records)
     assert all_done(store)
-    victim = store.job(*VICTIM)
+    victim = job_of(store, *VICTIM)
     assert victim is not None and victim.attempts == attempts, victim
     for key in OTHERS:
         assert gateway.answers_for(f"{key[1]}:{key[2]}") == 1
@@ -141,7 +142,7 @@ def check_the_gateway_was_held(
 
 def report(what: str, store: JobStore, waited: float, hold: float = HOLD) -> None:
     print(
-        f"\nFIGURES cut call [{store.engine.dialect.name}] {what}: the next call started "
+        f"\nFIGURES cut call [{engine_of(store).dialect.name}] {what}: the next call started "
         f"{waited:.2f} s after the cut one (hold {hold:g} s, gap {GAP:g} s, the gateway "
         f"worked {WORK:g} s on the cut call)"
     )
@@ -162,7 +163,9 @@ def test_a_consumer_killed_or_stopped_mid_call_leaves_the_gateway_held(
         wait_for(lambda: renewed(store), 30, "the victim's claim renewed mid-call")
         workers.start("second")
         wait_for(
-            lambda: any(w.name == "second" and w.alive for w in store.workers()), 30, "second up"
+            lambda: any(w.name == "second" and w.alive for w in store.queue_view(0).workers),
+            30,
+            "second up",
         )
         workers.stop("first", sig=sig, timeout=15)
         if sig == signal.SIGTERM:
@@ -279,7 +282,9 @@ def test_with_no_hold_and_a_gateway_that_stops_the_queue_heals_as_before(
             first_call(stops)
             workers.start("second")
             wait_for(
-                lambda: any(w.name == "second" and w.alive for w in store.workers()), 30, "second"
+                lambda: any(w.name == "second" and w.alive for w in store.queue_view(0).workers),
+                30,
+                "second",
             )
             stopped_at = time.time()
             workers.stop("first", sig=signal.SIGTERM, timeout=15)
@@ -291,11 +296,11 @@ def test_with_no_hold_and_a_gateway_that_stops_the_queue_heals_as_before(
         assert cut.ended is not None and cut.ended - cut.started < WORK / 2  # type: ignore[operator]
         assert retried.started is not None
         healed = retried.started - stopped_at
-        victim = store.job(*VICTIM)
+        victim = job_of(store, *VICTIM)
         assert victim is not None and victim.attempts == 1
         assert seen.peak_in_flight == 1
     print(
-        f"\nFIGURES cut call [{store.engine.dialect.name}] no hold: the retried call started "
+        f"\nFIGURES cut call [{engine_of(store).dialect.name}] no hold: the retried call started "
         f"{healed:.2f} s after the stop"
     )
     # The gap and a standing-by consumer's next look; nowhere near the cut call's WORK.

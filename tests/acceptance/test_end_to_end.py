@@ -38,6 +38,7 @@ from flows.demo import demo_scopes
 from queue_store import JobStore, Settings
 from tests.support import waiting
 from tests.support.faults import Gateway
+from tests.support.reads import job_of
 from tests.support.services import ROOT, PrefectServer, run_cli
 
 pytestmark = [pytest.mark.prefect, pytest.mark.slow]
@@ -249,7 +250,7 @@ def test_a_day_of_the_embedded_default_through_the_command_line(
 
         def all_done() -> bool:
             return all(
-                (job := store.job(USER, s.kind, s.subject)) is not None and job.status == "done"
+                (job := job_of(store, USER, s.kind, s.subject)) is not None and job.status == "done"
                 for s in scopes
             )
 
@@ -265,7 +266,7 @@ def test_a_day_of_the_embedded_default_through_the_command_line(
         assert cli_json("request-insight", USER, "ok", "flaky", env=env)["status"] == "pending"
 
         def failed() -> bool:
-            job = store.job(USER, "ok", "flaky")
+            job = job_of(store, USER, "ok", "flaky")
             return job is not None and job.status == "failed"
 
         wait_for(failed, 60, "the flaky job to fail")
@@ -274,7 +275,9 @@ def test_a_day_of_the_embedded_default_through_the_command_line(
         assert (flaky["status"], flaky["attempts"]) == ("failed", 3) and "500" in flaky["error"]
         retried = run_cli("retry-failed", USER, env=env).stdout
         assert retried.startswith(f"retried 1 failed job(s) of {USER};"), retried
-        wait_for(lambda: (j := store.job(USER, "ok", "flaky")) and j.status == "done", 60, "flaky")
+        wait_for(
+            lambda: (j := job_of(store, USER, "ok", "flaky")) and j.status == "done", 60, "flaky"
+        )
 
         # The backfill's run followed its scopes to the end.
         assert final_state(api_url, hook["flow_run_id"]) == ("COMPLETED", "8 done")
@@ -340,7 +343,7 @@ def test_a_prefect_server_restart_with_a_call_in_flight_loses_nothing_and_leaks_
 
             def all_done() -> bool:
                 return all(
-                    (j := store.job(*key)) is not None and j.status == "done" for key in keys
+                    (j := job_of(store, *key)) is not None and j.status == "done" for key in keys
                 )
 
             wait_for(all_done, 180, "every job done after the restart")

@@ -64,6 +64,7 @@ from queue_store import Job, JobStore, Status
 from queue_store.engine import normalise_url
 from tests.support.databases import PostgresDatabases
 from tests.support.race_worker import dump_tables
+from tests.support.reads import job_of, result_of
 from tests.support.secrets import exposures
 from tests.support.services import ROOT, run_cli, stop
 from tests.support.settings import settings_from
@@ -233,7 +234,7 @@ class Queue:
     subjects: list[str]
 
     def job(self, subject: str) -> Job:
-        found = self.store.job(USER, "ok", subject)
+        found = job_of(self.store, USER, "ok", subject)
         assert found is not None, subject
         return found
 
@@ -816,7 +817,7 @@ def test_against_a_third_party_server_the_happy_path(
         run = scenario.consumer(env).finish()
         for subject, job in queue.jobs().items():
             assert (job.status, job.attempts) == (Status.DONE, 1), subject
-            result = queue.store.result_of(USER, "ok", subject)
+            result = result_of(queue.store, USER, "ok", subject)
             assert result is not None
             assert result.output == {"text": "an insight from a third-party server"}
         assert run.summary["outcomes"] == {"done": 4}
@@ -842,7 +843,10 @@ def test_against_a_third_party_server_a_429_and_a_500_for_one_job_each(
         assert [r["outcome"] for r in limited] == ["released", "released", "done"]
         # Two 429s in a row that name no wait: the second pause is twice the first.
         assert [r["pause_seconds"] for r in limited[:2]] == [BACKOFF, BACKOFF * 2]
-        assert (queue.job("limited").status, queue.job("limited").attempts) == (Status.DONE, 1)
+        assert (queue.job("limited").status, queue.job("limited").attempts) == (
+            Status.DONE,
+            1,
+        )
         broken = queue.job("broken")
         assert (broken.status, broken.attempts) == (Status.FAILED, MAX_ATTEMPTS)
         assert broken.error is not None
@@ -850,7 +854,10 @@ def test_against_a_third_party_server_a_429_and_a_500_for_one_job_each(
         assert "The server had an error" in broken.error
         assert [r["attempt_spent"] for r in run.reports("ok:broken")] == [True] * MAX_ATTEMPTS
         for subject in ("a", "b", "c"):
-            assert (queue.job(subject).status, queue.job(subject).attempts) == (Status.DONE, 1)
+            assert (queue.job(subject).status, queue.job(subject).attempts) == (
+                Status.DONE,
+                1,
+            )
         # One connection per call: 3 answered once, 3 for the limited job, 3 for the broken.
         assert recorder.count == 3 + 3 + MAX_ATTEMPTS
         # After each 429 the next call waited out the pause, at the server's door.

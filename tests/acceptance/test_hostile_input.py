@@ -37,6 +37,7 @@ from flows.runtime import Runtime
 from queue_store import (
     INTERACTIVE,
     EnqueueRequest,
+    Failure,
     InvalidArgument,
     JobStore,
     Settings,
@@ -47,6 +48,7 @@ from queue_store.engine import normalise_url
 from queue_store.redact import Redactor
 from queue_store.schema import VERSION_TABLE
 from tests.support.race_worker import dump_tables
+from tests.support.reads import job_of, listed_jobs, pending, result_of, state_of
 from tests.support.services import BIN, ROOT
 
 STORE_TABLES = {"ai_jobs", "ai_job_results", "ai_job_gate", VERSION_TABLE}
@@ -164,7 +166,7 @@ def _assert_intact(url: str, jobs: int, results: int) -> None:
 
 
 @pytest.fixture
-def app(store: JobStore) -> Iterator[Triggers]:
+def app(store: JobStore, database_url: str) -> Iterator[Triggers]:
     """The app's triggers on this store, with Prefect at a closed 127.0.0.1 port.
 
     No generator is registered, so any kind is accepted; the scopes of a
@@ -174,7 +176,8 @@ def app(store: JobStore) -> Iterator[Triggers]:
 
     registry = Registry()
     registry.register_scopes(demo_scopes)
-    runtime = Runtime(store.settings, store, registry, Redactor(store.settings.secrets()))
+    settings = Settings(database_url=database_url)
+    runtime = Runtime(settings, store, registry, Redactor(settings.secrets()))
     yield Triggers(runtime, prefect_url=f"http://127.0.0.1:{free_port()}/api")
 
 
@@ -239,12 +242,12 @@ def _round_trip(
     assert first.job is not None
     for key in keys:
         state = app.request_insight(*key, fingerprint_of[key])
-        key_job = store.job(*key)
+        key_job = job_of(store, *key)
         assert key_job is not None
         expected = "running" if key_job.id == first.job.id else "pending"
         assert (state.status, state.error, state.flow_run_id) == (expected, None, None)
     # Polled by a screen: every job is interactive now.
-    assert all(j.priority == INTERACTIVE for j in map(lambda k: store.job(*k), keys) if j)
+    assert all(j.priority == INTERACTIVE for j in map(lambda k: job_of(store, *k), keys) if j)
 
     # Run every job; each result echoes the key the worker was handed.
     claim = first
@@ -260,16 +263,16 @@ def _round_trip(
     for key in keys:
         user_id, kind, subject = key
         fingerprint = fingerprint_of[key]
-        found = store.job(*key)
+        found = job_of(store, *key)
         assert found is not None
         assert (found.user_id, found.kind, found.subject) == key
         assert found.fingerprint == fingerprint
         shown = found.as_dict()
         assert shown["fingerprint"] == fingerprint
         assert shown["status"] == "done" and shown["attempts"] == 1
-        listed = store.list_jobs(user_id)
+        listed = listed_jobs(store, user_id)
         assert (kind, subject) in [(e["kind"], e["subject"]) for e in listed]
-        result = store.result_of(*key)
+        result = result_of(store, *key)
         assert result is not None
         assert result.output == {"key": list(key), "fingerprint": fingerprint}
         assert (result.user_id, result.kind, result.subject) == key
@@ -293,18 +296,18 @@ def test_bad_key_text_is_refused_by_name_and_writes_nothing(
     calls: list[tuple[str, Any]] = [
         ("enqueue", lambda: store.enqueue(*args, "fp")),
         ("request_insight", lambda: app.request_insight(*args, "fp")),
-        ("job", lambda: store.job(*args)),
-        ("state", lambda: store.state(*args)),
-        ("result_of", lambda: store.result_of(*args)),
+        ("job", lambda: job_of(store, *args)),
+        ("state", lambda: state_of(store, *args)),
+        ("result_of", lambda: result_of(store, *args)),
         ("superseding", lambda: store.enqueue_many([EnqueueRequest(*args, supersede=True)])),
     ]
     if part == "user_id":
         calls += [
-            ("list_jobs", lambda: store.list_jobs(args[0])),
+            ("list_jobs", lambda: listed_jobs(store, args[0])),
             ("retry_failed", lambda: store.retry_failed(args[0])),
         ]
         if args[0] is not None:  # pending_count(None) counts everyone's jobs
-            calls.append(("pending_count", lambda: store.pending_count(args[0])))
+            calls.append(("pending_count", lambda: pending(store, args[0])))
     for name, call in calls:
         with pytest.raises(InvalidArgument) as refused:
             call()
@@ -323,7 +326,7 @@ def test_the_id_joiner_is_refused_where_it_would_merge_two_keys(
     for call in (
         lambda: store.enqueue(*args),
         lambda: app.request_insight(*args),
-        lambda: store.result_of(*args),
+        lambda: result_of(store, *args),
     ):
         with pytest.raises(InvalidArgument) as refused:
             call()
@@ -359,14 +362,14 @@ def test_valid_fingerprints_round_trip_and_none_or_empty_keep_the_stored_one(
     store.enqueue("other", "sleep", "busy")
     assert store.claim_next("w").job is not None  # a call in flight: polls start no run
     assert store.enqueue("u", "sleep", "fresh", value) == "pending"
-    fresh = store.job("u", "sleep", "fresh")
+    fresh = job_of(store, "u", "sleep", "fresh")
     assert fresh is not None and fresh.fingerprint == expected
 
     # On an existing row, no fingerprint keeps the stored one; a new one replaces it.
     store.enqueue("u", "sleep", "kept", "fp-stored")
     state = app.request_insight("u", "sleep", "kept", value)
     assert state.status == "pending" and state.error is None
-    kept = store.job("u", "sleep", "kept")
+    kept = job_of(store, "u", "sleep", "kept")
     assert kept is not None and kept.fingerprint == (expected or "fp-stored")
 
 
@@ -385,7 +388,7 @@ def test_sql_in_a_user_id_reaches_no_other_user(
     for _ in range(3):
         claim = store.claim_next("w")
         assert claim.job is not None and claim.job.kind == "steps"
-        store.finish(claim.job.id, claim.job.holder or "", error="boom")
+        store.fail(claim.job.id, claim.job.holder or "", Failure.BUILD, "boom")
     before = _snapshot(database_url)
 
     for attack in (
@@ -397,12 +400,12 @@ def test_sql_in_a_user_id_reaches_no_other_user(
         "alice%",
         "' UNION SELECT * FROM ai_jobs --",
     ):
-        assert store.list_jobs(attack) == []
-        assert store.pending_count(attack) == 0
-        assert store.retry_failed(attack) == 0
-        assert store.job(attack, "sleep", "d1") is None
-        assert store.result_of(attack, "sleep", "d1") is None
-        assert store.state(attack, "sleep", "d2") is None
+        assert listed_jobs(store, attack) == []
+        assert pending(store, attack) == 0
+        assert store.retry_failed(attack).retried == 0
+        assert job_of(store, attack, "sleep", "d1") is None
+        assert result_of(store, attack, "sleep", "d1") is None
+        assert state_of(store, attack, "sleep", "d2") is None
     assert _snapshot(database_url) == before
 
     # As a real user id: queued, listed, superseded, and nothing dropped.
@@ -410,10 +413,10 @@ def test_sql_in_a_user_id_reaches_no_other_user(
     state = app.request_insight(drop, "sleep", "'; DROP TABLE ai_job_gate; --")
     assert state.status == "pending" and state.error is None
     store.enqueue_many([EnqueueRequest(drop, "sleep", "other-day", supersede=True)])
-    assert [e["subject"] for e in store.list_jobs(drop)] == ["other-day"]
-    assert store.pending_count() == 3  # alice d2, bob d1, the drop user's job
-    assert store.list_jobs("alice")[0]["subject"] == "d2"
-    failed = store.job("alice", "steps", "d1")
+    assert [e["subject"] for e in listed_jobs(store, drop)] == ["other-day"]
+    assert pending(store) == 3  # alice d2, bob d1, the drop user's job
+    assert listed_jobs(store, "alice")[0]["subject"] == "d2"
+    failed = job_of(store, "alice", "steps", "d1")
     assert failed is not None and failed.status == "failed"
     _assert_intact(database_url, jobs=5, results=1)
 
@@ -427,7 +430,7 @@ def test_trigger_backfill_with_prefect_unreachable_still_queues_in_the_store(
     state = app.trigger_backfill(user, sync_id="sync-1")
     assert (state.queued, state.flow_run_id, state.error) == (len(demo_scopes(user)), None, None)
     assert state.run_note and "127.0.0.1" in state.run_note
-    assert store.pending_count(user) == len(demo_scopes(user))
+    assert pending(store, user) == len(demo_scopes(user))
 
 
 # -- the command line -----------------------------------------------------------------

@@ -18,6 +18,7 @@ import pytest
 from queue_store import JobStore, Settings, Status, migrate
 from tests.support.faults import Gateway, Workers
 from tests.support.pgcluster import ThrowawayPostgres
+from tests.support.reads import job_of, pending
 from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.slow
@@ -45,7 +46,7 @@ def _settings(database_url: str, gateway: Gateway, data_dir: Path, **more: Any) 
 
 
 def _wait_until_settled(store: JobStore, user: str, timeout: float) -> None:
-    wait_for(lambda: store.pending_count(user) == 0, timeout, f"every job of {user} to settle")
+    wait_for(lambda: pending(store, user) == 0, timeout, f"every job of {user} to settle")
 
 
 @pytest.mark.parametrize("shift", ["+300s", "-300s"])
@@ -74,7 +75,7 @@ def test_workers_with_clocks_five_minutes_off_never_overlap_at_the_gateway(
             summaries |= workers.stop_all()
         gateway.assert_kept(concurrency=1, gap=GAP)
         for subject in subjects:
-            job = store.job("skew", "ok", subject)
+            job = job_of(store, "skew", "ok", subject)
             assert job is not None and (job.status, job.attempts) == (Status.DONE, 1)
             # One answer each; a call stopped with its worker was not answered.
             assert gateway.answers_for(f"ok:{subject}") == 1
@@ -100,7 +101,7 @@ def test_a_prompt_builder_that_sleeps_past_the_lease_keeps_its_claim(
             _wait_until_settled(store, "sleepy", timeout=90)
             workers.stop_all()
         gateway.assert_kept(concurrency=1, gap=GAP)
-        job = store.job("sleepy", "sleepy", "s1")
+        job = job_of(store, "sleepy", "sleepy", "s1")
         assert job is not None and (job.status, job.attempts) == (Status.DONE, 1)
         assert gateway.calls_for("sleepy:s1") == 1
         store.close()
@@ -135,7 +136,7 @@ def test_a_prompt_builder_that_holds_the_gil_past_the_lease_never_calls_late(
             summaries = workers.stop_all()
         gateway.assert_kept(concurrency=1, gap=GAP)
         assert gateway.calls_for("hog:h1") == 1
-        job = store.job("gil", "hog", "h1")
+        job = job_of(store, "gil", "hog", "h1")
         # The stalled claim was lost without a call: no attempt spent (H2).
         assert job is not None and job.status == Status.DONE and job.attempts == 1
         first = summaries["first"]["reports"]
@@ -189,7 +190,7 @@ def test_a_database_outage_longer_than_the_lease_stops_the_call_before_anyone_ta
         print(f"FIGURES outage: the call stopped {stopped_after:.2f} s into the outage")
         assert stopped_after < LEASE, f"the call ran on {stopped_after:.1f} s into the outage"
         for subject in ("long-1", "long-2"):
-            job = store.job("outage", "ok", subject)
+            job = job_of(store, "outage", "ok", subject)
             assert job is not None and job.status == Status.DONE
             assert gateway.answers_for(f"ok:{subject}") == 1
         assert seen.count >= 3  # the stopped call, then one answered call per job

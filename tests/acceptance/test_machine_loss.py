@@ -34,11 +34,11 @@ from deployments.deploy import CRASH_AFTER_SECONDS
 from deployments.triggers import Triggers
 from devtools.recorder import RecorderSnapshot
 from devtools.stack import Machine
-from flows.consumer import standing_by
 from flows.demo import demo_scopes
 from queue_store import JobStore
 from tests.support import waiting
 from tests.support.faults import Gateway
+from tests.support.reads import job_of, standing_by
 from tests.support.services import BIN, ROOT, PrefectServer, client_env, run_cli
 from tests.support.settings import settings_from
 
@@ -189,7 +189,7 @@ def _lose_a_machine(
     print(f"\nkilled machine {lost.name} ({len(killed)} processes) in the call of {cut}")
 
     def every_job_done() -> bool:
-        jobs = [store.job(*key) for key in keys]
+        jobs = [job_of(store, *key) for key in keys]
         return all(j is not None and j.status == "done" for j in jobs)
 
     wait_for(every_job_done, DEADLINE, f"every job done (logs: {logs})")

@@ -44,6 +44,7 @@ from queue_store import JobStore, Settings, StoreError, migrate
 from tests.support import waiting
 from tests.support.faults import Gateway, Workers
 from tests.support.pgcluster import ThrowawayPostgres
+from tests.support.reads import job_of, pending, result_of
 from tests.support.services import ROOT, cli, run_cli
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres]
@@ -140,7 +141,7 @@ def done_count(store: JobStore) -> int:
     return sum(
         1
         for n in range(JOBS)
-        if (job := store.job(USER, "ok", subject(n))) is not None and job.status == "done"
+        if (job := job_of(store, USER, "ok", subject(n))) is not None and job.status == "done"
     )
 
 
@@ -213,9 +214,9 @@ def test_postgres_restarted_under_load_loses_and_duplicates_nothing(
             summaries = workers.stop_all()
             logs = {name: workers.log(name).read_text(errors="replace") for name in ("a", "b")}
 
-        jobs = {n: store.job(USER, "ok", subject(n)) for n in range(JOBS)}
-        results = {n: store.result_of(USER, "ok", subject(n)) for n in range(JOBS)}
-        left = store.pending_count()
+        jobs = {n: job_of(store, USER, "ok", subject(n)) for n in range(JOBS)}
+        results = {n: result_of(store, USER, "ok", subject(n)) for n in range(JOBS)}
+        left = pending(store)
         store.close()
         requests = gateway.simulator.stats().requests
         seen = gateway.assert_kept(concurrency=1, gap=GAP)

@@ -26,11 +26,11 @@ from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from deployments.processes import free_port
 from devtools.stack import ServeProcess
-from flows.consumer import standing_by
 from flows.limits import ensure_gateway_limit
 from queue_store import JobStore, Settings
 from tests.support import waiting
 from tests.support.faults import Gateway
+from tests.support.reads import job_of, standing_by
 from tests.support.services import ROOT, PrefectServer, cli, client_env, run_cli, running
 
 pytestmark = [pytest.mark.prefect, pytest.mark.slow]
@@ -191,7 +191,7 @@ def test_consume_waits_for_a_gateway_slot_while_prefect_is_away_and_calls_once_i
                 server.start()
 
                 def done() -> bool:
-                    job = store.job(USER, "sleep", "2026-01-01")
+                    job = job_of(store, USER, "sleep", "2026-01-01")
                     return job is not None and job.status == "done"
 
                 wait_for(done, 120, "the job done once Prefect is back")

@@ -65,12 +65,12 @@ def fill(store: JobStore) -> None:
 
     store.enqueue(HOSTILE_USER, "steps", DAY, None, PREFETCH)
     jid, holder = _claim(store, "consumer-a")
-    store.set_flow_run(jid, holder, RUN_ID)
+    store.heartbeat(jid, holder, flow_run_id=RUN_ID)
 
     store.enqueue("gina", "trends", "2026-11-02..2026-11-29", None, PREFETCH)
     store.enqueue("frank", "sleep", HOSTILE_SUBJECT, None, INTERACTIVE)
     store.pause(900, HOSTILE_REASON)
-    store.worker_seen("consumer-a", "consumer", {"busy": [f"steps:{DAY}"]})
+    store.presence("consumer-a", "consumer", {"busy": [f"steps:{DAY}"]})
 
 
 @contextlib.contextmanager

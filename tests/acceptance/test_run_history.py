@@ -22,6 +22,7 @@ from deployments.prefect_api import PrefectApi
 from devtools.stack import ServeProcess
 from queue_store import JobStore, Settings, Status
 from tests.support.faults import Gateway
+from tests.support.reads import job_of
 from tests.support.services import ROOT, PrefectServer
 
 pytestmark = [pytest.mark.slow, pytest.mark.prefect]
@@ -176,7 +177,7 @@ def test_the_history_tells_what_was_generated_for_whom_and_how_it_ended(
         assert after_idle == before_idle
         assert not [r["name"] for r in history.runs() if state(r)[0] in ("RUNNING", "PENDING")]
         assert state(history.run(backfill_id)) == ("FAILED", "1 done, 1 failed")
-        job = store.job(USER, "ok", "on-screen")
+        job = job_of(store, USER, "ok", "on-screen")
         assert job is not None and job.status == Status.DONE
         assert job.flow_run_id == generated["id"]
         store.close()

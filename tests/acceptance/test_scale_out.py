@@ -27,11 +27,11 @@ import httpx
 import pytest
 
 from devtools.simulator import HUNG, OK
-from flows.consumer import standing_by
 from flows.demo import demo_scopes
 from queue_store import JobStore
 from tests.support import waiting
 from tests.support.faults import Gateway
+from tests.support.reads import job_of, standing_by
 from tests.support.services import BIN, ROOT, PrefectServer, cli, client_env, run_cli, running
 from tests.support.settings import settings_from
 
@@ -89,7 +89,7 @@ wait_for = partial(waiting.wait_for, every=0.5)
 
 def all_done(store: JobStore, keys: list[tuple[str, str, str]]) -> Callable[[], bool]:
     def check() -> bool:
-        jobs = [store.job(*key) for key in keys]
+        jobs = [job_of(store, *key) for key in keys]
         return all(j is not None and j.status == "done" for j in jobs)
 
     return check

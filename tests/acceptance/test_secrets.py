@@ -47,6 +47,7 @@ from queue_store.engine import normalise_url
 from queue_store.redact import REDACTED
 from tests.support.databases import POSTGRES_URL
 from tests.support.race_worker import dump_tables
+from tests.support.reads import job_of, pending
 from tests.support.services import ROOT, PrefectServer, client_env, run_cli
 from tests.support.settings import settings_from
 
@@ -299,7 +300,7 @@ def test_a_consumer_run_leaks_neither_the_token_nor_the_database_password(
                 done = run_cli("-v", "drain", env=env, timeout=240)
                 outputs[f"drain {round_} stdout"] = done.stdout
                 outputs[f"drain {round_} stderr"] = done.stderr
-                if store.pending_count(user) == 0:
+                if pending(store, user) == 0:
                     break
                 time.sleep(2.5)  # past AI_JOB_BACKOFF_MAX_SECONDS
             # A refusal stops the line: the drain ends, the job keeps its attempts.
@@ -314,7 +315,7 @@ def test_a_consumer_run_leaks_neither_the_token_nor_the_database_password(
 
         subjects = ["a", "b", "c", "fine", "echo-500", "echo-503", "echo-401"]
         keys = [(user, "broken" if s == "b" else "ok", f"{marker}-{s}") for s in subjects]
-        final = {key[2].removeprefix(f"{marker}-"): store.job(*key) for key in keys}
+        final = {key[2].removeprefix(f"{marker}-"): job_of(store, *key) for key in keys}
         assert {s: (j.status, j.attempts) for s, j in final.items() if j} == {
             "a": ("done", 1),
             "b": ("failed", 3),

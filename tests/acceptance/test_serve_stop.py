@@ -26,6 +26,7 @@ from deployments import processes
 from devtools.stack import ServeProcess
 from queue_store import JobStore, Settings, Status
 from tests.support.faults import Gateway
+from tests.support.reads import job_of
 from tests.support.services import PrefectServer
 
 pytestmark = [pytest.mark.slow, pytest.mark.prefect]
@@ -87,7 +88,7 @@ def test_stopping_serve_mid_call_hands_the_job_back_and_a_restart_finishes_it(
             with pytest.raises(ProcessLookupError):
                 os.kill(child, 0)
 
-        job = store.job("stopper", "ok", subject)
+        job = job_of(store, "stopper", "ok", subject)
         assert job is not None and (job.status, job.attempts) == (Status.PENDING, 0)
         runs = _runs(prefect_server.api_url)
         generation = [r for r in runs if r["name"] == f"ok:{subject}"]
@@ -107,7 +108,7 @@ def test_stopping_serve_mid_call_hands_the_job_back_and_a_restart_finishes_it(
         try:
             deadline = time.monotonic() + 120
             while time.monotonic() < deadline:
-                job = store.job("stopper", "ok", subject)
+                job = job_of(store, "stopper", "ok", subject)
                 if job is not None and job.status == Status.DONE:
                     break
                 time.sleep(0.3)

@@ -25,6 +25,7 @@ import pytest
 from devtools.simulator import OK, RequestRecord
 from queue_store import INTERACTIVE, Job, JobStore, Settings
 from tests.support.faults import Gateway, Workers
+from tests.support.reads import engine_of, job_of
 from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.slow
@@ -76,7 +77,7 @@ def calls_for(gateway: Gateway, label: str) -> list[RequestRecord]:
 
 def renewed(store: JobStore, key: tuple[str, str, str], attempt: int) -> bool:
     """The claim of this attempt is held and its heartbeat has renewed it at least once."""
-    job = store.job(*key)
+    job = job_of(store, *key)
     return (
         job is not None
         and job.status == "running"
@@ -88,7 +89,7 @@ def renewed(store: JobStore, key: tuple[str, str, str], attempt: int) -> bool:
 
 
 def standing_by(store: JobStore, name: str) -> bool:
-    return any(w.name == name and w.alive for w in store.workers())
+    return any(w.name == name and w.alive for w in store.queue_view(0).workers)
 
 
 def kill(workers: Workers, name: str) -> float:
@@ -113,7 +114,7 @@ def stage_a_kill(
     open_calls = [r for r in calls_for(gateway, label) if r.ended is None]
     assert len(open_calls) == 1 and gateway.recorder.in_flight == 1, "raise CALL"
     killed_at = kill(workers, "doomed")
-    row = store.job(*victim)
+    row = job_of(store, *victim)
     assert row is not None and row.status == "running" and row.worker == "doomed"
     return killed_at, row
 
@@ -148,7 +149,7 @@ def test_the_job_of_a_killed_worker_is_taken_over_after_the_lease_and_counted(
         gateway.recorder.wait_until(lambda s: s.in_flight == 0, 10, "the killed call closed")
 
         def taken_over() -> bool:
-            job = store.job(*victim)
+            job = job_of(store, *victim)
             return job is not None and job.worker == "survivor"
 
         seen_at = wait_for(taken_over, LEASE + RECOVERY_SLACK + 30, "the takeover")
@@ -158,7 +159,7 @@ def test_the_job_of_a_killed_worker_is_taken_over_after_the_lease_and_counted(
         wait_for(lambda: logged_done(workers, [victim, *others]), 120, "every job done")
         summary = workers.stop("survivor")
 
-    final = store.job(*victim)
+    final = job_of(store, *victim)
     assert final is not None and final.claimed_at is not None
     # The attempt the dead worker started is given back (H2): the takeover's is attempt 1.
     assert (final.status, final.attempts, final.losses, final.error) == ("done", 1, 0, None), final
@@ -176,14 +177,14 @@ def test_the_job_of_a_killed_worker_is_taken_over_after_the_lease_and_counted(
     # The retry outlived the lease: the survivor's heartbeat kept its claim alive.
     assert retried.ended - retried.started >= CALL - 0.1
     for key in others:
-        job = store.job(*key)
+        job = job_of(store, *key)
         assert job is not None and (job.status, job.attempts) == ("done", 1), job
         assert [c.status for c in calls_for(gateway, f"{key[1]}:{key[2]}")] == [200]
     assert summary["outcomes"] == {"done": 1 + len(others)}, summary
     seen = gateway.assert_kept(concurrency=1, gap=GAP)
     assert seen.peak_in_flight == 1
     print(
-        f"\n[{store.engine.dialect.name}] kill -> takeover seen {takeover:.2f} s "
+        f"\n[{engine_of(store).dialect.name}] kill -> takeover seen {takeover:.2f} s "
         f"(lease {LEASE:g} s; last heartbeat -> takeover claim "
         f"{(final.claimed_at - last_beat).total_seconds():.2f} s on the store's clock); "
         f"kill -> retried call {(retried.started or 0) - killed_at:.2f} s"
@@ -212,14 +213,14 @@ def test_a_worker_lost_on_the_last_allowed_attempt_fails_its_job(
         gateway.simulator.set_latency(FAST_CALL)
 
         def lost() -> bool:
-            job = store.job(*victim)
+            job = job_of(store, *victim)
             return job is not None and job.status == "failed"
 
         seen_at = wait_for(lost, LEASE + RECOVERY_SLACK + 30, "the job failed")
         wait_for(lambda: logged_done(workers, others), 120, "every other job done")
         summary = workers.stop("survivor")
 
-    final = store.job(*victim)
+    final = job_of(store, *victim)
     assert final is not None and final.finished_at is not None
     assert (final.status, final.attempts) == ("failed", 3), final
     assert final.error is not None and "worker lost" in final.error, final.error
@@ -232,7 +233,7 @@ def test_a_worker_lost_on_the_last_allowed_attempt_fails_its_job(
     assert [c.status for c in calls[:2]] == [500, 500] and len(calls) == 3, calls
     assert all(c.received < killed_at for c in calls)
     for key in others:
-        job = store.job(*key)
+        job = job_of(store, *key)
         assert job is not None and (job.status, job.attempts) == ("done", 1), job
     # The survivor never ran the victim; it ran what the doomed worker had
     # not (a job may have gone between the victim's attempts).
@@ -240,6 +241,6 @@ def test_a_worker_lost_on_the_last_allowed_attempt_fails_its_job(
     assert all(r["job"] != "ok:last-try" for r in summary["reports"]), summary
     gateway.assert_kept(concurrency=1, gap=GAP)
     print(
-        f"\n[{store.engine.dialect.name}] kill -> failed as worker lost {failed_after:.2f} s "
+        f"\n[{engine_of(store).dialect.name}] kill -> failed as worker lost {failed_after:.2f} s "
         f"(lease {LEASE:g} s)"
     )

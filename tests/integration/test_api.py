@@ -57,6 +57,7 @@ from queue_store import (
 )
 from queue_store.engine import normalise_url
 from tests.support.databases import POSTGRES_URL, FakeClock
+from tests.support.reads import engine_of, job_of
 from tests.support.services import BIN, ROOT
 
 TOKEN = "operator-token-for-tests"
@@ -208,7 +209,7 @@ def test_healthz_and_a_first_poll_queue_the_insight_at_the_front(api: Served) ->
     assert response.headers["etag"].startswith('W/"')
     assert int(response.headers["retry-after"]) == expected_retry_after(body["eta_seconds"])
     assert response.headers["server-timing"].startswith("store;dur=")
-    job = api.store.job(USER, "sleep", DAY)
+    job = job_of(api.store, USER, "sleep", DAY)
     assert job is not None and job.priority == INTERACTIVE and job.fingerprint == "fp-1"
 
 
@@ -306,7 +307,7 @@ def test_the_etag_ignores_the_countdown_of_the_eta_and_of_a_pause(
 
 
 def test_a_consumer_standing_by_means_no_run_is_asked_for(api: Served) -> None:
-    api.store.worker_seen("consumer-1", "consumer")
+    api.store.presence("consumer-1", "consumer")
     body = api.poll(USER, "sleep", DAY).json()
     assert body["status"] == "pending"
     assert body["run_note"] is None and body["flow_run_id"] is None
@@ -336,7 +337,7 @@ def test_a_backfill_is_accepted_queued_and_idempotent_by_sync_id(api: Served) ->
     rows = {k: row_version(api.database_url, USER, k, DAY) for k in ("sleep", "hrv")}
     assert all(rows.values())
     for kind in ("sleep", "hrv"):
-        job = api.store.job(USER, kind, DAY)
+        job = job_of(api.store, USER, kind, DAY)
         assert job is not None and job.priority == PREFETCH and job.status == Status.PENDING
 
     again = api.http.post(f"/v1/users/{USER}/backfills", json={"sync_id": "sync-1"})
@@ -455,7 +456,7 @@ def test_the_operator_sees_the_queue_pauses_resumes_and_retries(api: Served) -> 
     retried = api.http.post(f"/v1/users/{USER}/retry-failed", headers=OPERATOR)
     assert retried.status_code == 200
     assert retried.json() == {"user_id": USER, "retried": 1, "pending": 2}
-    job = store.job(USER, "hrv", DAY)
+    job = job_of(store, USER, "hrv", DAY)
     assert job is not None and job.status == Status.PENDING and job.attempts == 0
 
 
@@ -507,7 +508,7 @@ def test_the_page_honours_refresh_within_bounds(api: Served) -> None:
 def test_a_waiting_jobs_poll_is_one_store_transaction_and_a_304_loads_no_result(
     api: Served,
 ) -> None:
-    engine = api.store.engine
+    engine = engine_of(api.store)
     begun: list[int] = []
     statements: list[str] = []
 
@@ -531,7 +532,7 @@ def test_a_waiting_jobs_poll_is_one_store_transaction_and_a_304_loads_no_result(
         event.remove(engine, "begin", on_begin)
         event.remove(engine, "before_cursor_execute", on_statement)
 
-    api.store.worker_seen("consumer-1", "consumer")  # no run needed: a 304 may skip the result
+    api.store.presence("consumer-1", "consumer")  # no run needed: a 304 may skip the result
     for _ in range(2):
         finish(api.store, {"text": "slept well"})
     done = api.poll(USER, "sleep", DAY, fingerprint="fp")
@@ -641,10 +642,10 @@ def test_metrics_are_prometheus_text_read_from_the_store(
         assert len(found) == 1, (name, labels, family.samples)
         return float(found[0])
 
-    seen = store.metrics()
+    seen = store.queue_view(0)
     assert (
         value("insight_queue_waiting_jobs", **{"class": "prefetch"})
-        == seen.waiting["prefetch"][0]
+        == seen.waiting_by_class["prefetch"][0]
         == 1
     )
     assert value("insight_queue_waiting_jobs", **{"class": "interactive"}) == 0
@@ -692,9 +693,9 @@ def test_encoded_slashes_reach_exactly_their_own_job(api: Served) -> None:
     assert api.http.get("/v1/users/u/insights/sleep/a%2Fb").json()["status"] == "pending"
     assert api.http.get("/v1/users/u%2Fx/insights/sleep/c%2fd").json()["status"] == "pending"
     assert api.http.get("/v1/users/u%252F/insights/sleep/e").json()["status"] == "pending"
-    assert api.store.job("u", "sleep", "a/b") is not None
-    assert api.store.job("u/x", "sleep", "c/d") is not None
-    assert api.store.job("u%2F", "sleep", "e") is not None, "a literal %2F stays literal"
+    assert job_of(api.store, "u", "sleep", "a/b") is not None
+    assert job_of(api.store, "u/x", "sleep", "c/d") is not None
+    assert job_of(api.store, "u%2F", "sleep", "e") is not None, "a literal %2F stays literal"
     assert job_count(api.database_url) == 3
     retried = api.http.post("/v1/users/u%2Fx/retry-failed", headers=OPERATOR)
     assert retried.json()["user_id"] == "u/x" and retried.json()["pending"] == 1
@@ -751,7 +752,7 @@ def test_an_app_opens_its_triggers_from_its_settings(
         assert "sleep" in triggers.runtime.registry.kinds  # AI_JOB_PLUGINS' default, the demo
         state = triggers.request_insight(USER, "sleep", DAY)
         assert state.status == "pending" and state.error is None
-        assert triggers.store.job(USER, "sleep", DAY) is not None
+        assert job_of(triggers.store, USER, "sleep", DAY) is not None
 
 
 def test_off_loopback_the_app_refuses_to_start_without_a_token(runtime: Runtime) -> None:
@@ -841,7 +842,7 @@ def test_a_host_app_mounts_the_poll_behind_its_own_auth(
             headers={"Authorization": "Bearer alice-token"},
         )
         assert alice.status_code == 200 and alice.json()["status"] == "pending"
-        assert runtime.store.job("alice", "sleep", f"{DAY}/am") is not None
+        assert job_of(runtime.store, "alice", "sleep", f"{DAY}/am") is not None
         bob = http.get(
             f"/ai/v1/insights/sleep/{DAY}", headers={"Authorization": "Bearer bob-token"}
         )

@@ -18,6 +18,7 @@ from queue_store.models import CutCause
 from queue_store.rules import WORKER_LOST
 from tests.conftest import StoreFactory
 from tests.support.databases import FakeClock
+from tests.support.reads import state_of
 
 U = "user-1"
 HOLD = 100.0  # seconds: AI_GATEWAY_CUT_HOLD_SECONDS
@@ -178,14 +179,14 @@ def test_places_and_metrics_count_a_hold_as_a_call_in_flight(
     job = calling(store)
     clock.advance(20)
     store.fail(job.id, job.holder or "", Failure.STOPPED, "stopped")
-    state = store.state(U, "sleep", "d1")
+    state = state_of(store, U, "sleep", "d1")
     assert state is not None and state.position is not None
     assert state.position.in_flight == 1
     # The hold's 80 s left and a gap come before this job's own call.
     assert state.position.eta_seconds >= 80 + GAP
-    metrics = store.metrics()
-    assert metrics.in_flight == 0 and len(metrics.holds) == 1
-    assert metrics.holds[0].seconds_left(metrics.gate.now) == pytest.approx(80, abs=0.1)
+    view = store.queue_view(0)
+    assert view.in_flight == 0 and len(view.holds) == 1
+    assert view.holds[0].seconds_left(view.now) == pytest.approx(80, abs=0.1)
 
 
 def test_a_stop_reported_after_the_takeover_keeps_the_attempt(

@@ -36,7 +36,6 @@ from prefect.client.schemas.objects import State
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from devtools.simulator import HUNG, OK
-from flows.consumer import standing_by
 from flows.demo import demo_scopes
 from flows.flows import backfill, drain, interactive
 from flows.limits import ensure_gateway_limit
@@ -44,6 +43,7 @@ from flows.runtime import Runtime
 from queue_store import INTERACTIVE, JobStore, Settings, Status
 from tests.support import waiting
 from tests.support.faults import Gateway, Workers
+from tests.support.reads import job_of, pending, standing_by
 from tests.support.services import ROOT, PrefectServer, cli, run_cli, running
 
 pytestmark = [pytest.mark.prefect, pytest.mark.slow]
@@ -208,7 +208,7 @@ def test_a_backfill_with_no_consumer_drains_its_scopes_itself_and_reports_them(
     run_id = run_id_of(state)
 
     scopes = demo_scopes(user)
-    jobs = [rt.store.job(user, s.kind, s.subject) for s in scopes]
+    jobs = [job_of(rt.store, user, s.kind, s.subject) for s in scopes]
     assert all(j is not None and (j.status, j.attempts) == (Status.DONE, 1) for j in jobs), jobs
     # Queued in one transaction: one reading of the store's clock, a
     # microsecond apart in the order given.
@@ -263,7 +263,7 @@ def test_a_backfill_with_a_broken_scope_fails_naming_it_and_its_attempts_fail_ho
         Settings(**{**settings.model_dump(), "plugins": "tests.support.plugins"})
     ) as rt:
         state = run_flow(rt, backfilled(user))
-        broken = rt.store.job(user, "broken", "day-8")
+        broken = job_of(rt.store, user, "broken", "day-8")
     assert (state.type.value, state.message) == ("FAILED", "7 done, 1 failed")
     assert broken is not None and (broken.status, broken.attempts) == (Status.FAILED, 3)
     assert broken.error is not None and "no data for day-8" in broken.error
@@ -304,7 +304,7 @@ def test_a_screen_s_run_ends_with_its_story_linking_to_the_generation_run(
 ) -> None:
     scope = demo_scopes(user)[0]
     state = run_flow(rt, screened(user, scope.kind, scope.subject, scope.fingerprint))
-    job = rt.store.job(user, scope.kind, scope.subject)
+    job = job_of(rt.store, user, scope.kind, scope.subject)
     assert job is not None and job.status == Status.DONE and job.flow_run_id
     assert state.type.value == "COMPLETED"
     message = state.message or ""
@@ -340,7 +340,7 @@ def test_a_screen_s_job_is_the_next_call_while_a_backfill_drains(
         )
 
         def promoted() -> bool:
-            job = rt.store.job(user, target.kind, target.subject)
+            job = job_of(rt.store, user, target.kind, target.subject)
             return job is not None and job.priority == INTERACTIVE
 
         await asyncio.to_thread(wait_for, promoted, 60, "the screen's job at the front")
@@ -395,7 +395,7 @@ def test_an_outage_spends_no_attempt_and_the_drain_recovers(
     ]
     assert statuses == [503, 503, 503, 200, 200, 200], statuses
     for n in range(3):
-        job = rt.store.job(user, "ok", f"s{n}")
+        job = job_of(rt.store, user, "ok", f"s{n}")
         assert job is not None and (job.status, job.attempts) == (Status.DONE, 1), job
     assert rt.store.gate_state().outages_in_a_row == 0
     assert summary["outcomes"] == {"released": 3, "done": 3}, summary
@@ -424,9 +424,9 @@ def test_three_drains_at_once_never_overlap_at_the_gateway(
                 assert process.wait(180) == 0
         # A drain that found another holding the gateway leaves; whoever was
         # last may have left work for the next one.
-        if store.pending_count():
+        if pending(store):
             run_cli("drain", env=env, timeout=180)
-        jobs = [store.job(f"user-{n % 4}", "ok", f"s{n:02d}") for n in range(12)]
+        jobs = [job_of(store, f"user-{n % 4}", "ok", f"s{n:02d}") for n in range(12)]
     assert all(j is not None and (j.status, j.attempts) == (Status.DONE, 1) for j in jobs), jobs
     assert sorted(gateway.served()) == sorted(f"ok:s{n:02d}" for n in range(12))
     seen = gateway.assert_kept(concurrency=1, gap=GAP)

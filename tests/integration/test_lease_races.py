@@ -25,6 +25,7 @@ from queue_store.engine import SQLITE_BEGIN, create_store_engine
 from tests.conftest import StoreFactory
 from tests.support.databases import FakeClock
 from tests.support.race_worker import actor
+from tests.support.reads import state_of
 
 SPAWN = multiprocessing.get_context("spawn")
 U = "user"
@@ -52,7 +53,7 @@ def test_a_lapsed_claim_is_never_revived_and_the_next_claim_takes_it_back(
     # Its worker stopped by its own deadline: it is no call in flight. The
     # next claim takes the job back and hands it out again; the lost claim
     # spent no attempt (H2), so it is attempt 1 again.
-    waiting = other.state(U, "k", "b")
+    waiting = state_of(other, U, "k", "b")
     assert waiting is not None and waiting.position is not None
     assert waiting.position.in_flight == 0
     taken = other.claim_next("w2").job

@@ -35,6 +35,7 @@ from queue_store.rules import WORKER_LOST
 from queue_store.schema import SCHEMA_REVISION
 from tests.support.databases import FakeClock
 from tests.support.race_worker import dump_tables
+from tests.support.reads import listed_jobs, pending
 
 ORIGINAL_DDL = """
 CREATE TABLE ai_jobs (
@@ -181,12 +182,12 @@ def test_every_row_keeps_its_fields(adopted: JobStore) -> None:
         assert job.queued_at == _parse(old.created_at)
         assert job.flow_run_id is None
         assert job.as_dict()["updated_at"] == models.iso(_parse(old.updated_at))
-    assert adopted.pending_count() == 5
-    assert adopted.pending_count(U) == 4
+    assert pending(adopted) == 5
+    assert pending(adopted, U) == 4
 
 
 def test_list_jobs_shows_the_old_rows_in_worker_order(adopted: JobStore) -> None:
-    listed = adopted.list_jobs(U)
+    listed = listed_jobs(adopted, U)
     assert [(e["kind"], e["subject"], e["status"]) for e in listed] == [
         ("hrv", "2026-01-03", "running"),
         ("trends", "week", "pending"),
@@ -320,7 +321,7 @@ def test_upgrade_is_idempotent(empty_database_url: str, engine: Engine) -> None:
     assert migrate.upgrade(empty_database_url) == SCHEMA_REVISION
     assert dump_tables(engine) == once
     with JobStore(empty_database_url, settings=Settings(database_url=empty_database_url)) as store:
-        assert store.pending_count() == 5
+        assert pending(store) == 5
 
 
 def test_upgrade_of_an_empty_database_creates_the_store(
@@ -330,7 +331,7 @@ def test_upgrade_of_an_empty_database_creates_the_store(
     assert migrate.upgrade(empty_database_url) == SCHEMA_REVISION
     with JobStore(empty_database_url, settings=Settings(database_url=empty_database_url)) as store:
         assert store.enqueue(U, "sleep", "d1") == "pending"
-        assert store.list_jobs(U)[0]["subject"] == "d1"
+        assert listed_jobs(store, U)[0]["subject"] == "d1"
 
 
 def test_an_ai_jobs_table_that_is_not_the_originals_is_refused_untouched(

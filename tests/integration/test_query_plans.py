@@ -13,7 +13,7 @@ from __future__ import annotations
 import datetime as dt
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 from sqlalchemy import Engine, event, insert, text
@@ -21,6 +21,7 @@ from sqlalchemy import Engine, event, insert, text
 from queue_store import EnqueueRequest, JobStore, Settings, job_id, migrate
 from queue_store.places import PLACE_BOUND
 from queue_store.schema import jobs
+from tests.support.reads import engine_of, listed_jobs, state_of
 
 BACKLOG = 5000
 LISTED_USER = "listed"
@@ -47,7 +48,7 @@ def _backlog(store: JobStore, *, analyse: bool = True) -> None:
                 "revision": 0,
             }
         )
-    with store.engine.begin() as connection:
+    with engine_of(store).begin() as connection:
         connection.execute(insert(jobs), rows)
         if analyse:
             connection.execute(text("ANALYZE"))
@@ -111,8 +112,13 @@ INDEX = {"fair": "ix_ai_jobs_fair", "fifo": "ix_ai_jobs_queue"}
 
 
 @pytest.fixture(params=list(INDEX))
-def analysed_store(database_url: str, request: pytest.FixtureRequest) -> Iterator[JobStore]:
-    settings = Settings(database_url=database_url, gap_seconds=0, order=request.param)
+def order(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def analysed_store(database_url: str, order: Literal["fair", "fifo"]) -> Iterator[JobStore]:
+    settings = Settings(database_url=database_url, gap_seconds=0, order=order)
     store = JobStore(database_url, settings=settings)
     _backlog(store)
     yield store
@@ -127,10 +133,10 @@ def test_liveness_and_claim_queries_use_indexes_on_a_large_analysed_backlog(
     store = JobStore(url, settings=Settings(database_url=url, gap_seconds=0))
     _backlog(store)
 
-    statements = _statements(store.engine, lambda: store.claim_next("w"))
+    statements = _statements(engine_of(store), lambda: store.claim_next("w"))
 
     for statement, parameters in statements:
-        details = _plan(store.engine, statement, parameters)
+        details = _plan(engine_of(store), statement, parameters)
         assert "SCAN ai_jobs" not in details.replace("SCAN ai_jobs USING", ""), (
             statement,
             details,
@@ -139,11 +145,13 @@ def test_liveness_and_claim_queries_use_indexes_on_a_large_analysed_backlog(
 
 
 def test_places_in_line_are_read_from_the_head_of_the_queue_index(
-    analysed_store: JobStore,
+    analysed_store: JobStore, order: str
 ) -> None:
     store = analysed_store
     listed: list[dict[str, Any]] = []
-    statements = _statements(store.engine, lambda: listed.extend(store.list_jobs(LISTED_USER)))
+    statements = _statements(
+        engine_of(store), lambda: listed.extend(listed_jobs(store, LISTED_USER))
+    )
     places = [n for n in range(BACKLOG) if n % LISTED_EVERY == LISTED_EVERY // 2]
     # Exact up to the bound; beyond it, "more than" the bound.
     assert [(e["ahead"], e["ahead_exact"]) for e in listed] == [
@@ -154,39 +162,39 @@ def test_places_in_line_are_read_from_the_head_of_the_queue_index(
         (s, p) for s, p in statements if s.startswith("SELECT ai_jobs.id, ai_jobs.kind \nFROM")
     ]
     assert len(heads) == 1  # one statement for every place
-    plan = _plan(store.engine, *heads[0])
-    assert _reads_only_the_queue_index(plan, INDEX[store.settings.order]), plan
+    plan = _plan(engine_of(store), *heads[0])
+    assert _reads_only_the_queue_index(plan, INDEX[order]), plan
     assert not _sorts(plan), plan
 
 
 def test_one_place_at_the_back_reads_a_bounded_stretch_of_the_queue_index(
-    analysed_store: JobStore,
+    analysed_store: JobStore, order: str
 ) -> None:
     store = analysed_store
     last = BACKLOG - 1
     found: list[Any] = []
     statements = _statements(
-        store.engine, lambda: found.append(store.state(f"u{last % 50}", "k", str(last)))
+        engine_of(store), lambda: found.append(state_of(store, f"u{last % 50}", "k", str(last)))
     )
     state = found[0]
     assert state is not None and state.position is not None
     assert (state.position.ahead, state.position.ahead_exact) == (PLACE_BOUND, False)
     counts = [(s, p) for s, p in statements if "count(*)" in s and "LIMIT" in s]
     assert len(counts) == 1
-    plan = _plan(store.engine, *counts[0])
-    assert _reads_only_the_queue_index(plan, INDEX[store.settings.order]), plan
+    plan = _plan(engine_of(store), *counts[0])
+    assert _reads_only_the_queue_index(plan, INDEX[order]), plan
 
 
 def test_the_queue_view_reads_the_head_of_the_queue_in_index_order(
-    analysed_store: JobStore,
+    analysed_store: JobStore, order: str
 ) -> None:
     store = analysed_store
-    statements = _statements(store.engine, lambda: store.queue_view(limit=50))
+    statements = _statements(engine_of(store), lambda: store.queue_view(limit=50))
 
     heads = [(s, p) for s, p in statements if "ORDER BY ai_jobs.priority" in s and "LIMIT" in s]
     assert len(heads) == 1
-    plan = _plan(store.engine, *heads[0])
-    assert INDEX[store.settings.order] in plan, plan
+    plan = _plan(engine_of(store), *heads[0])
+    assert INDEX[order] in plan, plan
     assert not _scans_the_table(plan), plan
     assert not _sorts(plan), plan
 
@@ -203,12 +211,14 @@ def test_a_new_jobs_turn_is_read_from_its_users_entries_alone(
         # A chunk's worth of users: the listed one, with jobs waiting, and new ones.
         users = [LISTED_USER, *(f"new-{n}" for n in range(60))]
         requests = [EnqueueRequest(user, "k", "new", priority=10) for user in users]
-        one = _statements(store.engine, lambda: store.enqueue(LISTED_USER, "k", "1", priority=10))
-        many = _statements(store.engine, lambda: store.enqueue_many(requests))
+        one = _statements(
+            engine_of(store), lambda: store.enqueue(LISTED_USER, "k", "1", priority=10)
+        )
+        many = _statements(engine_of(store), lambda: store.enqueue_many(requests))
 
         for statements in (one, many):
             turns = [(s, p) for s, p in statements if "max(CASE" in s]
             assert len(turns) == 1, [s for s, _ in statements]
-            plan = _plan(store.engine, *turns[0])
+            plan = _plan(engine_of(store), *turns[0])
             assert "ix_ai_jobs_user" in plan, plan
             assert "ix_ai_jobs_fair" not in plan and not _scans_the_table(plan), plan

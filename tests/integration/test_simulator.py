@@ -1025,12 +1025,13 @@ def test_a_transport_lent_to_the_client_survives_its_calls(simulator: GatewaySim
     """Calls sharing one transport: the quick one ending must not cut the slow one off."""
     import asyncio
 
-    from flows.gateway import Completion, GatewayClient
+    from flows.gateway import Completion
     from queue_store import Settings
+    from tests.support.factories import gateway_client
 
     async def both() -> list[Completion]:
         transport = httpx.AsyncHTTPTransport()
-        client = GatewayClient(Settings(gateway={"url": simulator.url}), transport=transport)
+        client = gateway_client(Settings(gateway={"url": simulator.url}), transport=transport)
         messages = [{"role": "user", "content": "sleep for user 42"}]
         try:
             return list(

@@ -17,6 +17,7 @@ from queue_store import (
     INTERACTIVE,
     PREFETCH,
     EnqueueRequest,
+    Failure,
     InvalidArgument,
     JobStore,
     Settings,
@@ -26,9 +27,11 @@ from queue_store import (
     schema,
 )
 from queue_store import store as store_module
-from queue_store.store import BULK_CHUNK, RECENT_FAILURES
+from queue_store.store import BULK_CHUNK
+from queue_store.views import RECENT_FAILURES
 from tests.conftest import StoreFactory
 from tests.support.databases import FakeClock, per_test_database
+from tests.support.reads import engine_of, listed_jobs, result_of, state_of
 
 U, V, W = "user-u", "user-v", "user-w"
 SETTINGS: dict[str, Any] = {
@@ -87,9 +90,13 @@ def _claim(store: JobStore) -> tuple[str, str]:
     return job.id, job.holder or ""
 
 
-def _finish_next(store: JobStore, **outcome: Any) -> None:
+def _finish_next(store: JobStore, error: str | None = None) -> None:
+    """The next job done, or failed with `error` (an attempt spent on a prompt not built)."""
     jid, holder = _claim(store)
-    store.finish(jid, holder, **(outcome or {"result": "ok"}))
+    if error is None:
+        store.finish(jid, holder, result="ok")
+    else:
+        store.fail(jid, holder, Failure.BUILD, error)
 
 
 def _waiting_order(store: JobStore) -> list[str]:
@@ -165,7 +172,7 @@ def _one_by_one(store: JobStore, requests: list[EnqueueRequest]) -> list[Status]
     for r in requests:
         statuses.append(store.enqueue(r.user_id, r.kind, r.subject, r.fingerprint, r.priority))
         if r.supersede:  # R7, as written down: the user's other pending jobs of the kind go
-            with store.engine.begin() as connection:
+            with engine_of(store).begin() as connection:
                 connection.execute(
                     delete(schema.jobs).where(
                         schema.jobs.c.user_id == r.user_id,
@@ -181,7 +188,7 @@ def _comparable(row: dict[str, Any]) -> dict[str, Any]:
     """A row without its times and claim token, which two runs cannot share: whether each is set."""
     shown = {}
     for name, value in row.items():
-        if name.endswith("_at") or name in ("holder", "unavailable_since"):
+        if name.endswith("_at") or name in ("holder", "last_holder", "unavailable_since"):
             shown[name] = value is not None
         else:
             shown[name] = value
@@ -282,9 +289,9 @@ def test_a_users_scopes_keep_the_order_given_across_calls_and_chunks(
     store.enqueue_many([EnqueueRequest(U, "k", s) for s in subjects[:7]])
     clock.advance(1)
     store.enqueue_many([EnqueueRequest(U, "k", s) for s in subjects[7:]])
-    listed = [entry["subject"] for entry in store.list_jobs(U)]
+    listed = [entry["subject"] for entry in listed_jobs(store, U)]
     assert listed == subjects
-    assert [entry["ahead"] for entry in store.list_jobs(U)] == list(range(12))
+    assert [entry["ahead"] for entry in listed_jobs(store, U)] == list(range(12))
 
 
 def test_an_unchanged_batch_writes_nothing(store: JobStore, clock: FakeClock) -> None:
@@ -407,7 +414,7 @@ def test_requeue_by_kind_then_all_queues_finished_jobs_again(
     assert after[job_id(U, "a", "done")]["priority"] == INTERACTIVE
     assert after[job_id(U, "a", "failed")]["priority"] == PREFETCH
     assert after[job_id(U, "a", "slow")]["priority"] == PREFETCH
-    assert store.result_of(U, "a", "done") is not None  # the old result stays readable
+    assert result_of(store, U, "a", "done") is not None  # the old result stays readable
 
     assert store.requeue() == 2  # b's done and failed; nothing running or pending
     statuses = {jid: row["status"] for jid, row in _rows(store).items()}
@@ -431,7 +438,7 @@ def test_queue_view_shows_the_queue_in_worker_order_with_places_and_etas(
     for n in range(RECENT_FAILURES + 3):
         failing.enqueue(V, "broken", f"f{n}")
         failed_id, failed_holder = _claim(failing)
-        failing.finish(failed_id, failed_holder, error=f"no {n}")
+        failing.fail(failed_id, failed_holder, Failure.BUILD, f"no {n}")
         clock.advance(1)
     clock.advance(60)
     store.enqueue(U, "slow", "first-running")
@@ -525,14 +532,14 @@ def test_positions_equal_a_count_of_the_queue_in_the_order_the_worker_takes(
         total += means.get(kind, 50.0)
 
     for user in [*users, "edges"]:
-        listed = store.list_jobs(user)
+        listed = listed_jobs(store, user)
         assert listed and all(entry["status"] == "pending" for entry in listed)
         for entry in listed:
             assert entry["ahead"] == place[entry["id"]], entry
             expected_eta = work[entry["id"]] + means.get(entry["kind"], 50.0)
             assert entry["eta_seconds"] == pytest.approx(expected_eta, abs=0.1)
         for entry in listed[:3]:
-            state = store.state(user, entry["kind"], entry["subject"])
+            state = state_of(store, user, entry["kind"], entry["subject"])
             assert state is not None and state.position is not None
             assert state.position.ahead == place[entry["id"]]
     view = store.queue_view(limit=1000)
@@ -554,7 +561,7 @@ def test_a_job_queued_at_a_moment_another_was_is_placed_by_its_id(
     fixed = dt.datetime(2026, 1, 5, 9, 0, tzinfo=dt.UTC)
     pinned = JobStore(
         store._engine.url.render_as_string(hide_password=False),
-        settings=store.settings,
+        settings=Settings(order="fifo", gap_seconds=0.0),
         clock=lambda: fixed,
     )
     try:
@@ -562,7 +569,7 @@ def test_a_job_queued_at_a_moment_another_was_is_placed_by_its_id(
         for subject in subjects:
             pinned.enqueue(U, "k", subject)
         by_id = sorted(subjects, key=lambda s: job_id(U, "k", s))
-        listed = store.list_jobs(U)
+        listed = listed_jobs(store, U)
         assert [entry["subject"] for entry in listed] == by_id
         assert [entry["ahead"] for entry in listed] == list(range(6))
         claimed = store.claim_next("w").job

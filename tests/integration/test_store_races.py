@@ -224,23 +224,23 @@ def test_a_worker_whose_claim_was_taken_over_cannot_touch_the_job(database_url: 
         assert a.refused("finish", jid, token_a, error="TimeoutError: gave up") == "ClaimLost"
         assert a.refused("fail", jid, token_a, Failure.STOPPED, "shutting down") == "ClaimLost"
         assert a.refused("fail", jid, token_a, Failure.UNAVAILABLE, "no gateway") == "ClaimLost"
-        assert a.refused("set_flow_run", jid, token_a, "flow-run-a") == "ClaimLost"
+        assert a.call("heartbeat", jid, token_a, flow_run_id="flow-run-a") == Renewal.LOST
         assert a.call("heartbeat", jid, token_a) == Renewal.LOST
 
         assert dump_tables(engine) == before
         row = a.call("jobs", [jid])[jid]
         assert (row.holder, row.status, row.attempts) == (token_b, Status.RUNNING, 1)
         assert row.flow_run_id is None
-        assert a.call("result_of", USER, "race", "only") is None
+        assert a.call("poll", USER, "race", "only", queue=False).result is None
 
         # B, the rightful holder, carries on normally.
         assert b.call("heartbeat", jid, token_b) == Renewal.RENEWED
-        b.call("set_flow_run", jid, token_b, "flow-run-b")
+        assert b.call("heartbeat", jid, token_b, flow_run_id="flow-run-b") == Renewal.RENEWED
         assert b.call("finish", jid, token_b, result={"by": "b"}) == Status.DONE
         done = b.call("jobs", [jid])[jid]
         assert (done.status, done.attempts, done.holder) == (Status.DONE, 1, None)
         assert done.flow_run_id == "flow-run-b"
-        assert b.call("result_of", USER, "race", "only").output == {"by": "b"}
+        assert b.call("poll", USER, "race", "only", queue=False).result.output == {"by": "b"}
 
         # A, late, still changes nothing.
         after_b = dump_tables(engine)

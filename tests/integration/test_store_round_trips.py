@@ -24,6 +24,7 @@ from queue_store.models import (
     MAX_SUBJECT_LENGTH,
 )
 from tests.support.databases import FakeClock
+from tests.support.reads import job_of, listed_jobs, pending, result_of, state_of
 
 EXAMPLES = settings(
     max_examples=40,
@@ -100,18 +101,18 @@ KEYS = st.tuples(
 
 def _check_round_trip(store: JobStore, key: Key, fingerprint: str | None) -> None:
     user_id, kind, subject = key
-    found = store.job(user_id, kind, subject)
+    found = job_of(store, user_id, kind, subject)
     assert found is not None
     assert (found.user_id, found.kind, found.subject) == key
     if fingerprint is not None:
         assert found.fingerprint == fingerprint
-    state = store.state(user_id, kind, subject)
+    state = state_of(store, user_id, kind, subject)
     assert state is not None and state.as_dict(3)["status"] == Status.PENDING
     assert state.as_dict(3)["fingerprint"] == found.fingerprint
-    listed = store.list_jobs(user_id, limit=MAX_LIST_LIMIT)
+    listed = listed_jobs(store, user_id, limit=MAX_LIST_LIMIT)
     assert (kind, subject) in [(entry["kind"], entry["subject"]) for entry in listed]
-    assert all(store.job(user_id, entry["kind"], entry["subject"]) for entry in listed)
-    assert store.pending_count(user_id) == len(listed)
+    assert all(job_of(store, user_id, entry["kind"], entry["subject"]) for entry in listed)
+    assert pending(store, user_id) == len(listed)
 
 
 @pytest.mark.timeout(300)
@@ -148,12 +149,12 @@ def test_key_texts_that_join_the_same_are_different_jobs(store: JobStore) -> Non
     except InvalidArgument as refused:
         assert refused.argument in ("user_id", "kind")
         return
-    leaked = store.result_of("alice", "admin|sleep", "d1")
+    leaked = result_of(store, "alice", "admin|sleep", "d1")
     assert leaked is None, f"user 'alice' reads user {leaked.user_id!r}'s result {leaked.output}"
-    found = store.job("alice", "admin|sleep", "d1")
+    found = job_of(store, "alice", "admin|sleep", "d1")
     assert found is not None and found.user_id == "alice", found
     assert status == "pending"
-    assert [e["subject"] for e in store.list_jobs("alice")] == ["d1"]
+    assert [e["subject"] for e in listed_jobs(store, "alice")] == ["d1"]
 
 
 @pytest.mark.parametrize(
@@ -179,9 +180,9 @@ def test_like_wildcards_in_names_match_only_themselves(make_store: Any, clock: F
     store.enqueue("a%", "sleep", "d1")
     store.enqueue("ab", "sleep", "d1")
     store.enqueue("a_", "sleep", "d2")
-    assert [e["subject"] for e in store.list_jobs("a%")] == ["d1"]
-    assert store.pending_count("a%") == 1
-    assert store.pending_count("a_") == 1
+    assert [e["subject"] for e in listed_jobs(store, "a%")] == ["d1"]
+    assert pending(store, "a%") == 1
+    assert pending(store, "a_") == 1
 
     # recover(worker) releases that worker's own claims only: an exact,
     # case-sensitive match, never a prefix.
@@ -221,7 +222,7 @@ def _produce(store: JobStore, subject: str, output: Any) -> Any:
     finally:
         if store.jobs([claim.job.id])[claim.job.id].status == Status.RUNNING:
             store.fail(claim.job.id, claim.job.holder or "", Failure.STOPPED, "handed back")
-    stored = store.result_of(U, "sleep", subject)
+    stored = result_of(store, U, "sleep", subject)
     assert stored is not None
     return stored.output
 

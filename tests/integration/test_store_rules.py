@@ -27,6 +27,7 @@ from queue_store import (
 from queue_store.rules import WORKER_LOST
 from tests.conftest import StoreFactory
 from tests.support.databases import FakeClock
+from tests.support.reads import job_of, listed_jobs, pending, result_of, state_of
 
 U = "user-1"
 
@@ -49,7 +50,7 @@ def _row(store: JobStore, kind: str, subject: str, user: str = U) -> dict[str, o
 def _claim_and_fail(store: JobStore, message: str = "boom") -> Status:
     claim = store.claim_next("w")
     assert claim.job is not None
-    return store.finish(claim.job.id, claim.job.holder or "", error=message)
+    return store.fail(claim.job.id, claim.job.holder or "", Failure.BUILD, message).status
 
 
 # -- R1, R2 -------------------------------------------------------------------
@@ -73,7 +74,7 @@ def test_new_key_is_inserted_pending_with_no_attempts(store: JobStore) -> None:
 def test_enqueue_is_idempotent(store: JobStore) -> None:
     for _ in range(5):
         assert store.enqueue(U, "sleep", "d1", "fp") == "pending"
-    assert store.pending_count() == 1
+    assert pending(store) == 1
 
 
 # -- R3 -------------------------------------------------------------------------
@@ -174,9 +175,9 @@ def test_supersede_drops_only_pending_jobs_of_that_kind_for_other_subjects(
     assert claim.job is not None and claim.job.subject == "old-1"
     # A backfill queuing the kind's one live subject drops old-2 only.
     store.enqueue_many([EnqueueRequest(U, "trends", "current", supersede=True)])
-    subjects = {(j["kind"], j["subject"]) for j in store.list_jobs(U)}
+    subjects = {(j["kind"], j["subject"]) for j in listed_jobs(store, U)}
     assert subjects == {("trends", "old-1"), ("trends", "current"), ("sleep", "d1")}
-    assert store.job("other-user", "trends", "old-1") is not None
+    assert job_of(store, "other-user", "trends", "old-1") is not None
 
 
 # -- R8, R9 ---------------------------------------------------------------------
@@ -297,7 +298,8 @@ def test_retry_failed_requeues_every_failed_job_of_the_user(make_store: StoreFac
         _claim_and_fail(store)
     store.enqueue("other", "sleep", "1")
     store.enqueue(U, "trends", "w1")
-    assert store.retry_failed(U) == 2  # how many were retried
+    done = store.retry_failed(U)
+    assert (done.retried, done.pending) == (2, 3)  # retried, and the user's jobs waiting
     for subject in ("1", "2"):
         row = _row(store, "sleep", subject)
         assert (row["status"], row["attempts"], row["error"]) == ("pending", 0, None)
@@ -324,7 +326,7 @@ def test_list_jobs_is_in_worker_order_with_the_original_fields(
     running = store.claim_next("w")
     assert running.job is not None and running.job.kind == "screen"
 
-    listed = store.list_jobs(U)
+    listed = listed_jobs(store, U, max_attempts=1)
     assert [j["kind"] for j in listed] == ["screen", "running", "late", "later", "failed", "done"]
     first = listed[0]
     assert set(first) >= {
@@ -341,21 +343,24 @@ def test_list_jobs_is_in_worker_order_with_the_original_fields(
     assert first["interactive"] is True and listed[2]["interactive"] is False
     assert listed[4]["error"] == "gateway said no"
     assert first["max_attempts"] == 1
-    assert len(store.list_jobs(U, limit=2)) == 2
+    assert len(listed_jobs(store, U, limit=2)) == 2
 
 
-def test_a_jobs_state_pending_count_and_settings(store: JobStore) -> None:
-    assert store.state(U, "sleep", "d1") is None and store.job(U, "sleep", "d1") is None
+def test_a_jobs_state_and_the_count_of_waiting_jobs(store: JobStore) -> None:
+    """R11: one job's state as `status` reads it (nothing queued by the read), and how many
+    jobs wait, for everyone and for one user."""
+    assert state_of(store, U, "sleep", "d1") is None and job_of(store, U, "sleep", "d1") is None
+    assert state_of(store, U, "sleep", "d1") is None  # the read queued nothing
     store.enqueue(U, "sleep", "d1")
     store.enqueue("other", "sleep", "d1")
-    state = store.state(U, "sleep", "d1")
+    state = state_of(store, U, "sleep", "d1")
     assert state is not None
-    shown = state.as_dict(store.settings.max_attempts)
+    shown = state.as_dict(3)
     assert (shown["status"], shown["priority"], shown["attempts"]) == ("pending", PREFETCH, 0)
     assert shown["max_attempts"] == 3
-    assert store.pending_count() == 2
-    assert store.pending_count(U) == 1
-    assert (store.settings.max_attempts, store.settings.concurrency) == (3, 1)
+    assert store.queue_view(0).waiting_total == 2
+    assert pending(store) == 2
+    assert pending(store, U) == 1
 
 
 # -- R12 ------------------------------------------------------------------------
@@ -364,7 +369,6 @@ def test_a_jobs_state_pending_count_and_settings(store: JobStore) -> None:
 def test_disabled_consumer_does_not_disable_the_store(make_store: StoreFactory) -> None:
     store = make_store(enabled=False)
     assert store.enqueue(U, "sleep", "d1") == "pending"
-    assert store.settings.enabled is False
     assert store.claim_next("w").job is not None
 
 
@@ -406,13 +410,12 @@ def test_taken_over_worker_changes_nothing(make_store: StoreFactory, clock: Fake
     with pytest.raises(ClaimLost):
         store.finish(old.id, old.holder, result="late")
     with pytest.raises(ClaimLost):
-        store.finish(old.id, old.holder, error="late")
+        store.fail(old.id, old.holder, Failure.BUILD, "late")
     with pytest.raises(ClaimLost):
         store.fail(old.id, old.holder, Failure.STOPPED, "handed back")
-    with pytest.raises(ClaimLost):
-        store.set_flow_run(old.id, old.holder, "run-1")
+    assert store.heartbeat(old.id, old.holder, flow_run_id="run-1") is Renewal.LOST
     assert _row(store, "sleep", "d1") == before
-    assert store.result_of(U, "sleep", "d1") is None
+    assert result_of(store, U, "sleep", "d1") is None
     assert store.finish(new.id, new.holder or "", result="fresh") == Status.DONE
 
 
@@ -656,7 +659,7 @@ def test_invalid_input_is_refused_before_the_database(
     assert isinstance(caught.value, ValueError)
     assert caught.value.argument == named
     assert str(caught.value).startswith(named)
-    assert store.pending_count() == 0
+    assert pending(store) == 0
 
 
 def test_database_errors_surface_as_the_stores_own(tmp_path: object) -> None:
@@ -666,20 +669,16 @@ def test_database_errors_surface_as_the_stores_own(tmp_path: object) -> None:
         check_schema=False,
     )
     with pytest.raises(DatabaseError) as caught:
-        store.pending_count()
+        pending(store)
     assert "secret-password" not in str(caught.value)
 
 
-def test_finish_needs_exactly_one_outcome(store: JobStore) -> None:
+def test_finish_refuses_a_result_it_cannot_store(store: JobStore) -> None:
     from queue_store import InvalidArgument
 
     store.enqueue(U, "sleep", "d1")
     job = store.claim_next("w").job
     assert job is not None and job.holder
-    with pytest.raises(InvalidArgument):
-        store.finish(job.id, job.holder)
-    with pytest.raises(InvalidArgument):
-        store.finish(job.id, job.holder, result="x", error="y")
     with pytest.raises(InvalidArgument):
         store.finish(job.id, job.holder, result={"not json": object()})
     assert _row(store, "sleep", "d1")["status"] == "running"
@@ -696,22 +695,22 @@ def test_previous_result_stays_readable_while_regenerating(
     assert job is not None
     clock.advance(42)
     store.finish(job.id, job.holder or "", result={"text": "first"})
-    first = store.result_of(U, "sleep", "d1")
+    first = result_of(store, U, "sleep", "d1")
     assert first is not None
     assert (first.output, first.fingerprint) == ({"text": "first"}, "fp1")
     assert first.duration_seconds == pytest.approx(42, abs=0.01)
 
     assert store.enqueue(U, "sleep", "d1", "fp2") == "pending"
-    assert store.result_of(U, "sleep", "d1") == first
+    assert result_of(store, U, "sleep", "d1") == first
     job = store.claim_next("w").job
     assert job is not None
-    assert store.result_of(U, "sleep", "d1") == first  # running: still the old one
-    store.finish(job.id, job.holder or "", error="gateway error")
-    assert store.result_of(U, "sleep", "d1") == first  # a failure keeps it too
+    assert result_of(store, U, "sleep", "d1") == first  # running: still the old one
+    store.fail(job.id, job.holder or "", Failure.REJECTED, "gateway error")
+    assert result_of(store, U, "sleep", "d1") == first  # a failure keeps it too
     job = store.claim_next("w").job
     assert job is not None
     store.finish(job.id, job.holder or "", result={"text": "second"})
-    second = store.result_of(U, "sleep", "d1")
+    second = result_of(store, U, "sleep", "d1")
     assert second is not None
     assert (second.output, second.fingerprint) == ({"text": "second"}, "fp2")
     assert second.produced_at > first.produced_at
@@ -808,7 +807,7 @@ def test_pause_and_resume(store: JobStore) -> None:
 
 
 def _position(store: JobStore, user_id: str, kind: str, subject: str) -> Position | None:
-    state = store.state(user_id, kind, subject)
+    state = state_of(store, user_id, kind, subject)
     return state.position if state else None
 
 
@@ -844,7 +843,7 @@ def test_position_and_eta(make_store: StoreFactory, clock: FakeClock) -> None:
     assert promoted is not None and promoted.ahead == 0
     assert promoted.eta_seconds == pytest.approx(20 + 10 + 100, abs=0.1)
 
-    listed = {j["subject"]: j for j in store.list_jobs(U)}
+    listed = {j["subject"]: j for j in listed_jobs(store, U)}
     assert listed["mine"]["ahead"] == 0
 
     running_position = _position(store, "other", "fast", "0")
@@ -861,7 +860,7 @@ def test_list_jobs_positions_count_the_users_own_earlier_jobs(
         clock.advance(1)
         store.enqueue("other", "k", str(n))
         clock.advance(1)
-    listed = store.list_jobs(U)
+    listed = listed_jobs(store, U)
     assert [j["ahead"] for j in listed] == [0, 2, 4]
 
 
@@ -878,6 +877,42 @@ def test_clock_must_be_aware(database_url: str) -> None:
     store.close()
 
 
+# -- N4 -------------------------------------------------------------------------
+
+
+def test_an_attempts_run_reaching_the_store_after_the_attempt_is_still_linked(
+    store: JobStore, clock: FakeClock
+) -> None:
+    """N4: the run history may write an attempt's entry after the attempt ended (a slow
+    Prefect): its worker's late word, fenced by the token of the claim that ended, links the
+    job and the result that claim produced, and nothing of a newer claim's."""
+    store.enqueue(U, "sleep", "d1", "fp1")
+    first = store.claim_next("w1").job
+    assert first is not None and first.holder
+    store.finish(first.id, first.holder, result={"text": "one"})
+    assert store.heartbeat(first.id, first.holder, flow_run_id="run-1") is Renewal.LOST
+    done = job_of(store, U, "sleep", "d1")
+    result = result_of(store, U, "sleep", "d1")
+    assert done is not None and done.flow_run_id == "run-1"
+    assert result is not None and result.flow_run_id == "run-1"
+
+    clock.advance(5)
+    store.enqueue(U, "sleep", "d1", "fp2")  # new data: made again
+    second = store.claim_next("w2").job
+    assert second is not None and second.holder
+    # The first claim's word while a newer claim holds the job changes nothing.
+    assert store.heartbeat(first.id, first.holder, flow_run_id="run-x") is Renewal.LOST
+    running = job_of(store, U, "sleep", "d1")
+    assert running is not None and running.flow_run_id == "run-1"
+    store.fail(second.id, second.holder, Failure.REJECTED, "HTTP 400")
+    assert store.heartbeat(second.id, second.holder, flow_run_id="run-2") is Renewal.LOST
+    failed = job_of(store, U, "sleep", "d1")
+    kept = result_of(store, U, "sleep", "d1")
+    assert failed is not None and failed.flow_run_id == "run-2"
+    # The result is the first claim's: its run stays the one that produced it.
+    assert kept is not None and kept.flow_run_id == "run-1"
+
+
 # -- consumers' presence ---------------------------------------------------------
 
 
@@ -891,21 +926,21 @@ def test_a_stable_worker_name_taken_up_by_a_new_process_describes_the_new_one(
 
     from queue_store.schema import workers
 
-    store.worker_seen("serve-main", "consumer")
-    first = next(w for w in store.workers() if w.name == "serve-main")
+    store.presence("serve-main", "consumer")
+    first = next(w for w in store.queue_view(0).workers if w.name == "serve-main")
     assert first.pid == os.getpid()
     # The row as a crashed process left it: another pid, an older start.
     with store._write("test") as connection:
         connection.execute(update(workers).values(pid=first.pid + 100_000))
     clock.advance(5)
-    store.worker_seen("serve-main", "consumer")
-    again = next(w for w in store.workers() if w.name == "serve-main")
+    store.presence("serve-main", "consumer")
+    again = next(w for w in store.queue_view(0).workers if w.name == "serve-main")
     assert again.pid == os.getpid()
     assert again.started_at > first.started_at
     # Seen again by the same process: its start stays.
     clock.advance(5)
-    store.worker_seen("serve-main", "consumer", {"lanes": 1})
-    same = next(w for w in store.workers() if w.name == "serve-main")
+    store.presence("serve-main", "consumer", {"lanes": 1})
+    same = next(w for w in store.queue_view(0).workers if w.name == "serve-main")
     assert (same.pid, same.started_at) == (again.pid, again.started_at)
     assert same.seen_at > again.seen_at
 
@@ -933,12 +968,12 @@ def test_tokens_are_kept_per_result_and_summed_per_user_and_kind_unknown_apart(
         job.id, job.holder or "", Failure.PARSE, "bad", answer=Usage(50, 0), duration_seconds=3
     )
 
-    kept = store.result_of("ann", "sleep", "d1")
+    kept = result_of(store, "ann", "sleep", "d1")
     assert kept is not None and kept.as_dict()["usage"] == {
         "prompt_tokens": 100,
         "completion_tokens": 20,
     }
-    unknown = store.result_of("ann", "sleep", "d2")
+    unknown = result_of(store, "ann", "sleep", "d2")
     assert unknown is not None and unknown.as_dict()["usage"] is None  # unknown, not zero
 
     view = store.queue_view(10)
@@ -975,9 +1010,9 @@ def test_the_store_tallies_attempts_calls_and_screens_waits(
     store.enqueue("ann", "hrv", "d1")
     job = store.claim_next("w").job
     assert job is not None
-    store.finish(job.id, job.holder or "", error="no data")  # no call made
+    store.fail(job.id, job.holder or "", Failure.BUILD, "no data")  # no call made
 
-    seen = store.metrics()
+    seen = store.queue_view(0)
     kept = {(t.name, t.kind, t.outcome): t for t in seen.tallies}
     assert kept[("attempts", "sleep", "done")].count == 1
     assert kept[("attempts", "sleep", "rejected")].count == 1
@@ -989,9 +1024,9 @@ def test_the_store_tallies_attempts_calls_and_screens_waits(
     wait = kept[("screen_wait_seconds", "sleep", "")]
     assert wait.count == 1 and wait.total == pytest.approx(7.0, abs=0.01)
     assert seen.in_flight == 0
-    assert seen.waiting == {"interactive": (0, None), "prefetch": (0, None)}
+    assert seen.waiting_by_class == {"interactive": (0, None), "prefetch": (0, None)}
     store.enqueue("bob", "sleep", "d1")
     clock.advance(60)
-    waiting, oldest = store.metrics().waiting["prefetch"]
+    waiting, oldest = store.queue_view(0).waiting_by_class["prefetch"]
     assert waiting == 1 and oldest is not None
-    assert (store.metrics().gate.now - oldest).total_seconds() == pytest.approx(60, abs=0.01)
+    assert (store.queue_view(0).now - oldest).total_seconds() == pytest.approx(60, abs=0.01)

@@ -55,7 +55,7 @@ def claim_loop(
     store: JobStore | None = None
     try:
         store = JobStore(url, settings=Settings(database_url=url, **settings))
-        store.pending_count()  # connect before the start line
+        store.has_work()  # connect before the start line
         ready.put(name)
         if not start.wait(60):
             raise TimeoutError("the start signal never came")

@@ -39,6 +39,7 @@ from flows.gateway import (
 )
 from queue_store import Failure, Settings, SettingsError, Usage
 from tests.support.echo import echo_body, echo_forms
+from tests.support.factories import gateway_client
 from tests.support.secrets import exposures
 
 # Every character that has an escape of its own somewhere: JSON, URLs, base64.
@@ -79,7 +80,7 @@ def answer(content: Any = "an insight", **extra: Any) -> dict[str, Any]:
 
 
 def client_for(handler: Handler, **overrides: Any) -> GatewayClient:
-    return GatewayClient(settings(**overrides), transport=httpx.MockTransport(handler))
+    return gateway_client(settings(**overrides), transport=httpx.MockTransport(handler))
 
 
 async def complete(handler: Handler, **overrides: Any) -> Completion:
@@ -258,7 +259,7 @@ def test_messages_must_be_a_non_empty_sequence(messages: Any) -> None:
 
 def test_a_token_with_a_control_character_is_refused_without_showing_it() -> None:
     with pytest.raises(SettingsError) as caught:
-        GatewayClient(settings(gateway_token=SecretStr("abcdef\nghijkl")))
+        gateway_client(settings(gateway_token=SecretStr("abcdef\nghijkl")))
     assert "AI_GATEWAY_TOKEN" in str(caught.value)
     assert "abcdef" not in str(caught.value) and "ghijkl" not in str(caught.value)
 

@@ -91,3 +91,34 @@ def test_importing_the_store_loads_none_of_them() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     ).stdout
     assert out.strip() == "[]"
+
+
+# -- rooms with one job each -------------------------------------------------------------
+
+MAX_STORE_NAMES = 22
+MAX_PRODUCT_FILE_LINES = 600
+
+
+def test_the_store_has_a_small_surface_and_satisfies_every_role() -> None:
+    from queue_store import JobStore, OperatorStore, ScreenStore, WorkerStore
+
+    public = [name for name in dir(JobStore) if not name.startswith("_")]
+    assert len(public) <= MAX_STORE_NAMES, public
+    for role in (WorkerStore, ScreenStore, OperatorStore):
+        assert issubclass(JobStore, role), role.__name__
+        missing = [name for name in _members(role) if name not in public]
+        assert missing == [], (role.__name__, missing)
+
+
+def _members(protocol: type) -> list[str]:
+    return [name for name in vars(protocol) if not name.startswith("_")]
+
+
+def test_no_product_file_is_longer_than_a_reader_can_hold() -> None:
+    long = {
+        str(path.relative_to(ROOT)): n
+        for package in PACKAGES
+        for path in (ROOT / package).rglob("*.py")
+        if (n := len(path.read_text().splitlines())) > MAX_PRODUCT_FILE_LINES
+    }
+    assert long == {}

@@ -22,10 +22,8 @@ import httpx
 import pytest
 from pydantic import SecretStr
 
-from flows.gateway import GatewayClient
 from flows.ledger import Outcome, Report
 from flows.registry import Registry
-from flows.runner import JobRunner
 from queue_store import (
     Blocked,
     DatabaseError,
@@ -38,6 +36,8 @@ from queue_store import (
     Status,
 )
 from tests.support.databases import FakeClock
+from tests.support.factories import gateway_client, job_runner
+from tests.support.reads import job_of, result_of
 from tests.support.secrets import exposures
 
 TOKEN = "sk-runner/9f8e+7d6c=5b4a"
@@ -111,7 +111,11 @@ class Store(JobStore):
         self.renewals = 0
         self.renewed_at: list[float] = []  # monotonic send time of each renewal confirmed
 
-    def heartbeat(self, jid: str, holder: str, *, calling: bool = False) -> Renewal:
+    def heartbeat(
+        self, jid: str, holder: str, *, calling: bool = False, flow_run_id: str | None = None
+    ) -> Renewal:
+        if flow_run_id is not None:
+            return super().heartbeat(jid, holder, flow_run_id=flow_run_id)
         self.renewals += 1
         if self.fail_renewals_after is not None and self.renewals > self.fail_renewals_after:
             raise DatabaseError("heartbeat: the database cannot be reached (injected)")
@@ -191,8 +195,8 @@ class Bench:
         self.settings = settings
         self.store = store
         self.gateway = Gateway()
-        client = GatewayClient(settings, transport=httpx.MockTransport(self.gateway))
-        self.runner = JobRunner(store, settings, registry(build_gate), client)
+        client = gateway_client(settings, transport=httpx.MockTransport(self.gateway))
+        self.runner = job_runner(store, settings, registry(build_gate), client)
 
     def claim(self, kind: str = "ok", subject: str = "d1") -> tuple[Job, float]:
         self.store.enqueue(USER, kind, subject)
@@ -209,7 +213,7 @@ class Bench:
         return await self.runner.run(job, sent)
 
     def job(self, kind: str = "ok", subject: str = "d1") -> Job:
-        found = self.store.job(USER, kind, subject)
+        found = job_of(self.store, USER, kind, subject)
         assert found is not None
         return found
 
@@ -239,7 +243,7 @@ def test_an_answer_is_stored_and_the_job_done(bench: Bench) -> None:
     assert bench.gateway.asked == ["ok:d1"]
     job = bench.job()
     assert (job.status, job.attempts, job.error, job.holder) == (Status.DONE, 1, None, None)
-    result = bench.store.result_of(USER, "ok", "d1")
+    result = result_of(bench.store, USER, "ok", "d1")
     assert result is not None and result.output == {"text": "an insight"}
 
 
@@ -332,7 +336,10 @@ def test_a_timeout_spends_the_attempt_and_pauses(tmp_path: Path) -> None:
         assert bench.gateway.cancelled.is_set()
         gate = store.gate_state()
         assert gate.pause_kind is PauseKind.TIMEOUT and gate.paused
-        assert (bench.job().status, bench.job().attempts) == (Status.PENDING, 1)
+        assert (
+            bench.job().status,
+            bench.job().attempts,
+        ) == (Status.PENDING, 1)
 
 
 @pytest.mark.parametrize(
@@ -365,7 +372,7 @@ def test_a_result_too_large_to_store_spends_the_attempt(bench: Bench) -> None:
     assert time.monotonic() - started < LATE  # refused at once, not retried as an outage
     job = bench.job("huge-result")
     assert (job.status, job.attempts, job.holder) == (Status.PENDING, 1, None)
-    assert bench.store.result_of(USER, "huge-result", "d1") is None
+    assert result_of(bench.store, USER, "huge-result", "d1") is None
 
 
 # --- attempts kept: rate limits, refusals, outages ------------------------------------------------
@@ -537,7 +544,7 @@ def test_a_takeover_mid_call_cancels_the_call_at_once_and_records_nothing(bench:
     # Renewals come every 0.1 s; the lease's own deadline is 25 s away.
     assert took < LATE
     assert bench.job() == after_takeover  # nothing written after the takeover
-    assert bench.store.result_of(USER, "ok", "d1") is None
+    assert result_of(bench.store, USER, "ok", "d1") is None
 
 
 def test_a_database_down_past_the_budget_stops_the_call_before_the_lease_could_lapse(
@@ -628,7 +635,7 @@ def test_a_takeover_before_the_call_means_no_call(tmp_path: Path) -> None:
 
         async def scenario() -> Report:
             task = asyncio.create_task(bench.run("slow-build"))
-            while bench.store.job(USER, "slow-build", "d1") is None:
+            while job_of(bench.store, USER, "slow-build", "d1") is None:
                 await asyncio.sleep(0.01)
             # Taken over while the prompt is being built; the runner renews right
             # before the call and finds the claim gone.
@@ -669,4 +676,10 @@ def test_a_token_echoed_by_the_gateway_never_reaches_the_report_or_the_store(ben
 
     report = go(scenario())
     assert "[redacted]" in report.message
-    assert exposures(report.message + repr(report) + str(bench.job().error), TOKEN) == []
+    assert (
+        exposures(
+            report.message + repr(report) + str(bench.job().error),
+            TOKEN,
+        )
+        == []
+    )

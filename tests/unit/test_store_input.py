@@ -31,6 +31,7 @@ from queue_store.models import (
     MAX_WORKER_LENGTH,
 )
 from tests.support.race_worker import dump_tables
+from tests.support.reads import job_of
 
 EXAMPLES = settings(
     max_examples=40,
@@ -214,8 +215,8 @@ def seeded(store: JobStore) -> Seeded:
     for _ in range(3):
         claim = store.claim_next("seed-worker")
         assert claim.job is not None
-        store.finish(claim.job.id, claim.job.holder or "", error="TimeoutError: slow")
-    failed = store.job(U, "sleep", "failed-day")
+        store.fail(claim.job.id, claim.job.holder or "", Failure.BUILD, "TimeoutError: slow")
+    failed = job_of(store, U, "sleep", "failed-day")
     assert failed is not None and failed.status == "failed"
 
     store.enqueue(U, "sleep", "running-day", "fp-running", priority=INTERACTIVE)
@@ -258,19 +259,20 @@ class Case:
         return f"{self.method}-{self.argument}"
 
 
-def _key_cases(method: str) -> list[Case]:
+def _key_cases(method: str, **options: Any) -> list[Case]:
     def at(index: int) -> Call:
         def call(s: Seeded, value: Any) -> Any:
             key: list[Any] = [U, "sleep", "pending-day"]
             key[index] = value
-            return getattr(s.store, method)(*key)
+            return getattr(s.store, method)(*key, **options)
 
         return call
 
+    name = method + "".join(f"[{k}={v}]" for k, v in options.items())
     return [
-        Case(method, "user_id", bad_text(MAX_ID_LENGTH), at(0)),
-        Case(method, "kind", bad_text(MAX_KIND_LENGTH), at(1)),
-        Case(method, "subject", bad_text(MAX_SUBJECT_LENGTH), at(2)),
+        Case(name, "user_id", bad_text(MAX_ID_LENGTH), at(0)),
+        Case(name, "kind", bad_text(MAX_KIND_LENGTH), at(1)),
+        Case(name, "subject", bad_text(MAX_SUBJECT_LENGTH), at(2)),
     ]
 
 
@@ -312,22 +314,9 @@ CASES: list[Case] = [
     Case("enqueue", "fingerprint", BAD_FINGERPRINT, _enqueue(fingerprint=None)),
     Case("enqueue", "priority", BAD_PRIORITY, _enqueue(priority=None)),
     *_key_cases("poll"),
-    *_key_cases("state"),
-    *_key_cases("result_of"),
-    *_key_cases("job"),
-    Case(
-        "list_jobs",
-        "user_id",
-        bad_text(MAX_ID_LENGTH),
-        lambda s, v: s.store.list_jobs(v),
-    ),
+    *_key_cases("poll", queue=False),
+    Case("list_jobs", "user_id", bad_text(MAX_ID_LENGTH), lambda s, v: s.store.list_jobs(v)),
     Case("list_jobs", "limit", BAD_LIMIT, lambda s, v: s.store.list_jobs(U, v)),
-    Case(
-        "pending_count",
-        "user_id",
-        bad_text(MAX_ID_LENGTH, none_is_valid=True),
-        lambda s, v: s.store.pending_count(v),
-    ),
     Case("retry_failed", "user_id", bad_text(MAX_ID_LENGTH), lambda s, v: s.store.retry_failed(v)),
     Case("jobs", "job_id", BAD_JOB_ID, lambda s, v: s.store.jobs([v])),
     Case("claim_next", "worker", BAD_WORKER, lambda s, v: s.store.claim_next(v)),
@@ -339,22 +328,10 @@ CASES: list[Case] = [
         lambda s, v: s.store.heartbeat(s.running_id, v),
     ),
     Case(
-        "set_flow_run",
-        "job_id",
-        BAD_JOB_ID,
-        lambda s, v: s.store.set_flow_run(v, s.running_holder, "run-1"),
-    ),
-    Case(
-        "set_flow_run",
-        "holder",
-        bad_text(HOLDER_MAX),
-        lambda s, v: s.store.set_flow_run(s.running_id, v, "run-1"),
-    ),
-    Case(
-        "set_flow_run",
+        "heartbeat",
         "flow_run_id",
-        bad_text(64),
-        lambda s, v: s.store.set_flow_run(s.running_id, s.running_holder, v),
+        bad_text(64).filter(lambda v: v is not None),
+        lambda s, v: s.store.heartbeat(s.running_id, s.running_holder, flow_run_id=v),
     ),
     Case(
         "finish",
@@ -373,12 +350,6 @@ CASES: list[Case] = [
         "result",
         BAD_RESULT,
         lambda s, v: s.store.finish(s.running_id, s.running_holder, result=v),
-    ),
-    Case(
-        "finish",
-        "error",
-        BAD_MESSAGE,
-        lambda s, v: s.store.finish(s.running_id, s.running_holder, error=v),
     ),
     Case(
         "finish",
@@ -436,17 +407,6 @@ def test_invalid_argument_is_refused_by_name_before_the_database(
 
     refused()
     assert dump_tables(store._engine) == start
-
-
-def test_finish_with_both_or_neither_outcome_names_result(seeded: Seeded) -> None:
-    store = seeded.store
-    before = dump_tables(store._engine)
-    for kwargs in ({}, {"result": {"a": 1}, "error": "boom"}, {"result": None, "error": "x"}):
-        with no_sql(store) as executed, pytest.raises(InvalidArgument) as info:
-            store.finish(seeded.running_id, seeded.running_holder, **kwargs)
-        assert info.value.argument == "result"
-        assert executed == []
-    assert dump_tables(store._engine) == before
 
 
 @pytest.mark.parametrize(

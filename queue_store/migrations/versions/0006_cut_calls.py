@@ -1,8 +1,8 @@
 """A call cut on our side holds the gateway until the gateway is done with it (H1, H2).
 
 Adds `ai_jobs.call_started_at` (when the claim's call started), `ai_jobs.losses` (claims lost
-with their worker since the job last entered the queue), `ai_jobs.lost_holder` (the claim the
-last takeover ended), and the table `ai_job_holds` (what each is for: `schema.py`).
+with their worker since the job last entered the queue), `ai_jobs.last_holder` (the token of
+the last claim that ended), and the table `ai_job_holds` (what each is for: `schema.py`).
 
 Revision ID: 0006
 Revises: 0005
@@ -23,7 +23,7 @@ def upgrade() -> None:
     with op.batch_alter_table("ai_jobs") as batch:
         batch.add_column(sa.Column("call_started_at", sa.DateTime()))
         batch.add_column(sa.Column("losses", sa.Integer, nullable=False, server_default="0"))
-        batch.add_column(sa.Column("lost_holder", sa.String(200)))
+        batch.add_column(sa.Column("last_holder", sa.String(200)))
     op.create_table(
         "ai_job_holds",
         sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
@@ -38,6 +38,6 @@ def upgrade() -> None:
 def downgrade() -> None:
     op.drop_table("ai_job_holds")
     with op.batch_alter_table("ai_jobs") as batch:
-        batch.drop_column("lost_holder")
+        batch.drop_column("last_holder")
         batch.drop_column("losses")
         batch.drop_column("call_started_at")

@@ -1,0 +1,146 @@
+"""The store's ground floor: its engine, its clock, and the transactions every verb runs in.
+
+`StoreBase` opens the database, checks (on SQLite, creates or upgrades) its schema, and hands
+its verbs three kinds of transaction: a read, a write, and a write that holds the gate lock
+with the clock read after it (every lease decision). The verbs themselves are in `store`
+(screens and workers) and `operations` (the operator's).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import Connection, Row
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import IntegrityError, SQLAlchemyError
+
+from queue_store import lease, migrate, schema, validation
+from queue_store.clock import Clock, ClockFunction, DatabaseClock, HostClock, InjectedClock
+from queue_store.engine import SQLITE_BEGIN, create_store_engine, shown_url, wrap_database_error
+from queue_store.errors import ClaimLost, InvalidArgument, SchemaOutdated
+from queue_store.redact import Redactor
+from queue_store.settings import Settings
+
+
+class StoreBase:
+    """The database, the clock and the transactions of one store (see `JobStore`).
+
+    `settings` (default: the environment) is read once: the store keeps the numbers its rules
+    use (`Settings.store`) and a redactor of the secrets, nothing else. `create`: a SQLite store
+    whose file or schema is missing or behind is created or upgraded on first use (PostgreSQL
+    needs `insight-queue db upgrade`); with `create=False` a missing SQLite file is an error and
+    nothing is created (read-only commands)."""
+
+    def __init__(
+        self,
+        url: str | None = None,
+        *,
+        settings: Settings | None = None,
+        clock: ClockFunction | None = None,
+        check_schema: bool = True,
+        create: bool = True,
+    ) -> None:
+        settings = settings or Settings()
+        self._settings = settings.store
+        self._redact = Redactor(settings.secrets())
+        target = url or settings.database_url
+        self._is_sqlite = make_url(target).get_backend_name() == "sqlite"
+        if self._is_sqlite and not create:
+            _require_sqlite_file(target)
+        self._engine = create_store_engine(target)
+        self._clock: Clock
+        if clock is not None:
+            self._clock = InjectedClock(clock)
+        elif self._is_sqlite:
+            self._clock = HostClock()
+        else:
+            self._clock = DatabaseClock()
+        if check_schema:
+            try:
+                self._check_schema(upgrade=create and self._is_sqlite)
+            except BaseException:
+                self._engine.dispose()
+                raise
+
+    # -- lifecycle ---------------------------------------------------------
+
+    def close(self) -> None:
+        self._engine.dispose()
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    def _revision(self) -> str | None:
+        try:
+            return migrate.current_revision(self._engine)
+        except SQLAlchemyError as exc:
+            raise wrap_database_error(exc, self._engine.url, "schema check") from exc
+
+    def _check_schema(self, *, upgrade: bool) -> None:
+        revision = self._revision()
+        if upgrade and revision != schema.SCHEMA_REVISION:
+            migrate.upgrade(self._engine)
+            revision = self._revision()
+        if revision != schema.SCHEMA_REVISION:
+            found = "no insight-queue schema" if revision is None else f"revision {revision}"
+            raise SchemaOutdated(
+                f"the database at {shown_url(self._engine.url)} has {found}; this version needs "
+                f"revision {schema.SCHEMA_REVISION}. Run `insight-queue db upgrade` to upgrade it."
+            )
+
+    # -- plumbing ------------------------------------------------------------
+
+    @contextmanager
+    def _transaction(self, operation: str, *, write: bool) -> Iterator[Connection]:
+        try:
+            with self._engine.connect() as connection:
+                if self._is_sqlite:
+                    connection = connection.execution_options(
+                        **{SQLITE_BEGIN: "IMMEDIATE" if write else "DEFERRED"}
+                    )
+                with connection.begin():
+                    yield connection
+        except (IntegrityError, InvalidArgument, ClaimLost, SchemaOutdated):
+            raise
+        except SQLAlchemyError as exc:
+            raise wrap_database_error(exc, self._engine.url, operation) from exc
+
+    def _read(self, operation: str) -> Any:
+        return self._transaction(operation, write=False)
+
+    def _write(self, operation: str) -> Any:
+        return self._transaction(operation, write=True)
+
+    @contextmanager
+    def _gated(self, operation: str) -> Iterator[tuple[Connection, dt.datetime, Row[Any]]]:
+        """A write transaction holding the gate lock, with the clock read after it."""
+        with self._write(operation) as connection:
+            state = lease.gate_row(connection, lock=True)
+            self._clock.prepare(connection)
+            now = self._clock.now(connection)
+            yield connection, now, state
+
+    def _now(self, connection: Connection) -> dt.datetime:
+        return self._clock.now(connection)
+
+    def _error(self, value: object, name: str = "error") -> str:
+        """An error text as stored: checked, cut, and with every secret removed (G5)."""
+        return validation.error_text(self._redact(validation.error_text(value, name)), name)
+
+
+def _require_sqlite_file(url: str) -> None:
+    database = make_url(url).database
+    if database and database != ":memory:" and not database.startswith("file:"):
+        path = Path(database).expanduser()
+        if not path.exists():
+            raise SchemaOutdated(
+                f"there is no queue at {path} yet: nothing has been queued there (the first "
+                "enqueue, `insight-queue serve` or `insight-queue db upgrade` creates it)"
+            )

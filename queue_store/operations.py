@@ -1,0 +1,154 @@
+"""The operator's verbs: the queue at a glance, pauses, retries, recovery (R10, R11, N3, FIX5).
+
+A mixin of `JobStore` over `StoreBase`'s transactions; callers name the role (`OperatorStore`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from sqlalchemy import ColumnElement, Connection, and_, case, func, select, update
+
+from queue_store import lease, places, schema, validation, views
+from queue_store.base import StoreBase
+from queue_store.models import (
+    INTERACTIVE,
+    PREFETCH,
+    GateState,
+    Job,
+    ListedJob,
+    PauseKind,
+    QueueView,
+    Requeued,
+    Status,
+)
+from queue_store.rules import lapsed, queued_anew
+from queue_store.schema import from_row
+
+jobs = schema.jobs
+gate = schema.gate
+
+
+class OperatorActions(StoreBase):
+    """What an operator reads and does; every action answers what it changed, in one
+    transaction."""
+
+    def list_jobs(self, user_id: str, limit: int = 60) -> list[ListedJob]:
+        """The user's queue in the order the worker will take it (R11): running, pending, failed,
+        done; within each, the claim order. Pending and running entries carry place and ETA."""
+        user_id = validation.user_id(user_id)
+        limit = validation.limit(limit)
+        with self._read("list_jobs") as connection:
+            now = self._now(connection)
+            return views.user_jobs(connection, self._settings, now, user_id, limit)
+
+    def retry_failed(self, user_id: str) -> Requeued:
+        """Every failed job of the user back in the queue now (R10), and the user's jobs pending
+        or running afterwards, in one transaction."""
+        user_id = validation.user_id(user_id)
+        with self._write("retry_failed") as connection:
+            failed = and_(jobs.c.user_id == user_id, jobs.c.status == Status.FAILED)
+            retried = self._queue_anew(connection, failed, user_id)
+            waiting = jobs.c.status.in_([Status.PENDING, Status.RUNNING])
+            pending = connection.execute(
+                select(func.count()).where(jobs.c.user_id == user_id, waiting)
+            ).scalar_one()
+        return Requeued(user_id, retried, int(pending))
+
+    def requeue(self, kinds: Sequence[str] | None = None) -> int:
+        """Queue every finished job again (of these kinds, or all), after a prompt change: at
+        prefetch priority (or their own, if more urgent), attempts 0; their results stay
+        readable but are no longer fresh. Returns how many were queued."""
+        checked = [validation.kind(k) for k in kinds] if kinds is not None else None
+        finished: ColumnElement[bool] = jobs.c.status.in_([Status.DONE, Status.FAILED])
+        if checked is not None:
+            finished = and_(finished, jobs.c.kind.in_(checked))
+        with self._write("requeue") as connection:
+            priority = case((jobs.c.priority < PREFETCH, jobs.c.priority), else_=PREFETCH)
+            return self._queue_anew(
+                connection, finished, None, priority=priority, requested_at=None
+            )
+
+    def _queue_anew(
+        self, connection: Connection, where: Any, user_id: str | None, **more: Any
+    ) -> int:
+        """Queue the jobs `where` picks again as if new (R5, R10), in turns dealt first."""
+        now = self._now(connection)
+        self._deal_turns(connection, where, user_id)
+        values = queued_anew(now, **more, updated_at=now, revision=jobs.c.revision + 1)
+        return int(connection.execute(update(jobs).where(where).values(**values)).rowcount)
+
+    def _deal_turns(self, connection: Connection, where: Any, user_id: str | None) -> None:
+        """Turns for the prefetch jobs `where` picks, about to be queued again together (R8b):
+        each user's in their order, after the turn being served (and, for one user, after
+        their jobs waiting already)."""
+        if self._settings.order != "fair":
+            return
+        base = places.next_turn(connection, self._settings, user_id, PREFETCH) - 1 if user_id else 0
+        if not user_id:
+            base = connection.execute(
+                select(gate.c.turn).where(gate.c.id == schema.GATE_ROW_ID)
+            ).scalar_one()
+        rank = func.row_number().over(partition_by=jobs.c.user_id, order_by=places.FIFO)
+        dealt = (
+            select(jobs.c.id, (rank + base).label("turn"))
+            .where(where, jobs.c.priority > INTERACTIVE)
+            .subquery()
+        )
+        connection.execute(update(jobs).where(jobs.c.id == dealt.c.id).values(turn=dealt.c.turn))
+
+    # -- N2, G1, G4: pauses, shared by every worker ------------------------------
+
+    def gate_state(self) -> GateState:
+        """The gate (any pause, the outage streak, the last call's end) and who is alive."""
+        with self._read("gate_state") as connection:
+            row = lease.gate_row(connection)
+            now = self._now(connection)
+            return views.gate_state(row, now, views.workers_alive(connection, self._settings, now))
+
+    def pause(self, seconds: float, reason: str) -> GateState:
+        """Stop every worker from claiming for `seconds`; returns the gate as it now stands."""
+        seconds = validation.seconds("seconds", seconds)
+        reason = self._error(reason, "reason")
+        with self._gated("pause") as (connection, now, _state):
+            lease.pause(connection, now, seconds, PauseKind.OPERATOR, reason)
+            return views.gate_state(lease.gate_row(connection), now)
+
+    def resume(self) -> GateState:
+        """Lift any pause and forget the outage streak; returns the gate as it now stands."""
+        with self._gated("resume") as (connection, now, _state):
+            connection.execute(
+                update(gate)
+                .where(gate.c.id == schema.GATE_ROW_ID)
+                .values(paused_until=None, pause_reason=None, pause_kind=None, outages_in_a_row=0)
+            )
+            return views.gate_state(lease.gate_row(connection), now)
+
+    # -- FIX5: recovery ------------------------------------------------------
+
+    def recover(self, worker: str | None = None) -> list[Job]:
+        """Take back dead claims, and this worker's own; never another's live claim (FIX5).
+        `worker` is matched exactly (case-sensitive) against the worker part of each claim's
+        token. Returns the jobs taken back, as they were."""
+        if worker is not None:
+            worker = validation.worker(worker)
+        with self._gated("recover") as (connection, now, _state):
+            rows = connection.execute(select(jobs).where(jobs.c.status == Status.RUNNING)).all()
+            taken = [
+                row
+                for row in rows
+                if lapsed(row, now, self._settings) or (worker is not None and row.worker == worker)
+            ]
+            lease.reap(connection, self._settings, now, taken)
+        return [from_row(Job, row) for row in taken]
+
+    # -- N3, M1: the whole queue -----------------------------------------------------
+
+    def queue_view(self, limit: int = 50) -> QueueView:
+        """The whole queue: running calls, the first `limit` waiting jobs (0: none), recent
+        failures, consumers, tokens, and what /metrics shows; one read."""
+        limit = validation.limit(limit, minimum=0)
+        with self._read("queue_view") as connection:
+            now = self._now(connection)
+            return views.queue_view(connection, self._settings, now, limit)

@@ -1,0 +1,133 @@
+"""The store by role: what each kind of caller may ask of it.
+
+`JobStore` is the one implementation and satisfies every role; a caller names the role it uses,
+so a reader sees at a glance what a component can do to the queue, and a test can stand in a
+small fake for one role. The rules behind each verb are in docs/rules.md.
+
+- `WorkerStore`: a consumer and the runner of one attempt: claim, renew, settle, say alive.
+- `ScreenStore`: the app's side: a screen's poll, the post-sync hook's backfill, the jobs a run
+  follows, and who a pseudonym in the run history stands for.
+- `OperatorStore`: the queue at a glance and the operator's actions on it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any, Literal, Protocol, overload, runtime_checkable
+
+from queue_store.models import (
+    PREFETCH,
+    Claim,
+    EnqueueRequest,
+    Failure,
+    GateState,
+    Job,
+    JobState,
+    ListedJob,
+    QueueView,
+    Renewal,
+    Requeued,
+    Settlement,
+    Status,
+    Usage,
+)
+
+
+@runtime_checkable
+class WorkerStore(Protocol):
+    def claim_next(self, worker: str) -> Claim: ...
+
+    def heartbeat(
+        self, jid: str, holder: str, *, calling: bool = False, flow_run_id: str | None = None
+    ) -> Renewal: ...
+
+    def finish(
+        self,
+        jid: str,
+        holder: str,
+        *,
+        result: Any,
+        duration_seconds: float | None = None,
+        flow_run_id: str | None = None,
+        usage: Usage | None = None,
+    ) -> Status: ...
+
+    def fail(
+        self,
+        jid: str,
+        holder: str,
+        failure: Failure,
+        error: str,
+        *,
+        retry_after: float | None = None,
+        flow_run_id: str | None = None,
+        duration_seconds: float | None = None,
+        answer: Usage | bool = False,
+    ) -> Settlement: ...
+
+    def has_work(self, *, or_running: bool = False) -> bool: ...
+
+    def presence(
+        self, name: str, role: str, info: dict[str, Any] | None = None, *, leaving: bool = False
+    ) -> None: ...
+
+
+@runtime_checkable
+class ScreenStore(Protocol):
+    def enqueue(
+        self,
+        user_id: str,
+        kind: str,
+        subject: str,
+        fingerprint: str | None = None,
+        priority: int = PREFETCH,
+    ) -> Status: ...
+
+    def enqueue_many(self, requests: Iterable[EnqueueRequest]) -> list[Status]: ...
+
+    @overload
+    def poll(
+        self,
+        user_id: str,
+        kind: str,
+        subject: str,
+        fingerprint: str | None = None,
+        *,
+        known: str | None = None,
+        queue: Literal[True] = True,
+    ) -> JobState: ...
+
+    @overload
+    def poll(
+        self,
+        user_id: str,
+        kind: str,
+        subject: str,
+        fingerprint: str | None = None,
+        *,
+        known: str | None = None,
+        queue: Literal[False],
+    ) -> JobState | None: ...
+
+    def jobs(self, ids: Iterable[str]) -> dict[str, Job]: ...
+
+    def gate_state(self) -> GateState: ...
+
+
+@runtime_checkable
+class OperatorStore(Protocol):
+    def queue_view(self, limit: int = 50) -> QueueView: ...
+
+    def list_jobs(self, user_id: str, limit: int = 60) -> list[ListedJob]: ...
+
+    def gate_state(self) -> GateState: ...
+
+    def pause(self, seconds: float, reason: str) -> GateState: ...
+
+    def resume(self) -> GateState: ...
+
+    def retry_failed(self, user_id: str) -> Requeued: ...
+
+    def requeue(self, kinds: Sequence[str] | None = None) -> int: ...
+
+    def recover(self, worker: str | None = None) -> list[Job]: ...
