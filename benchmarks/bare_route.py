@@ -35,7 +35,12 @@ from starlette.routing import Route
 
 if not __package__:  # run as a script: the project's packages are one folder up
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from deployments.api import GRACEFUL_STOP_SECONDS, KEEP_ALIVE_SECONDS, STORE_THREADS
+from deployments.http.serving import (
+    GRACEFUL_STOP_SECONDS,
+    KEEP_ALIVE_SECONDS,
+    STORE_THREADS,
+    GuardedH11Protocol,
+)
 from queue_store import schema
 from queue_store.engine import create_store_engine
 
@@ -84,6 +89,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         create_app(url),
         host=args.host,
         port=args.port,
+        http=GuardedH11Protocol,
         log_config=None,
         access_log=False,
         server_header=False,

@@ -99,10 +99,11 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "Run the embedded default: Prefect, the consumer, the deployments.",
     ),
     "api": (
-        "deployments.api",
+        "deployments.http.serving",
         "api_command",
         "Serve the HTTP API for screens and operators, and the queue page.",
     ),
+    "token": ("deployments.http.serving", "token_command", "Print a screen's token for a user."),
     "trigger-backfill": (_CLI, "trigger_backfill_command", "What the post-sync hook calls."),
     "request-insight": (_CLI, "request_insight_command", "What a screen calls on every poll."),
     "deploy": (_CLI, "deploy_command", "Scale-out: register the flows on a process work pool."),

@@ -33,8 +33,9 @@ def _require_prefect(settings: Settings) -> None:
             "no Prefect server: set PREFECT_API_URL, or run `insight-queue serve` "
             "for this data directory"
         )
-    os.environ["PREFECT_API_URL"] = url
-    os.environ.setdefault("PREFECT_SERVER_ALLOW_EPHEMERAL_MODE", "false")
+    processes.export_to_children(
+        overrides={"PREFECT_API_URL": url}, PREFECT_SERVER_ALLOW_EPHEMERAL_MODE="false"
+    )
 
 
 def _stand_by(settings: Settings, role: str, beside: Callable[[], None] | None = None) -> None:

@@ -18,7 +18,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from queue_store import JobStore, PauseKind, Tally, tallies
+from queue_store import OperatorStore, PauseKind, Tally, tallies
 
 PREFIX = "insight_queue"
 
@@ -26,7 +26,7 @@ PREFIX = "insight_queue"
 class StoreCollector(Collector):
     """The store's figures as Prometheus metrics, read at every scrape."""
 
-    def __init__(self, store: JobStore) -> None:
+    def __init__(self, store: OperatorStore) -> None:
         self._store = store
 
     def collect(self) -> Iterator[Metric]:
@@ -110,7 +110,7 @@ def _tallies(kept: list[Tally]) -> Iterator[Metric]:
     yield from (attempts, calls, waits)
 
 
-def registry_for(store: JobStore) -> CollectorRegistry:
+def registry_for(store: OperatorStore) -> CollectorRegistry:
     """A registry of its own, holding only the store's collector."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(StoreCollector(store))

@@ -19,6 +19,7 @@ from typing import Any
 import httpx
 
 from queue_store import Settings
+from queue_store.redact import mask_url
 
 SERVE_STATE = "serve.json"
 TIMEOUT_SECONDS = 1.0  # per request; a trigger makes at most two
@@ -114,6 +115,8 @@ class PrefectApi:
 
     def __init__(self, base_url: str, *, timeout: float = TIMEOUT_SECONDS) -> None:
         self.base_url = base_url.rstrip("/")
+        # What answers and logs say of the server: never its credentials (G5).
+        self.shown_url = mask_url(self.base_url)
         headers = {"Content-Type": "application/json"}
         if key := os.environ.get("PREFECT_API_KEY"):
             headers["Authorization"] = f"Bearer {key}"
@@ -130,7 +133,7 @@ class PrefectApi:
                 response = self._http.request(method, path, **kwargs)
             except httpx.HTTPError as exc:
                 raise PrefectUnavailable(
-                    f"{UNREACHABLE} at {self.base_url} ({type(exc).__name__})"
+                    f"{UNREACHABLE} at {self.shown_url} ({type(exc).__name__})"
                 ) from None
             # The embedded server's SQLite answers 503 now and then ("database is
             # locked"), in bursts while serve starts: a few spaced retries get through.
@@ -148,12 +151,12 @@ class PrefectApi:
         response = self._request("GET", f"/deployments/name/{flow_name}/{deployment}")
         if response.status_code == 404:
             raise PrefectUnavailable(
-                f"Prefect at {self.base_url} has no deployment {name}: "
+                f"Prefect at {self.shown_url} has no deployment {name}: "
                 "is `insight-queue serve` (or `deploy`) running for this data directory?"
             )
         if response.status_code >= 400:
             raise PrefectUnavailable(
-                f"Prefect at {self.base_url} answered HTTP {response.status_code} "
+                f"Prefect at {self.shown_url} answered HTTP {response.status_code} "
                 f"reading deployment {name}"
             )
         found = str(response.json()["id"])
@@ -180,7 +183,7 @@ class PrefectApi:
         if response.status_code >= 400:
             detail = " ".join(response.text.split())[:200]
             raise PrefectUnavailable(
-                f"Prefect at {self.base_url} refused the run of {deployment} "
+                f"Prefect at {self.shown_url} refused the run of {deployment} "
                 f"(HTTP {response.status_code}): {detail}"
             )
         return str(response.json()["id"])

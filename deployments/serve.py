@@ -87,8 +87,9 @@ def _data_dir_lock(settings: Settings) -> Iterator[None]:
 
 def configure_client(api_url: str, home: Path) -> None:
     """Point this process, and the flow runs it starts, at one Prefect server."""
-    os.environ.update(client_env(api_url, home))
-    os.environ.setdefault("PREFECT_RUNNER_POLL_FREQUENCY", str(RUNNER_POLL_SECONDS))
+    processes.export_to_children(
+        overrides=client_env(api_url, home), PREFECT_RUNNER_POLL_FREQUENCY=str(RUNNER_POLL_SECONDS)
+    )
     # Prefect reads its settings once, when first imported: have it read them again.
     from prefect.context import refresh_global_settings_context
 

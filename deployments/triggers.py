@@ -18,7 +18,8 @@ from deployments.prefect_api import PrefectApi, PrefectUnavailable, api_url
 from flows.runtime import Runtime
 from queue_store import (
     JobState,
-    JobStore,
+    OperatorStore,
+    ScreenStore,
     Settings,
     Status,
     Unavailable,
@@ -116,7 +117,13 @@ class Triggers:
         return cls(Runtime.open(settings), prefect_url)
 
     @property
-    def store(self) -> JobStore:
+    def store(self) -> ScreenStore:
+        """The store as the app's side uses it."""
+        return self.runtime.store
+
+    @property
+    def operator(self) -> OperatorStore:
+        """The store as an operator's routes use it: the queue and its actions."""
         return self.runtime.store
 
     def close(self) -> None:
@@ -175,7 +182,7 @@ class Triggers:
         is down: the state says so instead."""
         user_id, kind, subject = validation.key(user_id, kind, subject)
         fingerprint = validation.fingerprint(fingerprint)
-        self.runtime.registry.check_kind(kind)
+        self.runtime.registry.check(kind, subject)
         try:
             state = self.store.poll(user_id, kind, subject, fingerprint, known=known)
         except Unavailable as exc:

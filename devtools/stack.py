@@ -25,6 +25,7 @@ import uvicorn
 from starlette.types import ASGIApp
 
 from deployments import processes, table
+from deployments.http.serving import GuardedH11Protocol
 from deployments.prefect_api import PrefectApi, PrefectUnavailable
 from deployments.stack import client_env, executable
 from queue_store import JobStore, Settings, StoreError
@@ -130,7 +131,9 @@ class ApiServer:
         self._socket.bind((host, port))
         self.host = host
         self.port = int(self._socket.getsockname()[1])
-        config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off")
+        config = uvicorn.Config(
+            app, log_config=None, access_log=False, lifespan="off", http=GuardedH11Protocol
+        )
         self._server = uvicorn.Server(config)
         self._thread: threading.Thread | None = None
 

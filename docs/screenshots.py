@@ -33,7 +33,8 @@ from sqlalchemy import update
 # Run as a script from the checkout: the development tools are not installed.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from deployments import processes
-from deployments.api import create_app
+from deployments.http import create_app
+from deployments.http.credentials import Credentials
 from deployments.triggers import Triggers
 from devtools.stack import ApiServer
 from flows.registry import Registry
@@ -297,7 +298,9 @@ def queue_page(out_dir: Path) -> list[Path]:
         url = f"sqlite:///{Path(directory) / 'queue.db'}"
         build_queue(url, Clock())
         settings = Settings(
-            database_url=url, data_dir=Path(directory), api={"token": SecretStr(TOKEN)}
+            database_url=url,
+            data_dir=Path(directory),
+            api={"operator_token": SecretStr(TOKEN)},
         )
         registry = Registry()
         runtime = Runtime(
@@ -305,7 +308,7 @@ def queue_page(out_dir: Path) -> list[Path]:
         )
         try:
             triggers = Triggers(runtime, prefect_url=f"http://127.0.0.1:{processes.free_port()}")
-            app = create_app(triggers, ui_url=lambda: PRETEND_UI)
+            app = create_app(triggers, Credentials.load(settings), ui_url=lambda: PRETEND_UI)
             with ApiServer(app) as server:
                 page = server.url.replace("http://", f"http://operator:{TOKEN}@", 1)
                 page += "/queue"

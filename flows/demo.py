@@ -13,7 +13,7 @@ import json
 from typing import Any
 
 from flows.gateway import Completion
-from flows.registry import Messages, Registry, Scope
+from flows.registry import Messages, Registry, Scope, iso_dates, periods
 
 DEMO_DAYS = 28
 
@@ -102,6 +102,6 @@ def _with_model(answer: Completion) -> Any:
 def register(registry: Registry) -> None:
     """The demo set: a generator per metric and one for trends, and the scopes of any user."""
     for kind in METRICS:
-        registry.register_generator(kind, _metric_request(kind), _with_model)
-    registry.register_generator(TRENDS, _trends_request, _with_model)
+        registry.register_generator(kind, _metric_request(kind), _with_model, subjects=iso_dates())
+    registry.register_generator(TRENDS, _trends_request, _with_model, subjects=periods(DEMO_DAYS))
     registry.register_scopes(demo_scopes)

@@ -9,16 +9,20 @@ backfill queues. The plugin modules named in `AI_JOB_PLUGINS` each have a
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
 import importlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from flows.gateway import Completion
 from queue_store import PREFETCH, EnqueueRequest, InvalidArgument, Misconfigured, validation
+from queue_store.models import MAX_SUBJECT_LENGTH
 
 Messages = Sequence[Mapping[str, Any]]
 BuildRequest = Callable[[str, str], Messages]
 ParseAnswer = Callable[[Completion], Any]
+# Says why a subject is not one the generator makes insights for (raises ValueError).
+CheckSubject = Callable[[str], None]
 
 
 class UnknownKind(LookupError):
@@ -38,6 +42,7 @@ class Generator:
     build: BuildRequest
     parse: ParseAnswer
     options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    subjects: CheckSubject | None = None  # None: any subject
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +71,42 @@ def text_result(answer: Completion) -> Any:
     return {"text": answer.content}
 
 
+def iso_dates(days_back: int = 3650, days_ahead: int = 1) -> CheckSubject:
+    """Subjects that are one day, `YYYY-MM-DD`, within `days_back` of today and `days_ahead`."""
+
+    def check(subject: str) -> None:
+        day = _day(subject)
+        today = dt.datetime.now(dt.UTC).date()
+        if not today - dt.timedelta(days=days_back) <= day <= today + dt.timedelta(days_ahead):
+            raise ValueError(f"{subject} is not within {days_back} days back to {days_ahead} on")
+
+    return check
+
+
+def periods(days: int, days_ahead: int = 1) -> CheckSubject:
+    """Subjects that are a window of `days` days, `YYYY-MM-DD..YYYY-MM-DD`, ending by
+    `days_ahead` from today."""
+
+    def check(subject: str) -> None:
+        first, dots, last = subject.partition("..")
+        start, end = _day(first), _day(last)
+        if not dots or (end - start).days != days - 1:
+            raise ValueError(f"expected a window of {days} days, FIRST..LAST")
+        if end > dt.datetime.now(dt.UTC).date() + dt.timedelta(days_ahead):
+            raise ValueError(f"{subject} ends too far ahead")
+
+    return check
+
+
+def _day(text: str) -> dt.date:
+    try:
+        if len(text) != len("YYYY-MM-DD"):
+            raise ValueError(text)
+        return dt.date.fromisoformat(text)
+    except ValueError:
+        raise ValueError(f"{text[:40]!r} is not a date (YYYY-MM-DD)") from None
+
+
 class Registry:
     """Generators by kind, and scope providers."""
 
@@ -91,10 +132,18 @@ class Registry:
         return registry
 
     def register_generator(
-        self, kind: str, build: BuildRequest, parse: ParseAnswer = text_result, **options: Any
+        self,
+        kind: str,
+        build: BuildRequest,
+        parse: ParseAnswer = text_result,
+        *,
+        subjects: CheckSubject | None = None,
+        **options: Any,
     ) -> Generator:
-        """Make `kind` known: `build` makes its prompt, `parse` its stored result."""
-        generator = Generator(kind, build, parse, options)
+        """Make `kind` known: `build` makes its prompt, `parse` its stored result; `subjects`
+        says which subjects it accepts (`iso_dates()`, `periods(28)`; default any), so a screen
+        asking for another is refused before anything is written."""
+        generator = Generator(kind, build, parse, options, subjects)
         self._generators[kind] = generator
         return generator
 
@@ -117,6 +166,19 @@ class Registry:
                 "kind", f"no generator is registered for {kind!r} (known: {known})"
             )
         return kind
+
+    def check(self, kind: str, subject: str) -> tuple[str, str]:
+        """The kind and subject if a generator makes insights for them; `InvalidArgument`
+        naming the one it does not."""
+        kind = self.check_kind(kind)
+        subject = validation.text("subject", subject, MAX_SUBJECT_LENGTH)
+        found = self._generators.get(kind)
+        if found is not None and found.subjects is not None:
+            try:
+                found.subjects(subject)
+            except ValueError as exc:
+                raise InvalidArgument("subject", f"not a subject of {kind!r}: {exc}") from None
+        return kind, subject
 
     def generator_for(self, kind: str) -> Generator:
         found = self._generators.get(kind)

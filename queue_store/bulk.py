@@ -78,6 +78,7 @@ class Turns:
 
     def __init__(self, connection: Connection, settings: StoreConfig, users: set[str]) -> None:
         self._connection = connection
+        self._settings = settings
         self._fair = settings.order == "fair"
         self._users = sorted(users)
         self._served: int | None = None
@@ -87,12 +88,18 @@ class Turns:
         served = self._connection.execute(places.SERVED_TURN).scalar_one()
         statement = _last_turns(self._connection.dialect.name == "postgresql")
         rows = self._connection.execute(statement, {"users": self._users})
-        self._last = {str(user): int(turn) for user, turn in rows if turn is not None}
+        self._last.update({str(user): int(turn) for user, turn in rows if turn is not None})
         return int(served)
 
     def deal(self, user_id: str, priority: int) -> int:
-        if not self._fair or priority <= INTERACTIVE:
+        if not self._fair:
             return 0
+        if priority <= INTERACTIVE:  # a bulk of screens is rare: each user's turn is read
+            key = f"interactive:{user_id}"
+            served = places.next_turn(self._connection, self._settings, user_id, priority)
+            turn = max(served, self._last.get(key, -1) + 1)
+            self._last[key] = turn
+            return turn
         if self._served is None:
             self._served = self._read()
         turn = places.turn_after(self._served, self._last.get(user_id))

@@ -28,6 +28,7 @@ from queue_store import places, schema, tallies
 from queue_store.errors import SchemaOutdated
 from queue_store.models import (
     HOLDER_NONCE_HEX,
+    INTERACTIVE,
     Blocked,
     Claim,
     CutCause,
@@ -229,9 +230,11 @@ def claim(
         if candidate.requested_at is not None:  # a screen asked: how long it waited
             waited = (now - candidate.requested_at).total_seconds()
             tallies.count(connection, tallies.SCREEN_WAIT_SECONDS, candidate.kind, "", waited)
-        if candidate.turn > state.turn:  # the turn being served moves on (R8b)
+        # The turn being served in the job's class moves on (R8b, A3).
+        served = "interactive_turn" if candidate.priority <= INTERACTIVE else "turn"
+        if candidate.turn > getattr(state, served):
             connection.execute(
-                update(gate).where(gate.c.id == schema.GATE_ROW_ID).values(turn=candidate.turn)
+                update(gate).where(gate.c.id == schema.GATE_ROW_ID).values({served: candidate.turn})
             )
         job = schema.from_row(Job, candidate)
         return Claim(dataclasses.replace(job, **claimed))

@@ -1,9 +1,10 @@
 """The queue's order (R8, R8b), and place in line and ETA (N3, P2), bounded at any backlog.
 
 Pending jobs are taken by priority, age, id (`AI_JOB_ORDER=fifo`), or by priority, turn, age, id
-(`fair`, the default): a prefetch job's turn is the one being served for a user with nothing
-waiting, else the one after its user's last waiting job's, so users who sync together alternate;
-interactive jobs have turn 0. Each order is an index. A place counts the pending jobs before a
+(`fair`, the default): a job's turn is the one being served in its class (interactive or
+prefetch) for a user with nothing waiting there, else the one after its user's last waiting
+job's, so users who sync together alternate, and so do users whose screens ask together (A3).
+Each order is an index. A place counts the pending jobs before a
 job from the index's head, stopping after `PLACE_BOUND + 1` entries, so it costs the same at any
 backlog; beyond that it says "more than `PLACE_BOUND`" and its ETA is a lower bound. An ETA adds
 what is left of the calls in flight, the mean duration per kind of every job ahead, a gap after
@@ -17,10 +18,10 @@ import datetime as dt
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import Connection, Row, and_, bindparam, case, func, select, tuple_
+from sqlalchemy import Connection, Row, and_, bindparam, case, func, select, tuple_, update
 
 from queue_store import schema
-from queue_store.models import INTERACTIVE, Job, Position, QueueEntry, Status
+from queue_store.models import INTERACTIVE, PREFETCH, Job, Position, QueueEntry, Status
 from queue_store.rules import lapsed
 from queue_store.settings import StoreConfig
 
@@ -48,25 +49,64 @@ def order_key(job: Job, settings: StoreConfig) -> tuple[Any, ...]:
     return tuple(getattr(job, column.name) for column in order(settings))
 
 
-# A user's last turn among their waiting prefetch jobs. The filter sits inside the aggregate
-# so that the user is the only condition an index can serve: with the status and priority in
-# the WHERE, a planner without statistics walks the fair index through every waiting job.
-LAST_TURN = func.max(
-    case((and_(jobs.c.status == Status.PENDING, jobs.c.priority > INTERACTIVE), jobs.c.turn))
-)
+def _last_turn(interactive: bool) -> Any:
+    """A user's last turn among their waiting jobs of one class. The filter sits inside the
+    aggregate so that the user is the only condition an index can serve: with the status and
+    priority in the WHERE, a planner without statistics walks the fair index through every
+    waiting job."""
+    of_class = jobs.c.priority <= INTERACTIVE if interactive else jobs.c.priority > INTERACTIVE
+    return func.max(case((and_(jobs.c.status == Status.PENDING, of_class), jobs.c.turn)))
 
 
+LAST_TURN = _last_turn(interactive=False)
+LAST_INTERACTIVE_TURN = _last_turn(interactive=True)
 SERVED_TURN = select(gate.c.turn).where(gate.c.id == schema.GATE_ROW_ID)
+SERVED_INTERACTIVE_TURN = select(gate.c.interactive_turn).where(gate.c.id == schema.GATE_ROW_ID)
 
 
 def next_turn(connection: Connection, settings: StoreConfig, user_id: str, priority: int) -> int:
-    """The turn of a job entering the queue now (R8b): 0 for an interactive job; else the
-    turn being served for a user with nothing waiting, or the one after its last job's."""
-    if settings.order != "fair" or priority <= INTERACTIVE:
+    """The turn of a job entering the queue now (R8b, A3): the turn being served in its class
+    (interactive or prefetch) for a user with nothing waiting in it, else the one after the
+    user's last waiting job's; 0 under fifo."""
+    if settings.order != "fair":
         return 0
-    last = select(LAST_TURN).where(jobs.c.user_id == user_id).scalar_subquery()
-    served, mine = connection.execute(SERVED_TURN.add_columns(last)).one()
-    return turn_after(int(served), mine)
+    interactive = priority <= INTERACTIVE
+    last = LAST_INTERACTIVE_TURN if interactive else LAST_TURN
+    served = SERVED_INTERACTIVE_TURN if interactive else SERVED_TURN
+    mine = select(last).where(jobs.c.user_id == user_id).scalar_subquery()
+    turn, latest = connection.execute(served.add_columns(mine)).one()
+    return turn_after(int(turn), latest)
+
+
+def cap_interactive(
+    connection: Connection, settings: StoreConfig, user_id: str, now: dt.datetime
+) -> int:
+    """At most `max_interactive` waiting interactive jobs per user (A3): those asked for longest
+    ago fall back to prefetch priority, in a prefetch turn (a person looks at one screen at a
+    time). Returns how many fell back."""
+    waiting = connection.execute(
+        select(jobs.c.id, jobs.c.revision)
+        .where(
+            jobs.c.user_id == user_id,
+            jobs.c.status == Status.PENDING,
+            jobs.c.priority <= INTERACTIVE,
+        )
+        .order_by(func.coalesce(jobs.c.requested_at, jobs.c.queued_at).desc(), jobs.c.id.desc())
+    ).all()
+    older = waiting[settings.max_interactive :]
+    for row in older:
+        connection.execute(
+            update(jobs)
+            .where(jobs.c.id == row.id)
+            .values(
+                priority=PREFETCH,
+                turn=next_turn(connection, settings, user_id, PREFETCH),
+                requested_at=None,
+                updated_at=now,
+                revision=row.revision + 1,
+            )
+        )
+    return len(older)
 
 
 def turn_after(served: int, last: int | None) -> int:

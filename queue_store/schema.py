@@ -30,7 +30,7 @@ from sqlalchemy import (
 )
 
 # The migration this code expects; `JobStore` refuses an older database.
-SCHEMA_REVISION = "0006"
+SCHEMA_REVISION = "0007"
 VERSION_TABLE = "insight_queue_version"
 
 GATE_ROW_ID = 1
@@ -189,8 +189,10 @@ gate = Table(
     Column("clock_boot_id", String(64)),
     Column("clock_anchor_wall", UTCDateTime),
     Column("clock_anchor_mono", Float),
-    # The turn being served in the fair order: the last claimed job's.
+    # The turn being served in the fair order: the last claimed job's, among prefetch jobs
+    # and among interactive ones (screens take turns by user too).
     Column("turn", BigInteger, nullable=False, server_default=text("0")),
+    Column("interactive_turn", BigInteger, nullable=False, server_default=text("0")),
 )
 
 # The mean call duration per kind, kept as a moving average by every finish:

@@ -44,9 +44,10 @@ def _config(prefix: str) -> SettingsConfigDict:
     return {**_COMMON, "env_prefix": prefix}
 
 
-def _f(default: Any, help: str, variable: str | None = None, **checks: Any) -> Any:
-    """A setting: its default, its help, and its variable where it does not follow the prefix."""
-    alias = AliasChoices(variable) if variable else None
+def _f(default: Any, help: str, variable: str | AliasChoices | None = None, **checks: Any) -> Any:
+    """A setting: its default, its help, and its variable where it does not follow the prefix
+    (the first of several names, the others still read)."""
+    alias = AliasChoices(variable) if isinstance(variable, str) else variable
     return Field(default=default, validation_alias=alias, description=help, **checks)
 
 
@@ -90,19 +91,73 @@ class GatewaySettings(_Checked):
         return value
 
 
+MIN_TOKEN_LENGTH = 16  # characters of a service or operator token
+MIN_SECRET_BYTES = 32  # of a screen token's HS256 secret (RFC 7518: at least the hash's size)
+
+
 class ApiSettings(_Checked):
+    """The HTTP API's callers and edges. Unset credentials are made once and kept in the data
+    directory (`insight-queue api` says where); nothing is open without one."""
+
     model_config = _config("AI_API_")
 
-    token: SecretStr = _f(SecretStr(""), "token for operator routes, and all routes off loopback")
-    require_token: bool = _f(False, "every route needs the token, on loopback too (behind a proxy)")
+    operator_token: SecretStr = _f(
+        SecretStr(""),
+        "the operator's token: the queue, its actions, /metrics, the page (secret)",
+        AliasChoices("AI_API_OPERATOR_TOKEN", "AI_API_TOKEN"),
+    )
+    service_token: SecretStr = _f(
+        SecretStr(""), "the app backend's token: polls and backfills for any user (secret)"
+    )
+    screen_secret: SecretStr = _f(
+        SecretStr(""), "HS256 secret the app signs screen tokens with (secret)"
+    )
+    screen_public_key: Path | None = _f(
+        None, "PEM public key the app signs screen tokens with (RS256/ES256)"
+    )
+    screen_jwks: Path | None = _f(None, "JWKS file of the keys the app signs screen tokens with")
+    screen_audience: str = _f("insight-queue", "the `aud` a screen token must carry")
+    screen_issuer: str = _f("", "the `iss` a screen token must carry (empty: not checked)")
+    allowed_hosts: str = _f("", "comma-separated Host names served besides loopback")
+    cors_origins: str = _f("", "comma-separated origins whose pages may call the API (CORS)")
+    screen_rate: int = _f(120, "requests a minute one screen user may make", ge=1)
+    service_rate: int = _f(12000, "requests a minute the service token may make", ge=1)
+    operator_rate: int = _f(600, "requests a minute the operator token may make", ge=1)
 
-    @field_validator("token")
+    @field_validator("operator_token", "service_token")
     @classmethod
-    def _not_blank(cls, value: SecretStr) -> SecretStr:
+    def _long_enough(cls, value: SecretStr) -> SecretStr:
         secret = value.get_secret_value()
         if secret and not secret.strip():
             raise ValueError("is blank: set a real token, or unset it")
+        if secret and len(secret) < MIN_TOKEN_LENGTH:
+            raise ValueError(f"is shorter than {MIN_TOKEN_LENGTH} characters: too easy to guess")
         return value
+
+    @field_validator("screen_secret")
+    @classmethod
+    def _strong_enough(cls, value: SecretStr) -> SecretStr:
+        secret = value.get_secret_value()
+        if secret and len(secret.encode()) < MIN_SECRET_BYTES:
+            raise ValueError(f"is shorter than {MIN_SECRET_BYTES} bytes (HS256 needs at least 32)")
+        return value
+
+    @field_validator("screen_public_key", "screen_jwks", mode="before")
+    @classmethod
+    def _path(cls, value: Path | str | None) -> Path | None:
+        return None if value in (None, "") else Path(value).expanduser()
+
+    @property
+    def hosts(self) -> list[str]:
+        return _listed(self.allowed_hosts)
+
+    @property
+    def origins(self) -> list[str]:
+        return [origin.rstrip("/") for origin in _listed(self.cors_origins)]
+
+
+def _listed(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
 
 
 class Settings(_Checked):
@@ -134,6 +189,9 @@ class Settings(_Checked):
     max_result_bytes: int = _f(MIB, "largest stored result, as JSON bytes", ge=KIB)
     plugins: str = _f("flows.demo", "comma-separated modules that register generators and scopes")
     order: Literal["fair", "fifo"] = _f("fair", "fair: users take turns in a priority; fifo")
+    max_interactive: int = _f(
+        8, "a user's waiting screens' jobs; the oldest beyond fall back to prefetch", ge=1
+    )
     gateway: GatewaySettings = Field(default_factory=GatewaySettings)
     api: ApiSettings = Field(default_factory=ApiSettings)
 
@@ -203,6 +261,7 @@ class Settings(_Checked):
             max_result_bytes=self.max_result_bytes,
             order=self.order,
             cut_hold=self.cut_hold,
+            max_interactive=self.max_interactive,
         )
 
     @property
@@ -212,7 +271,13 @@ class Settings(_Checked):
     def secrets(self) -> list[str]:
         """Every secret these settings hold, as text may echo it: the tokens, and the user, the
         password and `user:password` of each URL (libpq also takes `?password=`)."""
-        found = [self.gateway.token.get_secret_value(), self.api.token.get_secret_value()]
+        api = self.api
+        found = [
+            self.gateway.token.get_secret_value(),
+            api.operator_token.get_secret_value(),
+            api.service_token.get_secret_value(),
+            api.screen_secret.get_secret_value(),
+        ]
         for url in (self.gateway.url, self.database_url):
             parts = urllib.parse.urlsplit(url) if "://" in url else None
             if parts is None:
@@ -272,6 +337,7 @@ class StoreConfig:
     max_result_bytes: int = MIB
     order: Literal["fair", "fifo"] = "fair"
     cut_hold: float = 1080.0  # seconds a call cut on our side holds the gateway (H1)
+    max_interactive: int = 8  # waiting interactive jobs per user (A3)
 
 
 def _variable(model: type[BaseSettings], name: str) -> str:

@@ -113,6 +113,8 @@ class JobStore(OperatorActions):
                     turn = places.next_turn(connection, self._settings, key[0], priority)
                     values = bulk.new_job(*key, fingerprint, priority, now, turn)
                     connection.execute(insert(jobs).values(values))
+                    if priority <= INTERACTIVE:
+                        places.cap_interactive(connection, self._settings, key[0], now)
             except IntegrityError:
                 return None  # another caller inserted it first: decide again
             return Status.PENDING
@@ -134,6 +136,8 @@ class JobStore(OperatorActions):
                 .where(jobs.c.id == row.id, jobs.c.revision == row.revision)
                 .values(**changes, updated_at=now, revision=row.revision + 1)
             ).rowcount
+            if written == 1 and changes.get("priority", row.priority) <= INTERACTIVE:
+                places.cap_interactive(connection, self._settings, row.user_id, now)
         return decision.status if written == 1 else None
 
     def _take_back(self, jid: str) -> None:

@@ -80,7 +80,7 @@ def served_page(database_url: str, tmp_path: Path) -> Iterator[str]:
         data_dir=tmp_path / "data",
         gap_seconds=0.0,
         max_attempts=1,
-        api={"token": SecretStr(TOKEN)},
+        api={"operator_token": SecretStr(TOKEN)},
     )
     registry = Registry()
     for kind in ("sleep", "hrv", "steps", "trends"):

@@ -105,7 +105,7 @@ def settings(database_url: str, tmp_path: Path) -> Settings:
         data_dir=tmp_path / "data",
         gap_seconds=0.0,
         max_attempts=1,
-        api={"token": SecretStr(TOKEN)},
+        api={"operator_token": SecretStr(TOKEN)},
     )
 
 

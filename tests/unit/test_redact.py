@@ -120,7 +120,7 @@ def test_the_secrets_of_the_settings_are_known() -> None:
     settings = Settings(
         database_url=f"postgresql://db-role:{quoted}@127.0.0.1:5432/q",
         gateway={"token": SecretStr(TOKEN), "url": "http://gw-user:gw-p%40ss-word@gateway.test/"},
-        api={"token": SecretStr("api-token-0123456789")},
+        api={"operator_token": SecretStr("api-token-0123456789")},
     )
     redact = Redactor(settings.secrets())
     secrets = [

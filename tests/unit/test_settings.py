@@ -64,7 +64,7 @@ def test_secrets_and_url_credentials_are_never_shown() -> None:
     settings = Settings(
         database_url="postgresql://db-user:db-pass@db.internal/insights",
         gateway={"token": "sk-very-secret", "url": "http://gw-user:gw-pass@gateway.internal:8080"},
-        api={"token": "api-very-secret"},
+        api={"operator_token": "api-very-secret-token"},
     )
     shown = " ".join([repr(settings), str(settings), str(settings.public())])
     for secret in ("sk-very-secret", "api-very-secret", "gw-pass", "db-pass", "gw-user:"):

@@ -1,0 +1,181 @@
+"""Who is calling, and what they may do: every route knows its caller (A1, A2, A3).
+
+Three callers, each with its own credential, and nothing open without one:
+
+- a screen acts for one user: a signed, expiring token naming the user (`ScreenTokens`);
+- the app's backend and its post-sync hook act for any user: the service token;
+- the operator: the queue, its actions, `/metrics` and the page: the operator token.
+
+Tokens are compared in constant time. Credentials a browser sends by itself (the page's Basic)
+count only for the page, and only from the same site; a bearer token is never sent by a browser
+on its own, so it needs no such check. Each credential has a rate (requests a minute): past it,
+`429` with `Retry-After`.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import dataclasses
+import enum
+import hashlib
+import hmac
+import math
+import secrets
+import threading
+import time
+from collections.abc import Callable
+
+from starlette.requests import Request
+
+from deployments.http.credentials import Credentials, InvalidToken
+from deployments.http.errors import Refused
+from queue_store.settings import ApiSettings
+
+BEARER_NEEDED = "a credential is required: Authorization: Bearer <token>"
+# A rate's bucket holds this many seconds of requests: a screen that opens a few insights at
+# once is served at once, a flood is not.
+BURST_SECONDS = 10.0
+# Buckets kept at most; past it the full ones (credentials at rest) are dropped.
+MAX_BUCKETS = 100_000
+
+
+class Role(enum.StrEnum):
+    SCREEN = "screen"
+    SERVICE = "service"
+    OPERATOR = "operator"
+
+
+@dataclasses.dataclass(frozen=True)
+class Caller:
+    role: Role
+    user_id: str | None = None  # the user a screen acts for
+
+    @property
+    def key(self) -> str:
+        """The credential, for its rate: one per screen user, one per token."""
+        return f"{self.role}:{self.user_id}" if self.user_id is not None else str(self.role)
+
+    def may_act_for(self, user_id: str) -> bool:
+        return self.role is Role.SERVICE or (self.role is Role.SCREEN and self.user_id == user_id)
+
+
+class Rates:
+    """A token bucket per credential, in this process (each API process keeps its own)."""
+
+    def __init__(self, per_minute: dict[Role, int], clock: Callable[[], float] = time.monotonic):
+        self._per_second = {role: rate / 60.0 for role, rate in per_minute.items()}
+        self._clock = clock
+        self._buckets: dict[str, tuple[float, float]] = {}  # key -> (tokens, at)
+        self._lock = threading.Lock()
+
+    def take(self, caller: Caller) -> float | None:
+        """Spend one request of the caller's rate; None if allowed, else seconds to wait."""
+        rate = self._per_second[caller.role]
+        capacity = max(1.0, rate * BURST_SECONDS)
+        now = self._clock()
+        with self._lock:
+            tokens, at = self._buckets.get(caller.key, (capacity, now))
+            tokens = min(capacity, tokens + (now - at) * rate)
+            if tokens < 1.0:
+                self._buckets[caller.key] = (tokens, now)
+                return (1.0 - tokens) / rate
+            self._buckets[caller.key] = (tokens - 1.0, now)
+            if len(self._buckets) > MAX_BUCKETS:
+                self._forget_full(now)
+        return None
+
+    def _forget_full(self, now: float) -> None:
+        for key, (tokens, at) in list(self._buckets.items()):
+            role = Role(key.partition(":")[0])
+            rate = self._per_second[role]
+            if tokens + (now - at) * rate >= max(1.0, rate * BURST_SECONDS):
+                del self._buckets[key]
+
+
+class Gatekeeper:
+    """Identifies callers by their credential and keeps their rates."""
+
+    def __init__(self, credentials: Credentials, settings: ApiSettings) -> None:
+        self._operator = _digest(credentials.operator_token)
+        self._service = _digest(credentials.service_token)
+        # A credential that is not set matches nothing.
+        self._screens = credentials.screens
+        self.rates = Rates(
+            {
+                Role.SCREEN: settings.screen_rate,
+                Role.SERVICE: settings.service_rate,
+                Role.OPERATOR: settings.operator_rate,
+            }
+        )
+
+    def identify(self, request: Request, *, basic: bool = False) -> Caller:
+        """The caller of `request`, or `Refused(401)`. `basic`: the page, where a browser may
+        send the operator's token as Basic's password, from the same site only."""
+        scheme, _, credential = request.headers.get("authorization", "").strip().partition(" ")
+        credential = credential.strip()
+        if scheme.lower() == "bearer" and credential:
+            return self._bearer(credential)
+        if scheme.lower() == "basic" and basic and credential:
+            password = _basic_password(credential)
+            if password is not None and from_this_site(request):
+                digest = _digest(password)
+                if hmac.compare_digest(digest, self._operator):
+                    return Caller(Role.OPERATOR)
+        raise Refused(401, BEARER_NEEDED, "authorization", challenge=True)
+
+    def _bearer(self, token: str) -> Caller:
+        digest = _digest(token)
+        # Both compared, whatever the first gave: the time taken says nothing.
+        is_operator = hmac.compare_digest(digest, self._operator)
+        is_service = hmac.compare_digest(digest, self._service)
+        if is_operator:
+            return Caller(Role.OPERATOR)
+        if is_service:
+            return Caller(Role.SERVICE)
+        try:
+            return Caller(Role.SCREEN, self._screens.user_of(token))
+        except InvalidToken as exc:
+            raise Refused(401, str(exc), "authorization", challenge=True) from None
+
+    def admit(self, caller: Caller) -> None:
+        """Spend one request of the caller's rate, or `Refused(429)` with `Retry-After`."""
+        wait = self.rates.take(caller)
+        if wait is not None:
+            retry = max(1, math.ceil(wait))
+            raise Refused(
+                429,
+                f"too many requests for this {caller.role} credential; retry in {retry} s",
+                "authorization",
+                headers={"Retry-After": str(retry)},
+            )
+
+
+def from_this_site(request: Request, allowed: tuple[str, ...] = ()) -> bool:
+    """Whether a browser sent this from a page of this API's own origin (or of `allowed`), or
+    not from a page at all: the `Sec-Fetch-Site` and `Origin` a browser adds."""
+    site = request.headers.get("sec-fetch-site")
+    origin = request.headers.get("origin")
+    own = f"{request.url.scheme}://{request.headers.get('host', '')}"
+    if origin is not None and origin.rstrip("/") in allowed:
+        return True
+    if site is not None and site not in ("same-origin", "none"):
+        return False
+    return origin is None or origin == own
+
+
+def _basic_password(credential: str) -> str | None:
+    try:
+        decoded = base64.b64decode(credential, validate=True).decode("utf-8")
+    except (binascii.Error, UnicodeDecodeError):
+        return None
+    _, colon, password = decoded.partition(":")
+    return password if colon and password else None
+
+
+def _digest(token: str) -> bytes:
+    """Digests of equal length, so a comparison takes the same time whatever was sent; an
+    empty token's is random, matching nothing."""
+    if not token:
+        return secrets.token_bytes(hashlib.sha256().digest_size)
+    return hashlib.sha256(token.encode("utf-8", "surrogateescape")).digest()

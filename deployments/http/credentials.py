@@ -1,0 +1,208 @@
+"""The API's credentials: the operator's and the service's tokens, and a screen's signed token.
+
+Tokens are the settings' (`AI_API_OPERATOR_TOKEN`, `AI_API_SERVICE_TOKEN`); a token not set is
+made once, at random, and kept in the data directory (`api-credentials.json`, readable by the
+service account only), so every process of the API and the `token` command read the same.
+A screen's token is a JWT the app signs for one user, checked with PyJWT: HS256 with a shared
+secret (`AI_API_SCREEN_SECRET`, else the one kept in that file), or RS256/ES256 with the app's
+public key or JWKS file; `sub` is the user, `exp` is required, the audience is checked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import secrets
+import time
+from pathlib import Path
+from typing import Any
+
+import jwt
+
+from queue_store import InvalidArgument, Misconfigured, Settings, validation
+from queue_store.files import private_directory
+
+CREDENTIALS_FILE = "api-credentials.json"
+HMAC_ALGORITHMS = ["HS256"]
+KEY_ALGORITHMS = ["RS256", "ES256"]
+# Clock differences between the app that signs and this API, seconds.
+LEEWAY_SECONDS = 10
+MADE = ("operator_token", "service_token", "screen_secret")
+
+
+class InvalidToken(Exception):
+    """A screen token that does not hold: its message says why, without the token."""
+
+
+class ScreenTokens:
+    """Checks (and, with a shared secret, makes) the tokens that let a screen act for a user."""
+
+    def __init__(
+        self,
+        *,
+        secret: str | None = None,
+        public_key: str | None = None,
+        jwks: dict[str, Any] | None = None,
+        audience: str,
+        issuer: str = "",
+    ) -> None:
+        self._secret = secret
+        self._public_key = public_key
+        self._jwks = jwt.PyJWKSet.from_dict(jwks) if jwks is not None else None
+        self._audience = audience
+        self._issuer = issuer or None
+
+    @property
+    def can_issue(self) -> bool:
+        return self._secret is not None
+
+    def issue(self, user_id: str, ttl_seconds: float) -> str:
+        """A token for `user_id`, valid for `ttl_seconds` (HS256, with the shared secret)."""
+        if self._secret is None:
+            raise Misconfigured(
+                "screen tokens are signed with the app's private key here: the app makes them"
+            )
+        now = int(time.time())
+        claims: dict[str, Any] = {
+            "sub": validation.user_id(user_id),
+            "aud": self._audience,
+            "iat": now,
+            "exp": now + max(1, int(ttl_seconds)),
+        }
+        if self._issuer:
+            claims["iss"] = self._issuer
+        return jwt.encode(claims, self._secret, algorithm="HS256")
+
+    def user_of(self, token: str) -> str:
+        """The user a valid token names; `InvalidToken` otherwise."""
+        key, algorithms = self._key_for(token)
+        try:
+            claims = jwt.decode(
+                token,
+                key,
+                algorithms=algorithms,
+                audience=self._audience,
+                issuer=self._issuer,
+                leeway=LEEWAY_SECONDS,
+                options={"require": ["exp", "sub", "aud"]},
+            )
+        except jwt.ExpiredSignatureError:
+            raise InvalidToken("the screen token has expired") from None
+        except jwt.PyJWTError as exc:
+            raise InvalidToken(f"the screen token is not valid ({type(exc).__name__})") from None
+        try:
+            return validation.user_id(claims["sub"])
+        except InvalidArgument as exc:
+            raise InvalidToken(f"the screen token names no usable user ({exc})") from None
+
+    def _key_for(self, token: str) -> tuple[Any, list[str]]:
+        if self._secret is not None:
+            return self._secret, HMAC_ALGORITHMS
+        if self._public_key is not None:
+            return self._public_key, KEY_ALGORITHMS
+        if self._jwks is not None:
+            try:
+                kid = jwt.get_unverified_header(token).get("kid")
+                found = self._jwks[str(kid)]
+            except (jwt.PyJWTError, KeyError):
+                raise InvalidToken("the screen token names no key of the JWKS") from None
+            return found, [found.algorithm_name] if found.algorithm_name else KEY_ALGORITHMS
+        raise InvalidToken("screen tokens are not accepted here")
+
+
+@dataclasses.dataclass(frozen=True)
+class Credentials:
+    operator_token: str
+    service_token: str
+    screens: ScreenTokens
+    path: Path  # where the credentials made here are kept
+    made: tuple[str, ...] = ()  # which were made just now
+
+    @classmethod
+    def load(cls, settings: Settings, *, create: bool = True) -> Credentials:
+        """The credentials of these settings; what is not set comes from the data directory's
+        file, made (0600, in a 0700 directory) when `create` and it is missing."""
+        api = settings.api
+        path = settings.data_dir / CREDENTIALS_FILE
+        given = {
+            "operator_token": api.operator_token.get_secret_value(),
+            "service_token": api.service_token.get_secret_value(),
+            "screen_secret": api.screen_secret.get_secret_value(),
+        }
+        if api.screen_public_key is not None or api.screen_jwks is not None:
+            given["screen_secret"] = ""
+        needed = [
+            name
+            for name, value in given.items()
+            if not value and not (name == "screen_secret" and _keys_given(settings))
+        ]
+        kept, made = _kept(path, needed, create=create)
+        values = {name: given[name] or kept.get(name, "") for name in given}
+        return cls(
+            values["operator_token"],
+            values["service_token"],
+            _screens(settings, values["screen_secret"] or None),
+            path,
+            made,
+        )
+
+
+def _keys_given(settings: Settings) -> bool:
+    return settings.api.screen_public_key is not None or settings.api.screen_jwks is not None
+
+
+def _screens(settings: Settings, secret: str | None) -> ScreenTokens:
+    api = settings.api
+    public_key = _read(api.screen_public_key, "AI_API_SCREEN_PUBLIC_KEY")
+    jwks_text = _read(api.screen_jwks, "AI_API_SCREEN_JWKS")
+    try:
+        jwks = json.loads(jwks_text) if jwks_text is not None else None
+        return ScreenTokens(
+            secret=secret if public_key is None and jwks is None else None,
+            public_key=public_key,
+            jwks=jwks,
+            audience=api.screen_audience,
+            issuer=api.screen_issuer,
+        )
+    except (ValueError, jwt.PyJWTError) as exc:
+        raise Misconfigured(f"AI_API_SCREEN_JWKS: not a usable JWKS ({exc})") from None
+
+
+def _read(path: Path | None, variable: str) -> str | None:
+    if path is None:
+        return None
+    try:
+        return path.read_text()
+    except OSError as exc:
+        raise Misconfigured(f"{variable}: cannot read {path} ({exc.strerror})") from None
+
+
+def _kept(path: Path, needed: list[str], *, create: bool) -> tuple[dict[str, str], tuple[str, ...]]:
+    """The credentials kept in `path`, with the `needed` ones that were missing made now."""
+    kept = _load(path)
+    missing = [name for name in needed if not kept.get(name)]
+    if not missing or not create:
+        return kept, ()
+    private_directory(path.parent)
+    for name in missing:
+        kept[name] = secrets.token_urlsafe(32)
+    temporary = path.with_name(f".{path.name}.{os.getpid()}")
+    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(descriptor, "w") as handle:
+        json.dump(kept, handle, indent=2)
+    os.chmod(temporary, 0o600)
+    os.replace(temporary, path)
+    return kept, tuple(missing)
+
+
+def _load(path: Path) -> dict[str, str]:
+    try:
+        found = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        raise Misconfigured(f"{path}: not readable as credentials ({exc})") from None
+    if not isinstance(found, dict):
+        raise Misconfigured(f"{path}: not readable as credentials (not an object)")
+    return {str(k): str(v) for k, v in found.items() if k in MADE and v}

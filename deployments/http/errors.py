@@ -1,0 +1,113 @@
+"""Refusals and failures as one line of JSON, never a traceback (a host app adds them too)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException
+from starlette.responses import JSONResponse, Response
+
+from queue_store import InvalidArgument, Misconfigured, Status, Unavailable
+
+logger = logging.getLogger(__name__)
+
+MAX_MESSAGE_CHARACTERS = 300  # of a one-line error
+STORE_DOWN_RETRY_SECONDS = 10
+MAX_BODY_BYTES = 16 * 1024
+TOO_LARGE = f"body: larger than {MAX_BODY_BYTES} bytes"
+REALM = "insight-queue"
+NO_STORE = {"Cache-Control": "no-store"}
+
+
+class Refused(Exception):
+    """A request refused with a 4xx, naming the field it is about."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        field: str | None = None,
+        *,
+        challenge: bool = False,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.field = status, message, field
+        self.challenge, self.headers = challenge, dict(headers or {})
+
+
+def problem(
+    status: int, message: str, field: str | None = None, headers: Mapping[str, str] | None = None
+) -> JSONResponse:
+    """A refusal: one line of JSON, naming the field it is about where there is one."""
+    line = " ".join(message.split())
+    if len(line) > MAX_MESSAGE_CHARACTERS:
+        line = line[: MAX_MESSAGE_CHARACTERS - 1] + "…"
+    body: dict[str, Any] = {"error": line} | ({"field": field} if field else {})
+    return JSONResponse(body, status, {**NO_STORE, **(headers or {})})
+
+
+def unavailable(error: str) -> JSONResponse:
+    """The store cannot be reached: 503, status unknown, and when to try again."""
+    body = {"status": str(Status.UNKNOWN), "error": " ".join(error.split())[:300]}
+    headers = {**NO_STORE, "Retry-After": str(STORE_DOWN_RETRY_SECONDS)}
+    return JSONResponse(body, 503, headers)
+
+
+def challenged(response: Response) -> Response:
+    """Ask for a bearer token, or Basic credentials (a browser prompts for those)."""
+    response.headers.append("WWW-Authenticate", f'Bearer realm="{REALM}"')
+    response.headers.append("WWW-Authenticate", f'Basic realm="{REALM}", charset="UTF-8"')
+    return response
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    """Every refusal and failure as one line of JSON."""
+
+    @app.exception_handler(Refused)
+    async def refused(request: Request, exc: Refused) -> Response:
+        response = problem(exc.status, exc.message, exc.field, exc.headers)
+        return challenged(response) if exc.challenge else response
+
+    @app.exception_handler(InvalidArgument)
+    async def invalid(request: Request, exc: InvalidArgument) -> Response:
+        return problem(422, str(exc), exc.argument)
+
+    @app.exception_handler(Misconfigured)
+    async def misconfigured(request: Request, exc: Misconfigured) -> Response:
+        return problem(500, f"the server is misconfigured: {exc}")
+
+    @app.exception_handler(Unavailable)
+    async def store_unavailable(request: Request, exc: Unavailable) -> Response:
+        return unavailable(str(exc))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        messages = {404: "no such route", 405: "method not allowed on this route"}
+        if exc.status_code == 400:  # FastAPI could not read the body
+            return problem(400, "body: not valid JSON", "body")
+        if exc.status_code == 413:
+            return problem(413, TOO_LARGE, "body")
+        message = messages.get(exc.status_code) or str(exc.detail)
+        return problem(exc.status_code, message, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> Response:
+        first: Mapping[str, Any] = next(iter(exc.errors()), {})
+        location = [str(p) for p in first.get("loc", ()) if p not in ("path", "query", "header")]
+        if first.get("type") == "json_invalid":
+            reason = first.get("ctx", {}).get("error", "")
+            return problem(400, f"body: not valid JSON ({reason})", "body")
+        field = location[-1] if location and not location[-1].isdigit() else "body"
+        if field == "body" and len(location) > 1:
+            field = location[1]
+        return problem(422, f"{field}: {first.get('msg', 'invalid')}", field)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> Response:
+        logger.error("unexpected error while answering a request", exc_info=exc)
+        return problem(500, "internal error; the server's log has the details")
