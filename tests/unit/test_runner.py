@@ -29,6 +29,7 @@ from pydantic import SecretStr
 from flows.ledger import Outcome, Report
 from flows.registry import Registry
 from queue_store import (
+    ClaimLost,
     DatabaseError,
     Failure,
     Job,
@@ -122,6 +123,9 @@ def registry(build_gate: threading.Event | None = None) -> Registry:
     def broken_parse(answer: Any) -> Any:
         return 1 / 0
 
+    def leaky_build(user_id: str, subject: str) -> list[dict[str, str]]:
+        raise RuntimeError(f"the data source refused {TOKEN}")
+
     def huge_result(answer: Any) -> Any:
         return {"text": "x" * (MAX_RESULT * 4)}
 
@@ -131,6 +135,7 @@ def registry(build_gate: threading.Event | None = None) -> Registry:
         return prompt(user_id, subject)
 
     made.register_generator("broken-build", broken_build)
+    made.register_generator("leaky-build", leaky_build)
     made.register_generator("broken-parse", prompt, broken_parse)
     made.register_generator("huge-result", prompt, huge_result)
     made.register_generator("slow-build", slow_build)
@@ -243,6 +248,34 @@ def test_renewals_keep_a_call_longer_than_the_lease_alive() -> None:
     assert len(renewals) >= 31 and all(r.reply is Renewal.RENEWED for r in renewals)
     told = bench.told(report)
     assert (told.method, told.result) == ("finish", {"text": "slow but sure"})
+
+
+# --- recording the result -------------------------------------------------------------------
+
+
+def test_a_takeover_before_the_result_is_recorded_records_nothing_more(bench: Bench) -> None:
+    async def scenario() -> Report:
+        job, sent = bench.claim()
+        bench.store.script_finish(ClaimLost(job.id, job.holder or ""))
+        return await bench.runner.run(job, sent)
+
+    report = go(scenario())
+    assert report.outcome is Outcome.LOST and report.failure is None
+    assert report.message == "the claim was taken over before the result was recorded"
+    told = bench.told(report)  # the refused finish, and no fail after it
+    assert told.method == "finish" and isinstance(told.reply, ClaimLost)
+
+
+def test_a_short_store_outage_while_recording_the_result_is_ridden_out(bench: Bench) -> None:
+    # The call behind the result cost the shared gateway: the same finish is tried again.
+    bench.store.script_finish(DatabaseError("finish: the database cannot be reached (scripted)"))
+    report = go(bench.run())
+    assert report.outcome is Outcome.DONE and report.message == "done"
+    first, second = bench.store.settlements()
+    assert (first.method, second.method) == ("finish", "finish")
+    assert isinstance(first.reply, DatabaseError) and second.reply is Status.DONE
+    assert first.result == second.result == {"text": "an insight"}
+    assert first.holder == second.holder == report.job.holder
 
 
 # --- attempts spent ---------------------------------------------------------------------------
@@ -523,6 +556,25 @@ def test_a_takeover_mid_call_cancels_the_call_at_once_and_records_nothing() -> N
     assert bench.store.settlements() == []
 
 
+def test_a_lapse_mid_call_stops_the_call_and_keeps_the_attempt(bench: Bench) -> None:
+    # Renewals come every 0.1 s; the lease's own deadline is 25 s away.
+    async def scenario() -> Report:
+        bench.gateway.default = hang
+        task = asyncio.create_task(bench.run())
+        await bench.gateway.called.wait()
+        bench.store.script_renewals(Renewal.LAPSED, from_nth=len(bench.store.renewals()) + 1)
+        return await asyncio.wait_for(task, LATE)
+
+    report = go(scenario())
+    assert report.outcome is Outcome.RELEASED and report.failure is Failure.STOPPED
+    assert report.message == "stopped the call: the claim lapsed before it could be renewed"
+    assert bench.gateway.cancelled.is_set()
+    assert [c.reply for c in bench.store.renewals()].count(Renewal.LAPSED) == 1
+    told = bench.told(report)
+    assert (told.method, told.failure, told.message) == ("fail", Failure.STOPPED, report.message)
+    assert report.settlement is not None and not report.settlement.attempt_spent
+
+
 def test_a_database_down_past_the_budget_stops_the_call_before_the_lease_could_lapse() -> None:
     lease, margin = 3.0, 1.5
     bench = Bench(
@@ -643,6 +695,16 @@ def test_a_token_echoed_by_the_gateway_never_reaches_the_report_or_the_store(ben
     bench.gateway.default = echo
     report = go(bench.run())
     assert "[redacted]" in report.message
+    told = bench.told(report)
+    assert told.message is not None and "[redacted]" in told.message
+    assert exposures(report.message + repr(report) + repr(bench.store.calls), TOKEN) == []
+
+
+def test_a_token_in_a_generators_error_never_reaches_the_report_or_the_store(
+    bench: Bench,
+) -> None:
+    report = go(bench.run("leaky-build"))
+    assert report.failure is Failure.BUILD and "[redacted]" in report.message
     told = bench.told(report)
     assert told.message is not None and "[redacted]" in told.message
     assert exposures(report.message + repr(report) + repr(bench.store.calls), TOKEN) == []
