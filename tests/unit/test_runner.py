@@ -1,20 +1,24 @@
 """One claimed job through the runner: what the store is told for every verdict, and the lease.
 
-A real SQLite store in a temporary directory, a `GatewayClient` over
-`httpx.MockTransport` answering per job, and a registry of test generators.
-Faults come by count (the store's n-th renewal fails) or by event (a call
-that hangs until it is cancelled, a build that waits for the test); deadlines
-are the settings' own, asserted with wide margins.
+The store is `FakeWorkerStore` (tests/support/fake_store.py): it records what the runner tells
+it and answers from the test's script, so a test asserts what the runner said (the verb, the
+`Failure`, the message, the wait it asked for) and what it made of the answer (its `Report`).
+What the store then does is its own rules', tested on SQLite and PostgreSQL in
+tests/integration; the one test here that needs them (G2, a verdict drawn from other jobs'
+answers) runs on a real SQLite store. The gateway is a `GatewayClient` over
+`httpx.MockTransport` answering per job, and the generators are the test's own.
+Faults come by count (the n-th renewal fails) or by event (a call that hangs until it is
+cancelled, a build that waits for the test); deadlines are the settings' own, asserted with
+wide margins.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import threading
 import time
 import urllib.parse
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -25,19 +29,21 @@ from pydantic import SecretStr
 from flows.ledger import Outcome, Report
 from flows.registry import Registry
 from queue_store import (
-    Blocked,
+    ClaimLost,
     DatabaseError,
     Failure,
     Job,
-    JobStore,
-    PauseKind,
     Renewal,
     Settings,
+    Settlement,
     Status,
+    Usage,
+    WorkerStore,
 )
 from tests.support.databases import FakeClock
-from tests.support.factories import gateway_client, job_runner
-from tests.support.reads import job_of, result_of
+from tests.support.factories import gateway_client, job_runner, store_for
+from tests.support.fake_store import Call, FakeWorkerStore
+from tests.support.reads import job_of
 from tests.support.secrets import exposures
 
 TOKEN = "sk-runner/9f8e+7d6c=5b4a"
@@ -45,21 +51,25 @@ WORKER = "runner-test@host:1:abc123"
 USER = "u"
 MAX_RESULT = 1024  # bytes: AI_JOB_MAX_RESULT_BYTES here
 LATE = 10.0  # seconds: anything slower than this did not happen "at once"
+DOWN = "heartbeat: the database cannot be reached (scripted)"
 
 Handler = Callable[[httpx.Request], Coroutine[None, None, httpx.Response]]
 
 
-def completion(text: str = "an insight") -> httpx.Response:
-    return httpx.Response(200, json={"choices": [{"message": {"content": text}}]})
+def completion(text: str = "an insight", **more: Any) -> httpx.Response:
+    return httpx.Response(200, json={"choices": [{"message": {"content": text}}], **more})
 
 
 class Gateway:
-    """Answers by job label; records what it was asked, and calls that were cancelled."""
+    """Answers by job label; records what it was asked, what the store had been told by then,
+    and calls that were cancelled."""
 
-    def __init__(self, default: Handler | None = None) -> None:
+    def __init__(self, store: FakeWorkerStore | None = None, default: Handler | None = None):
         self.routes: dict[str, Handler] = {}
         self.default = default or ok
+        self.store = store
         self.asked: list[str] = []
+        self.told_before: list[list[Call]] = []  # per request: the store's calls until then
         self.called = asyncio.Event()
         self.cancelled = asyncio.Event()
 
@@ -69,6 +79,8 @@ class Gateway:
     async def __call__(self, request: httpx.Request) -> httpx.Response:
         job = urllib.parse.unquote(request.headers.get("X-Insight-Job", ""))
         self.asked.append(job)
+        if self.store is not None:
+            self.told_before.append(self.store.calls)
         self.called.set()
         try:
             return await self.routes.get(job, self.default)(request)
@@ -97,44 +109,6 @@ async def refuse(request: httpx.Request) -> httpx.Response:
     raise httpx.ConnectError("[Errno 111] Connection refused", request=request)
 
 
-class Store(JobStore):
-    """A real store whose renewals can be made to fail from the n-th on (by count)."""
-
-    def __init__(
-        self,
-        settings: Settings,
-        fail_renewals_after: int | None = None,
-        clock: FakeClock | None = None,
-    ) -> None:
-        super().__init__(settings.database_url, settings=settings, clock=clock)
-        self.fail_renewals_after = fail_renewals_after
-        self.renewals = 0
-        self.renewed_at: list[float] = []  # monotonic send time of each renewal confirmed
-
-    def heartbeat(
-        self, jid: str, holder: str, *, calling: bool = False, flow_run_id: str | None = None
-    ) -> Renewal:
-        if flow_run_id is not None:
-            return super().heartbeat(jid, holder, flow_run_id=flow_run_id)
-        self.renewals += 1
-        if self.fail_renewals_after is not None and self.renewals > self.fail_renewals_after:
-            raise DatabaseError("heartbeat: the database cannot be reached (injected)")
-        sent = time.monotonic()
-        renewal = super().heartbeat(jid, holder, calling=calling)
-        if renewal:
-            self.renewed_at.append(sent)
-        return renewal
-
-
-@contextlib.contextmanager
-def opened(settings: Settings, **options: Any) -> Iterator[Store]:
-    store = Store(settings, **options)
-    try:
-        yield store
-    finally:
-        store.close()
-
-
 def prompt(user_id: str, subject: str) -> list[dict[str, str]]:
     return [{"role": "user", "content": f"insight for {user_id}/{subject}"}]
 
@@ -149,6 +123,9 @@ def registry(build_gate: threading.Event | None = None) -> Registry:
     def broken_parse(answer: Any) -> Any:
         return 1 / 0
 
+    def leaky_build(user_id: str, subject: str) -> list[dict[str, str]]:
+        raise RuntimeError(f"the data source refused {TOKEN}")
+
     def huge_result(answer: Any) -> Any:
         return {"text": "x" * (MAX_RESULT * 4)}
 
@@ -158,15 +135,15 @@ def registry(build_gate: threading.Event | None = None) -> Registry:
         return prompt(user_id, subject)
 
     made.register_generator("broken-build", broken_build)
+    made.register_generator("leaky-build", leaky_build)
     made.register_generator("broken-parse", prompt, broken_parse)
     made.register_generator("huge-result", prompt, huge_result)
     made.register_generator("slow-build", slow_build)
     return made
 
 
-def make_settings(tmp_path: Path, **overrides: Any) -> Settings:
+def make_settings(**overrides: Any) -> Settings:
     values: dict[str, Any] = {
-        "database_url": f"sqlite:///{tmp_path / 'queue.db'}",
         "gap_seconds": 0.0,
         "heartbeat_seconds": 0.1,
         "lease_seconds": 30.0,
@@ -183,88 +160,122 @@ def make_settings(tmp_path: Path, **overrides: Any) -> Settings:
 
 
 class Bench:
-    """A store, a gateway and a runner, for one test."""
+    """A scripted store, a gateway and a runner, for one test."""
 
     def __init__(
-        self,
-        settings: Settings,
-        store: Store,
-        *,
-        build_gate: threading.Event | None = None,
+        self, settings: Settings | None = None, *, build_gate: threading.Event | None = None
     ) -> None:
-        self.settings = settings
-        self.store = store
-        self.gateway = Gateway()
-        client = gateway_client(settings, transport=httpx.MockTransport(self.gateway))
-        self.runner = job_runner(store, settings, registry(build_gate), client)
+        self.settings = settings or make_settings()
+        self.store = FakeWorkerStore.of(self.settings)
+        role: WorkerStore = self.store  # the fake plays the role the runner is given
+        self.gateway = Gateway(self.store)
+        client = gateway_client(self.settings, transport=httpx.MockTransport(self.gateway))
+        self.runner = job_runner(role, self.settings, registry(build_gate), client)
 
-    def claim(self, kind: str = "ok", subject: str = "d1") -> tuple[Job, float]:
-        self.store.enqueue(USER, kind, subject)
-        return self.claim_next()
-
-    def claim_next(self) -> tuple[Job, float]:
+    def claim(self, kind: str = "ok", subject: str = "d1", attempts: int = 1) -> tuple[Job, float]:
+        """A job as `claim_next` hands it out, and the loop's time just before it was asked."""
         sent = asyncio.get_running_loop().time()
-        claim = self.store.claim_next(WORKER)
-        assert claim.job is not None, claim
-        return claim.job, sent
+        job = self.store.claimed(kind, subject, user_id=USER, attempts=attempts, worker=WORKER)
+        return job, sent
 
-    async def run(self, kind: str = "ok", subject: str = "d1") -> Report:
-        job, sent = self.claim(kind, subject)
-        return await self.runner.run(job, sent)
+    async def run(self, kind: str = "ok", subject: str = "d1", attempts: int = 1) -> Report:
+        return await self.runner.run(*self.claim(kind, subject, attempts))
 
-    def job(self, kind: str = "ok", subject: str = "d1") -> Job:
-        found = job_of(self.store, USER, kind, subject)
-        assert found is not None
-        return found
+    def told(self, report: Report) -> Call:
+        """The one settlement the runner told the store (`finish` or `fail`), under the job's
+        own claim; a `fail`'s Settlement is the report's."""
+        settled = self.store.settlements()
+        assert len(settled) == 1, settled
+        call = settled[0]
+        assert (call.job_id, call.holder) == (report.job.id, report.job.holder)
+        if call.method == "fail" and isinstance(call.reply, Settlement):
+            assert report.settlement == call.reply
+        return call
 
 
 @pytest.fixture
-def bench(tmp_path: Path) -> Iterator[Bench]:
-    settings = make_settings(tmp_path)
-    with opened(settings) as store:
-        yield Bench(settings, store)
+def bench() -> Bench:
+    return Bench()
 
 
 def go(coroutine: Coroutine[Any, Any, Any]) -> Any:
     return asyncio.run(coroutine)
 
 
+def started_calls(told: list[Call]) -> list[Renewal | Exception]:
+    """What the renewals that marked a call as started (H1) were answered."""
+    return [call.reply for call in told if call.renewal and call.calling]
+
+
 # --- done -----------------------------------------------------------------------------------
 
 
 def test_an_answer_is_stored_and_the_job_done(bench: Bench) -> None:
-    async def scenario() -> Report:
-        bench.gateway.default = ok
-        return await bench.run()
+    async def answered(request: httpx.Request) -> httpx.Response:
+        return completion(usage={"prompt_tokens": 12, "completion_tokens": 34})
 
-    report = go(scenario())
+    bench.gateway.default = answered
+    report = go(bench.run())
     assert (report.outcome, report.message, report.failure) == (Outcome.DONE, "done", None)
     assert report.succeeded and report.called and report.call_seconds is not None
     assert bench.gateway.asked == ["ok:d1"]
-    job = bench.job()
-    assert (job.status, job.attempts, job.error, job.holder) == (Status.DONE, 1, None, None)
-    result = result_of(bench.store, USER, "ok", "d1")
-    assert result is not None and result.output == {"text": "an insight"}
+    # The call started right after a confirmed renewal (L2) that said so (H1).
+    assert started_calls(bench.gateway.told_before[0]) == [Renewal.RENEWED]
+    told = bench.told(report)
+    assert (told.method, told.reply) == ("finish", Status.DONE)
+    assert told.result == {"text": "an insight"}
+    assert told.usage == Usage(12, 34) and told.duration is not None
 
 
-def test_renewals_keep_a_call_longer_than_the_lease_alive(tmp_path: Path) -> None:
-    # The lease budget is 2 s; the gateway answers only after 40 renewals (~4 s).
-    settings = make_settings(tmp_path, lease_seconds=2.5, lease_margin_seconds=0.5)
-    with opened(settings) as store:
-        bench = Bench(settings, store)
+def test_renewals_keep_a_call_longer_than_the_lease_alive() -> None:
+    # The lease budget is 1 s; the gateway answers only after 30 renewals past the one right
+    # before the call, 0.05 s apart (at least 1.5 s).
+    budget = 1.0
+    bench = Bench(
+        make_settings(lease_seconds=1.5, lease_margin_seconds=0.5, heartbeat_seconds=0.05)
+    )
 
-        async def slow(request: httpx.Request) -> httpx.Response:
-            while store.renewals < 40:
-                await asyncio.sleep(0.05)
-            return completion("slow but sure")
+    async def slow(request: httpx.Request) -> httpx.Response:
+        while len(bench.store.renewed_at) < 31:
+            await asyncio.sleep(0.01)
+        return completion("slow but sure")
 
-        async def scenario() -> Report:
-            bench.gateway.default = slow
-            return await bench.run()
+    bench.gateway.default = slow
+    report = go(bench.run())
+    assert report.outcome is Outcome.DONE, report
+    assert report.call_seconds is not None and report.call_seconds > budget
+    renewals = bench.store.renewals()
+    assert len(renewals) >= 31 and all(r.reply is Renewal.RENEWED for r in renewals)
+    told = bench.told(report)
+    assert (told.method, told.result) == ("finish", {"text": "slow but sure"})
 
-        report = go(scenario())
-        assert report.outcome is Outcome.DONE, report
-        assert report.call_seconds is not None and report.call_seconds > 2.0
+
+# --- recording the result -------------------------------------------------------------------
+
+
+def test_a_takeover_before_the_result_is_recorded_records_nothing_more(bench: Bench) -> None:
+    async def scenario() -> Report:
+        job, sent = bench.claim()
+        bench.store.script_finish(ClaimLost(job.id, job.holder or ""))
+        return await bench.runner.run(job, sent)
+
+    report = go(scenario())
+    assert report.outcome is Outcome.LOST and report.failure is None
+    assert report.message == "the claim was taken over before the result was recorded"
+    told = bench.told(report)  # the refused finish, and no fail after it
+    assert told.method == "finish" and isinstance(told.reply, ClaimLost)
+
+
+def test_a_short_store_outage_while_recording_the_result_is_ridden_out(bench: Bench) -> None:
+    # The call behind the result cost the shared gateway: the same finish is tried again.
+    bench.store.script_finish(DatabaseError("finish: the database cannot be reached (scripted)"))
+    report = go(bench.run())
+    assert report.outcome is Outcome.DONE and report.message == "done"
+    first, second = bench.store.settlements()
+    assert (first.method, second.method) == ("finish", "finish")
+    assert isinstance(first.reply, DatabaseError) and second.reply is Status.DONE
+    assert first.result == second.result == {"text": "an insight"}
+    assert first.holder == second.holder == report.job.holder
 
 
 # --- attempts spent ---------------------------------------------------------------------------
@@ -283,63 +294,54 @@ def test_renewals_keep_a_call_longer_than_the_lease_alive(tmp_path: Path) -> Non
 def test_an_unusable_answer_spends_the_attempt_and_queues_again(
     bench: Bench, handler: Handler, words: str
 ) -> None:
-    async def scenario() -> Report:
-        bench.gateway.default = handler
-        return await bench.run()
-
-    report = go(scenario())
+    bench.gateway.default = handler
+    report = go(bench.run())
     assert report.outcome is Outcome.REQUEUED and report.failure is Failure.REJECTED
     assert report.settlement is not None and report.settlement.attempt_spent
     assert report.settlement.verdict == "attempt 1 spent"
-    assert report.pause_seconds is None
     assert words in report.message
-    job = bench.job()
-    assert (job.status, job.attempts) == (Status.PENDING, 1)
-    assert job.error == report.message
-    assert bench.store.claim_next("another").job is not None  # claiming stays open
+    told = bench.told(report)
+    assert (told.method, told.failure) == ("fail", Failure.REJECTED)
+    assert told.message == report.message
+    assert told.duration is not None  # the call was made
+    # Claiming stays open: the runner asks for no wait, and reports none.
+    assert told.retry_after is None and report.pause_seconds is None
 
 
 def test_the_last_allowed_attempt_fails_the_job_with_its_own_error(bench: Bench) -> None:
     async def scenario() -> list[Report]:
         bench.gateway.default = status(500, "boom for d1")
-        reports = [await bench.run()]
-        for _ in range(bench.settings.max_attempts - 1):
-            job, sent = bench.claim_next()
-            reports.append(await bench.runner.run(job, sent))
-        return reports
+        return [
+            await bench.run(attempts=attempt)
+            for attempt in range(1, bench.settings.max_attempts + 1)
+        ]
 
     reports = go(scenario())
     assert [r.outcome for r in reports] == [Outcome.REQUEUED, Outcome.REQUEUED, Outcome.FAILED]
-    job = bench.job()
-    assert (job.status, job.attempts) == (Status.FAILED, 3)
-    assert job.error is not None and "boom for d1" in job.error
+    told = bench.store.settlements()
+    assert [(c.method, c.failure) for c in told] == [("fail", Failure.REJECTED)] * 3
+    assert [c.holder for c in told] == [r.job.holder for r in reports]  # each its own claim
+    assert [c.reply.status for c in told] == [Status.PENDING, Status.PENDING, Status.FAILED]
+    assert [r.settlement for r in reports] == [c.reply for c in told]
+    assert all("boom for d1" in (c.message or "") for c in told)
 
 
-def test_a_timeout_spends_the_attempt_and_pauses(tmp_path: Path) -> None:
+def test_a_timeout_spends_the_attempt_and_pauses() -> None:
     settings = make_settings(
-        tmp_path, gateway={"url": "http://gateway.test", "token": TOKEN, "read_timeout": 0.5}
+        gateway={"url": "http://gateway.test", "token": TOKEN, "read_timeout": 0.2}
     )
-    with opened(settings) as store:
-        bench = Bench(settings, store)
-
-        async def scenario() -> Report:
-            bench.gateway.default = hang
-            return await bench.run()
-
-        report = go(scenario())
-        assert report.outcome is Outcome.REQUEUED and report.failure is Failure.TIMEOUT
-        assert "no complete answer within 0.5 s (received 0 bytes)" in report.message
-        assert report.pause_seconds == 30.0
-        assert "claiming paused 30 s in case the gateway is still working on it" in (
-            report.settlement.verdict if report.settlement else ""
-        )
-        assert bench.gateway.cancelled.is_set()
-        gate = store.gate_state()
-        assert gate.pause_kind is PauseKind.TIMEOUT and gate.paused
-        assert (
-            bench.job().status,
-            bench.job().attempts,
-        ) == (Status.PENDING, 1)
+    bench = Bench(settings)
+    bench.gateway.default = hang
+    report = go(bench.run())
+    assert report.outcome is Outcome.REQUEUED and report.failure is Failure.TIMEOUT
+    assert "no complete answer within 0.2 s (received 0 bytes)" in report.message
+    assert bench.gateway.cancelled.is_set()
+    told = bench.told(report)
+    assert (told.method, told.failure, told.message) == ("fail", Failure.TIMEOUT, report.message)
+    # The store chooses the pause (the backoff here); the runner reports it.
+    assert told.retry_after is None
+    assert report.settlement is not None and report.settlement.attempt_spent
+    assert report.pause_seconds == 30.0
 
 
 @pytest.mark.parametrize(
@@ -360,19 +362,29 @@ def test_a_generator_failure_spends_the_attempt(
     assert words in report.message
     assert report.called is (failure is Failure.PARSE)
     assert bench.gateway.asked == ([f"{kind}:d1"] if failure is Failure.PARSE else [])
-    assert bench.job(kind).attempts == 1
+    told = bench.told(report)
+    assert (told.method, told.failure, told.message) == ("fail", failure, report.message)
+    # An answer came (and may have cost tokens) only when parsing failed.
+    assert told.answer is (failure is Failure.PARSE)
+    assert (told.duration is not None) is (failure is Failure.PARSE)
+    assert report.settlement is not None and report.settlement.attempt_spent
 
 
 def test_a_result_too_large_to_store_spends_the_attempt(bench: Bench) -> None:
-    started = time.monotonic()
     report = go(bench.run("huge-result"))
     assert report.outcome is Outcome.REQUEUED and report.failure is Failure.PARSE
     assert "the result could not be stored" in report.message
     assert "AI_JOB_MAX_RESULT_BYTES" in report.message
-    assert time.monotonic() - started < LATE  # refused at once, not retried as an outage
-    job = bench.job("huge-result")
-    assert (job.status, job.attempts, job.holder) == (Status.PENDING, 1, None)
-    assert result_of(bench.store, USER, "huge-result", "d1") is None
+    finished, failed = bench.store.settlements()  # refused once, not retried as an outage
+    assert finished.method == "finish" and isinstance(finished.reply, ValueError)
+    assert finished.result == {"text": "x" * (MAX_RESULT * 4)}
+    assert (failed.method, failed.failure, failed.message) == (
+        "fail",
+        Failure.PARSE,
+        report.message,
+    )
+    assert failed.holder == report.job.holder and failed.answer is True
+    assert report.settlement == failed.reply and report.settlement.attempt_spent
 
 
 # --- attempts kept: rate limits, refusals, outages ------------------------------------------------
@@ -392,25 +404,21 @@ def test_a_result_too_large_to_store_spends_the_attempt(bench: Bench) -> None:
 def test_a_rate_limit_keeps_the_attempt_and_pauses_for_the_time_asked(
     bench: Bench, headers: dict[str, str], pause: float
 ) -> None:
-    async def scenario() -> Report:
-        bench.gateway.default = status(429, "slow down", **headers)
-        return await bench.run()
-
-    started = time.monotonic()
-    report = go(scenario())
-    assert time.monotonic() - started < LATE
+    bench.gateway.default = status(429, "slow down", **headers)
+    # The pause is the store's to keep: the runner itself does not wait it out.
+    report = go(asyncio.wait_for(bench.run(), LATE))
     assert report.outcome is Outcome.RELEASED and report.failure is Failure.RATE_LIMITED
-    assert report.pause_seconds == pytest.approx(pause)
-    assert report.settlement is not None
-    assert report.settlement.verdict == f"rate limited; claiming paused {pause:g} s"
     assert "rate limited (HTTP 429)" in report.message
-    job = bench.job()
-    assert (job.status, job.attempts) == (Status.PENDING, 0)
-    blocked = bench.store.claim_next("another")
-    assert blocked.blocked is Blocked.PAUSED
-    assert blocked.retry_in is not None and pause - 1 < blocked.retry_in <= pause
-    gate = bench.store.gate_state()
-    assert gate.pause_kind is PauseKind.RATE_LIMIT
+    told = bench.told(report)
+    assert (told.method, told.failure, told.message) == (
+        "fail",
+        Failure.RATE_LIMITED,
+        report.message,
+    )
+    # The wait asked for goes to the store, capped (G1); none asked, none passed on.
+    assert told.retry_after == (pytest.approx(pause) if headers else None)
+    assert report.settlement is not None and not report.settlement.attempt_spent
+    assert report.pause_seconds == pytest.approx(pause)
 
 
 @pytest.mark.parametrize(
@@ -426,23 +434,16 @@ def test_a_rate_limit_keeps_the_attempt_and_pauses_for_the_time_asked(
 def test_a_refusal_keeps_the_attempt_and_stops_the_line_with_one_reason(
     bench: Bench, handler: Handler, words: str
 ) -> None:
-    async def scenario() -> Report:
-        bench.gateway.default = handler
-        return await bench.run()
-
-    report = go(scenario())
+    bench.gateway.default = handler
+    report = go(bench.run())
     assert report.outcome is Outcome.RELEASED and report.failure is Failure.REFUSED
     assert words in report.message
-    assert report.settlement is not None
-    assert report.settlement.verdict == (
-        "the gateway refused us; claiming stopped for 30 s until it is fixed"
-    )
-    job = bench.job()
-    assert (job.status, job.attempts) == (Status.PENDING, 0)
-    gate = bench.store.gate_state()
-    assert gate.paused and gate.pause_kind is PauseKind.REFUSED
-    assert gate.pause_reason is not None and words in gate.pause_reason
-    assert bench.store.claim_next("another").blocked is Blocked.PAUSED
+    # The message is the one reason the store shows operators while claiming is stopped (G4).
+    told = bench.told(report)
+    assert (told.method, told.failure, told.message) == ("fail", Failure.REFUSED, report.message)
+    assert told.retry_after is None
+    assert report.settlement is not None and not report.settlement.attempt_spent
+    assert report.pause_seconds == 30.0
 
 
 @pytest.mark.parametrize(
@@ -456,53 +457,60 @@ def test_a_refusal_keeps_the_attempt_and_stops_the_line_with_one_reason(
     ids=["refused", "502", "503", "504"],
 )
 def test_an_outage_keeps_the_attempt_and_backs_off_doubling(
-    tmp_path: Path, handler: Handler, words: str
+    bench: Bench, handler: Handler, words: str
 ) -> None:
-    settings = make_settings(tmp_path)
-    clock = FakeClock()
-    with opened(settings, clock=clock) as store:
-        bench = Bench(settings, store)
+    # N2: the store doubles the backoff, up to its longest; the runner reports each pause.
+    settled = [
+        Settlement(
+            Status.PENDING, False, seconds, f"gateway unavailable; claiming paused {seconds:g} s"
+        )
+        for seconds in (30.0, 60.0, 120.0, 120.0)
+    ]
+    bench.store.script_fail(*settled)
 
-        async def scenario() -> list[Report]:
-            bench.gateway.default = handler
-            reports = [await bench.run()]
-            for _ in range(3):
-                assert store.claim_next("another").blocked is Blocked.PAUSED
-                clock.advance(reports[-1].pause_seconds or 0)  # the pause runs out
-                reports.append(await bench.runner.run(*bench.claim_next()))
-            return reports
+    async def scenario() -> list[Report]:
+        bench.gateway.default = handler
+        return [await bench.run() for _ in settled]
 
-        reports = go(scenario())
-        assert [r.outcome for r in reports] == [Outcome.RELEASED] * 4
-        assert [r.failure for r in reports] == [Failure.UNAVAILABLE] * 4
-        assert [r.pause_seconds for r in reports] == [30.0, 60.0, 120.0, 120.0]
-        assert all(words in r.message for r in reports)
-        assert reports[0].settlement is not None
-        assert reports[0].settlement.verdict == "gateway unavailable; claiming paused 30 s"
-        job = bench.job()
-        assert (job.status, job.attempts) == (Status.PENDING, 0)
-        assert job.unavailable_since is not None
-        gate = store.gate_state()
-        assert gate.outages_in_a_row == 4 and gate.pause_kind is PauseKind.OUTAGE
+    reports = go(scenario())
+    assert [r.outcome for r in reports] == [Outcome.RELEASED] * 4
+    assert [r.failure for r in reports] == [Failure.UNAVAILABLE] * 4
+    assert [r.pause_seconds for r in reports] == [30.0, 60.0, 120.0, 120.0]
+    assert [r.settlement for r in reports] == settled
+    assert all(words in r.message for r in reports)
+    told = bench.store.settlements()
+    assert [(c.method, c.failure, c.retry_after) for c in told] == [
+        ("fail", Failure.UNAVAILABLE, None)
+    ] * 4
+    assert [c.message for c in told] == [r.message for r in reports]
 
 
 def test_a_job_failing_unavailable_while_others_are_answered_is_poisoned_not_an_outage(
     tmp_path: Path,
 ) -> None:
-    # G2: d1's gateway call keeps failing 503; d2 is answered in between.
+    # G2: d1's gateway call keeps failing 503; d2 is answered in between. The verdict is drawn
+    # from what the store saw of other jobs, so this one runs on a real store.
     clock = FakeClock()
-    settings = make_settings(tmp_path)
-    with opened(settings, clock=clock) as store:
-        bench = Bench(settings, store)
+    settings = make_settings(database_url=f"sqlite:///{tmp_path / 'queue.db'}")
+    gateway = Gateway()
+    gateway.route("ok:d1", status(503, "d1 cannot be served"))
+    client = gateway_client(settings, transport=httpx.MockTransport(gateway))
+    with store_for(settings, clock=clock) as store:
+        runner = job_runner(store, settings, registry(), client)
+
+        async def next_job() -> Report:
+            sent = asyncio.get_running_loop().time()
+            claim = store.claim_next(WORKER)
+            assert claim.job is not None, claim
+            return await runner.run(claim.job, sent)
 
         async def scenario() -> list[Report]:
-            bench.gateway.route("ok:d1", status(503, "d1 cannot be served"))
             store.enqueue(USER, "ok", "d1")
             store.enqueue(USER, "ok", "d2")
-            first = await bench.runner.run(*bench.claim_next())  # d1, the oldest
+            first = await next_job()  # d1, the oldest
             clock.advance(first.pause_seconds or 0)
-            second = await bench.runner.run(*bench.claim_next())  # d2: d1 went behind it
-            third = await bench.runner.run(*bench.claim_next())  # d1 again
+            second = await next_job()  # d2: d1 went behind it
+            third = await next_job()  # d1 again
             return [first, second, third]
 
         first, second, third = go(scenario())
@@ -510,11 +518,12 @@ def test_a_job_failing_unavailable_while_others_are_answered_is_poisoned_not_an_
         assert first.outcome is Outcome.RELEASED and first.failure is Failure.UNAVAILABLE
         assert second.outcome is Outcome.DONE and second.job.subject == "d2"
         assert third.job.subject == "d1"
+        # The same failure, but the store spent the attempt: the runner follows its settlement.
         assert third.outcome is Outcome.REQUEUED and third.failure is Failure.UNAVAILABLE
         assert third.settlement is not None and third.settlement.pause_seconds is None
         assert third.settlement.verdict == "attempt 1 spent: not an outage, this job"
-        job = bench.job("ok", "d1")
-        assert (job.status, job.attempts) == (Status.PENDING, 1)
+        job = job_of(store, USER, "ok", "d1")
+        assert job is not None and (job.status, job.attempts) == (Status.PENDING, 1)
         assert job.error is not None
         assert job.error.startswith("the gateway answers other calls but keeps failing this one: ")
         assert "d1 cannot be served" in job.error
@@ -524,90 +533,111 @@ def test_a_job_failing_unavailable_while_others_are_answered_is_poisoned_not_an_
 # --- the lease ------------------------------------------------------------------------------
 
 
-def test_a_takeover_mid_call_cancels_the_call_at_once_and_records_nothing(bench: Bench) -> None:
-    async def scenario() -> tuple[Report, float, Job]:
-        bench.gateway.default = hang
-        job, sent = bench.claim()
-        task = asyncio.create_task(bench.runner.run(job, sent))
-        await bench.gateway.called.wait()
-        # Another worker takes the job over (here: our own worker name recovered).
-        await asyncio.to_thread(bench.store.recover, WORKER)
-        taken = time.monotonic()
-        after_takeover = bench.job()
-        report = await task
-        return report, time.monotonic() - taken, after_takeover
+def test_a_takeover_mid_call_cancels_the_call_at_once_and_records_nothing() -> None:
+    # Renewals come every 0.1 s; the lease's own deadline is 55 s away.
+    bench = Bench(make_settings(lease_seconds=60.0))
 
-    report, took, after_takeover = go(scenario())
+    async def scenario() -> Report:
+        bench.gateway.default = hang
+        task = asyncio.create_task(bench.run())
+        await bench.gateway.called.wait()
+        # Another worker takes the job over: every renewal from the next one on finds it gone.
+        bench.store.script_renewals(Renewal.LOST, from_nth=len(bench.store.renewals()) + 1)
+        return await asyncio.wait_for(task, LATE)
+
+    report = go(scenario())
     assert report.outcome is Outcome.LOST and report.failure is None
     assert report.message == "the claim was taken over by another worker"
     assert bench.gateway.cancelled.is_set()
+    # Nothing written after the takeover: its renewal was the last word to the store.
+    calls = bench.store.calls
+    assert calls[-1].renewal and calls[-1].reply is Renewal.LOST
+    assert [c.reply for c in calls].count(Renewal.LOST) == 1
+    assert bench.store.settlements() == []
+
+
+def test_a_lapse_mid_call_stops_the_call_and_keeps_the_attempt(bench: Bench) -> None:
     # Renewals come every 0.1 s; the lease's own deadline is 25 s away.
-    assert took < LATE
-    assert bench.job() == after_takeover  # nothing written after the takeover
-    assert result_of(bench.store, USER, "ok", "d1") is None
+    async def scenario() -> Report:
+        bench.gateway.default = hang
+        task = asyncio.create_task(bench.run())
+        await bench.gateway.called.wait()
+        bench.store.script_renewals(Renewal.LAPSED, from_nth=len(bench.store.renewals()) + 1)
+        return await asyncio.wait_for(task, LATE)
+
+    report = go(scenario())
+    assert report.outcome is Outcome.RELEASED and report.failure is Failure.STOPPED
+    assert report.message == "stopped the call: the claim lapsed before it could be renewed"
+    assert bench.gateway.cancelled.is_set()
+    assert [c.reply for c in bench.store.renewals()].count(Renewal.LAPSED) == 1
+    told = bench.told(report)
+    assert (told.method, told.failure, told.message) == ("fail", Failure.STOPPED, report.message)
+    assert report.settlement is not None and not report.settlement.attempt_spent
 
 
-def test_a_database_down_past_the_budget_stops_the_call_before_the_lease_could_lapse(
-    tmp_path: Path,
-) -> None:
-    lease, margin = 6.0, 3.0
-    settings = make_settings(
-        tmp_path, lease_seconds=lease, lease_margin_seconds=margin, heartbeat_seconds=0.2
+def test_a_database_down_past_the_budget_stops_the_call_before_the_lease_could_lapse() -> None:
+    lease, margin = 3.0, 1.5
+    bench = Bench(
+        make_settings(lease_seconds=lease, lease_margin_seconds=margin, heartbeat_seconds=0.2)
     )
     # Renewals 1 (right before the call) and 2 and 3 (heartbeats) work; then none does.
-    with opened(settings, fail_renewals_after=3) as store:
-        bench = Bench(settings, store)
+    bench.store.script_renewals(DatabaseError(DOWN), from_nth=4)
 
-        async def scenario() -> tuple[Report, float]:
-            bench.gateway.default = hang
-            task = asyncio.create_task(bench.runner.run(*bench.claim()))
-            await bench.gateway.cancelled.wait()
-            stopped = time.monotonic()
-            return await task, stopped
+    async def scenario() -> tuple[Report, float]:
+        bench.gateway.default = hang
+        task = asyncio.create_task(bench.run())
+        await bench.gateway.cancelled.wait()
+        stopped = time.monotonic()
+        return await task, stopped
 
-        report, stopped = go(scenario())
-        assert len(store.renewed_at) == 3 and store.renewals > 3
-        held = stopped - store.renewed_at[-1]
-        # Stopped by its own deadline (lease minus margin after the last confirmed
-        # renewal was sent), so before anyone could take the claim over.
-        assert lease - margin - 0.05 <= held < lease - 0.5, held
-        assert report.outcome is Outcome.RELEASED and report.failure is Failure.STOPPED
-        assert report.message.startswith(
-            "stopped the call before its claim could lapse: the claim could not be renewed "
-            "for 3 s (heartbeat: the database cannot be reached (injected))"
-        )
-        job = bench.job()
-        assert (job.status, job.attempts, job.holder) == (Status.PENDING, 0, None)
+    report, stopped = go(scenario())
+    renewed_at = bench.store.renewed_at
+    assert len(renewed_at) == 3 and len(bench.store.renewals()) > 3
+    held = stopped - renewed_at[-1]
+    # Stopped by its own deadline (L2: lease minus margin after the last confirmed
+    # renewal was sent), so before anyone could take the claim over.
+    assert lease - margin - 0.05 <= held < lease - 0.5, held
+    assert report.outcome is Outcome.RELEASED and report.failure is Failure.STOPPED
+    assert report.message.startswith(
+        "stopped the call before its claim could lapse: the claim could not be renewed "
+        f"for 1.5 s ({DOWN})"
+    )
+    told = bench.told(report)
+    assert (told.method, told.failure, told.message) == ("fail", Failure.STOPPED, report.message)
+    assert report.settlement is not None and not report.settlement.attempt_spent
 
 
-def test_a_build_past_the_deadline_never_starts_the_call(tmp_path: Path) -> None:
+def test_a_build_past_the_deadline_never_starts_the_call() -> None:
+    # The attempt's limit is 0.75 s after the claim (claim timeout minus the margin).
     settings = make_settings(
-        tmp_path, claim_timeout_seconds=2.0, lease_margin_seconds=0.5, lease_seconds=30.0
+        claim_timeout_seconds=1.0, lease_margin_seconds=0.25, lease_seconds=30.0
     )
     gate = threading.Event()
-    with opened(settings) as store:
-        bench = Bench(settings, store, build_gate=gate)
+    bench = Bench(settings, build_gate=gate)
 
-        async def scenario() -> Report:
-            try:
-                return await bench.run("slow-build")
-            finally:
-                gate.set()
+    async def scenario() -> Report:
+        try:
+            return await asyncio.wait_for(bench.run("slow-build"), LATE)
+        finally:
+            gate.set()
 
-        started = time.monotonic()
-        report = go(scenario())
-        took = time.monotonic() - started
-        assert report.outcome is Outcome.REQUEUED and report.failure is Failure.BUILD
-        assert report.message.startswith("prompt building ran past the attempt's deadline")
-        assert not report.called and bench.gateway.asked == []
-        assert 1.5 - 0.05 <= took < LATE
-        assert bench.job("slow-build").attempts == 1
+    started = time.monotonic()
+    report = go(scenario())
+    took = time.monotonic() - started
+    assert report.outcome is Outcome.REQUEUED and report.failure is Failure.BUILD
+    assert report.message.startswith("prompt building ran past the attempt's deadline")
+    assert not report.called and bench.gateway.asked == []
+    assert started_calls(bench.store.calls) == []  # no call was marked started
+    assert took >= 0.75 - 0.05
+    told = bench.told(report)
+    assert (told.method, told.failure, told.message) == ("fail", Failure.BUILD, report.message)
+    assert report.settlement is not None and report.settlement.attempt_spent
 
 
 def test_a_graceful_stop_settles_stopped_keeps_the_attempt_and_reraises(bench: Bench) -> None:
     async def scenario() -> None:
         bench.gateway.default = hang
-        task = asyncio.create_task(bench.runner.run(*bench.claim()))
+        task = asyncio.create_task(bench.run())
         await bench.gateway.called.wait()
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -615,52 +645,44 @@ def test_a_graceful_stop_settles_stopped_keeps_the_attempt_and_reraises(bench: B
 
     go(scenario())
     assert bench.gateway.cancelled.is_set()
-    job = bench.job()
-    assert (job.status, job.attempts, job.holder) == (Status.PENDING, 0, None)
-    assert job.error == "stopped: the consumer is shutting down; the job was handed back"
-    assert not bench.store.gate_state().paused
-    # The job is free at once, but the gateway may still work on the stopped call: the next
-    # call waits for the hold, the read timeout from the call's start (H1).
-    claim = bench.store.claim_next("another")
-    assert claim.blocked is Blocked.CONCURRENCY and claim.retry_in is not None
-    assert 55 < claim.retry_in <= 60
-    assert [str(h.cause) for h in bench.store.queue_view().holds] == ["stopped"]
+    # The call was marked started before it was sent, so the store holds the gateway for it
+    # from its start (H1: tests/integration/test_cut_calls.py).
+    assert started_calls(bench.gateway.told_before[0]) == [Renewal.RENEWED]
+    told = bench.store.settlements()
+    assert [(c.method, c.failure, c.message) for c in told] == [
+        ("fail", Failure.STOPPED, "stopped: the consumer is shutting down; the job was handed back")
+    ]
+    assert told[0].retry_after is None and told[0].duration is not None
+    assert isinstance(told[0].reply, Settlement) and not told[0].reply.attempt_spent
 
 
-def test_a_takeover_before_the_call_means_no_call(tmp_path: Path) -> None:
-    gate = threading.Event()
-    settings = make_settings(tmp_path)
-    with opened(settings) as store:
-        bench = Bench(settings, store, build_gate=gate)
-
-        async def scenario() -> Report:
-            task = asyncio.create_task(bench.run("slow-build"))
-            while job_of(bench.store, USER, "slow-build", "d1") is None:
-                await asyncio.sleep(0.01)
-            # Taken over while the prompt is being built; the runner renews right
-            # before the call and finds the claim gone.
-            await asyncio.to_thread(bench.store.recover, WORKER)
-            gate.set()
-            return await task
-
-        report = go(scenario())
-        assert report.outcome is Outcome.LOST
-        assert bench.gateway.asked == [] and not report.called
+def test_a_takeover_before_the_call_means_no_call() -> None:
+    # No heartbeat while the prompt is built: the runner renews right before the call (L2),
+    # and the claim is already gone (taken over while the prompt was being built).
+    bench = Bench(make_settings(heartbeat_seconds=20.0))
+    bench.store.script_renewals(Renewal.LOST, from_nth=1)
+    report = go(bench.run())
+    assert report.outcome is Outcome.LOST
+    assert report.message == "the claim was taken over by another worker"
+    assert bench.gateway.asked == [] and not report.called
+    assert started_calls(bench.store.calls) == [Renewal.LOST]
+    assert bench.store.settlements() == []
 
 
-def test_a_store_down_right_before_the_call_means_no_call_and_no_attempt_spent(
-    tmp_path: Path,
-) -> None:
-    settings = make_settings(tmp_path, heartbeat_seconds=5.0, lease_seconds=30.0)
-    with opened(settings, fail_renewals_after=0) as store:
-        bench = Bench(settings, store)
-        report = go(bench.run())
-        assert bench.gateway.asked == [] and not report.called
-        assert report.outcome is Outcome.RELEASED and report.failure is Failure.STOPPED
-        assert "could not be renewed" in report.message
-        assert "injected" in report.message
-        job = bench.job()
-        assert (job.status, job.attempts) == (Status.PENDING, 0)
+def test_a_store_down_right_before_the_call_means_no_call_and_no_attempt_spent() -> None:
+    bench = Bench(make_settings(heartbeat_seconds=5.0, lease_seconds=30.0))
+    bench.store.script_renewals(DatabaseError(DOWN), from_nth=1)
+    report = go(bench.run())
+    assert bench.gateway.asked == [] and not report.called
+    assert report.outcome is Outcome.RELEASED and report.failure is Failure.STOPPED
+    assert "could not be renewed" in report.message
+    assert DOWN in report.message
+    [renewal] = bench.store.renewals()
+    assert renewal.calling and isinstance(renewal.reply, DatabaseError)
+    told = bench.told(report)
+    assert (told.method, told.failure, told.message) == ("fail", Failure.STOPPED, report.message)
+    assert told.duration is None  # no call
+    assert report.settlement is not None and not report.settlement.attempt_spent
 
 
 # --- messages ---------------------------------------------------------------------------------
@@ -670,16 +692,19 @@ def test_a_token_echoed_by_the_gateway_never_reaches_the_report_or_the_store(ben
     async def echo(request: httpx.Request) -> httpx.Response:
         return httpx.Response(500, content=f"bad key {request.headers['Authorization']}")
 
-    async def scenario() -> Report:
-        bench.gateway.default = echo
-        return await bench.run()
-
-    report = go(scenario())
+    bench.gateway.default = echo
+    report = go(bench.run())
     assert "[redacted]" in report.message
-    assert (
-        exposures(
-            report.message + repr(report) + str(bench.job().error),
-            TOKEN,
-        )
-        == []
-    )
+    told = bench.told(report)
+    assert told.message is not None and "[redacted]" in told.message
+    assert exposures(report.message + repr(report) + repr(bench.store.calls), TOKEN) == []
+
+
+def test_a_token_in_a_generators_error_never_reaches_the_report_or_the_store(
+    bench: Bench,
+) -> None:
+    report = go(bench.run("leaky-build"))
+    assert report.failure is Failure.BUILD and "[redacted]" in report.message
+    told = bench.told(report)
+    assert told.message is not None and "[redacted]" in told.message
+    assert exposures(report.message + repr(report) + repr(bench.store.calls), TOKEN) == []
