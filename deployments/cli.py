@@ -135,6 +135,8 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "pause": (_STORE, "pause_command", "Stop every worker from claiming for SECONDS."),
     "resume": (_STORE, "resume_command", "Lift a pause."),
     "recover": (_STORE, "recover_command", "Take back claims whose worker is gone."),
+    "prune": (_STORE, "prune_command", "Delete what is past retention (--dry-run counts)."),
+    "forget": (_CLI, "forget_command", "Erase a user from the store and the run history."),
 }
 
 
@@ -163,6 +165,13 @@ def _check_kind(kind: str) -> None:
     Registry.from_plugins(Settings().plugin_modules).check_kind(kind)
 
 
+def _retention() -> dict[str, float]:
+    """The kinds the plugins keep for a time of their own."""
+    from flows.registry import Registry
+
+    return Registry.from_plugins(Settings().plugin_modules).retention()
+
+
 @click.group(
     cls=LazyGroup,
     context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110},
@@ -189,7 +198,7 @@ def main(ctx: click.Context, database_url: str | None, verbose: bool) -> None:
         click.echo(f"error: {exc}", err=True)
         sys.exit(EXIT_BAD_INPUT)
     install_log_redaction(Redactor(settings.secrets()))
-    ctx.obj = {"check_kind": _check_kind}
+    ctx.obj = {"check_kind": _check_kind, "retention": _retention}
 
 
 @click.command("serve")
@@ -287,3 +296,15 @@ def request_insight_command(
     """What a screen calls on every poll: status, place in line, ETA, latest result (JSON)."""
     with _triggers(ctx) as triggers:
         echo_json(triggers.request_insight(user_id, kind, subject, fingerprint).as_dict())
+
+
+@click.command("forget")
+@click.argument("user_id")
+@click.pass_context
+@fails_cleanly
+def forget_command(ctx: click.Context, user_id: str) -> None:
+    """Erase USER: every row of theirs from the store at once (a call of theirs in flight is
+    cut, and its answer never written), then their runs from Prefect, now or, if Prefect is
+    away, at the next forget or scheduled prune (JSON; idempotent)."""
+    with _triggers(ctx) as triggers:
+        echo_json(triggers.forget(user_id).as_dict())

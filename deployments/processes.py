@@ -46,13 +46,17 @@ def start(
     log: Path | None = None,
     cwd: Path | None = None,
     stdout: int | IO[Any] | None = None,
+    umask: int = -1,
 ) -> subprocess.Popen[bytes]:
-    """Start a command in its own session; it is sent SIGTERM if this process dies."""
+    """Start a command in its own session; it is sent SIGTERM if this process dies. `umask`:
+    the child's (-1: this process's)."""
     out: Any = stdout
     handle = None
     if log is not None:
         log.parent.mkdir(parents=True, exist_ok=True)
         handle = open(log, "ab")  # noqa: SIM115 - closed below, the child keeps its copy
+        if umask != -1:
+            os.chmod(log, 0o666 & ~umask)
         out = handle
     # Must run in the thread that outlives the child: PDEATHSIG fires when the *thread* that
     # forked it exits.
@@ -66,6 +70,7 @@ def start(
             stderr=subprocess.STDOUT if out is not None else None,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
+            umask=umask,
             preexec_fn=_die_with_parent if main_thread else None,
         )
     finally:

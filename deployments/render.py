@@ -154,6 +154,13 @@ def render_queue(view: QueueView) -> str:
         )
     if not view.recent_failures:
         out.append("  (none)")
+    if view.erasures_pending:
+        oldest = iso(view.erasures_pending[0][1])
+        out += [
+            "",
+            f"RUN HISTORY TO ERASE: {len(view.erasures_pending)} forgotten user(s), since "
+            f"{oldest}: the next `forget` or scheduled prune deletes their runs from Prefect",
+        ]
     out += ["", f"TOKENS: {view.usage_total.described()} in all, by user and kind:"]
     by_user: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
         ("USER", lambda u: u["user_id"]),

@@ -27,7 +27,7 @@ from deployments.prefect_api import ServeState
 from deployments.stack import DEFAULT_PORT, PrefectServer, client_env, is_healthy
 from flows.consumer import Consumer, short_hostname
 from flows.runtime import Runtime
-from queue_store import Job, JobStore, Settings, migrate
+from queue_store import Job, JobStore, Settings, files, migrate
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ def serve_worker(settings: Settings) -> str:
 
 @contextlib.contextmanager
 def _data_dir_lock(settings: Settings) -> Iterator[None]:
-    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    files.private_directory(settings.data_dir)
     path = settings.data_dir / "serve.lock"
     handle: IO[str] = open(path, "a+")  # noqa: SIM115 - held for the life of serve
     try:
@@ -183,12 +183,14 @@ class _RunnerThread(threading.Thread):
             name=f"insight-queue-{os.getpid()}", limit=RUN_LIMIT, pause_on_shutdown=False
         )
         for entry in table.DEPLOYMENTS:
+            scheduled = entry.interval_seconds if entry.scheduled_under_serve else None
             deployment = RunnerDeployment.from_flow(
                 getattr(flows, entry.function),
                 name=table.DEPLOYMENT,
                 tags=["insight-queue"],
                 description=entry.description,
                 concurrency_limit=entry.concurrency_limit,
+                interval=scheduled,
             )
             await self._runner.add_deployment(deployment)
         self.started_serving.set()
@@ -241,7 +243,13 @@ def serve(settings: Settings, options: ServeOptions) -> None:
                             f"port {options.prefect_port} is taken; the Prefect server uses {port}",
                             flush=True,
                         )
-                    server = PrefectServer(home, port, ui=options.ui, reuse=False).start()
+                    server = PrefectServer(
+                        home,
+                        port,
+                        ui=options.ui,
+                        reuse=False,
+                        retention_days=settings.retention_days,
+                    ).start()
                     api_url = server.api_url
                 elif not is_healthy(api_url):
                     raise RuntimeError(f"PREFECT_API_URL={api_url} does not answer")

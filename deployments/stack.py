@@ -18,11 +18,13 @@ from typing import Self
 import httpx
 
 from deployments import processes
+from queue_store import files
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_PORT = 4200
 STARTUP_TIMEOUT_SECONDS = 120.0
+DEFAULT_RETENTION_DAYS = 90.0  # AI_JOB_RETENTION_DAYS's default
 FILE_LEASES = "prefect.server.concurrency.lease_storage.filesystem"
 BIN = Path(sys.executable).parent
 
@@ -32,13 +34,18 @@ def executable(name: str) -> str:
     return shutil.which(name, path=str(BIN)) or name
 
 
-def server_env(home: Path, *, ui: bool = True) -> dict[str, str]:
-    """Environment of a Prefect server process with its own home."""
+def server_env(
+    home: Path, *, ui: bool = True, retention_days: float = DEFAULT_RETENTION_DAYS
+) -> dict[str, str]:
+    """Environment of a Prefect server process with its own home, whose vacuum deletes runs
+    (and their logs) that ended more than `retention_days` ago, as the store's retention does."""
     env = {
         "PREFECT_HOME": str(home),
         "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{home / 'prefect.db'}",
         "PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE": FILE_LEASES,
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_SERVER_SERVICES_DB_VACUUM_ENABLED": "events,flow_runs",
+        "PREFECT_SERVER_SERVICES_DB_VACUUM_RETENTION_PERIOD": str(int(retention_days * 86400)),
         "DO_NOT_TRACK": "1",
     }
     if not ui:
@@ -75,8 +82,10 @@ class PrefectServer:
         ui: bool = True,
         database_url: str | None = None,
         reuse: bool = True,
+        retention_days: float = DEFAULT_RETENTION_DAYS,
     ) -> None:
         self.home = home
+        self.retention_days = retention_days
         self.port = port
         self.ui = ui
         self.database_url = database_url
@@ -105,10 +114,10 @@ class PrefectServer:
             raise RuntimeError(
                 f"port {self.port} on 127.0.0.1 is taken by something that is not a Prefect server"
             )
-        self.home.mkdir(parents=True, exist_ok=True)
+        files.private_directory(self.home)
         env = {
             **os.environ,
-            **server_env(self.home, ui=self.ui),
+            **server_env(self.home, ui=self.ui, retention_days=self.retention_days),
             # The UI asks the API where it was told to, not where the server
             # listens: on any port but the default it must be told.
             "PREFECT_UI_API_URL": self.api_url,
@@ -118,7 +127,10 @@ class PrefectServer:
             env["PREFECT_API_DATABASE_CONNECTION_URL"] = self.database_url
         env.pop("PREFECT_API_URL", None)
         command = [executable("prefect"), "server", "start", "--host", "127.0.0.1"]
-        self.process = processes.start([*command, "--port", str(self.port)], env=env, log=self.log)
+        # Its database and logs are this account's alone: they hold the run history (D1).
+        self.process = processes.start(
+            [*command, "--port", str(self.port)], env=env, log=self.log, umask=files.PRIVATE_UMASK
+        )
         logger.info("starting a Prefect server (pid %d) at %s", self.process.pid, self.api_url)
         try:
             processes.wait_for(

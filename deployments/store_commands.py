@@ -271,3 +271,24 @@ def recover_command(ctx: click.Context, worker: str | None) -> None:
     for job in taken:
         who = f"user {printable(job.user_id)}, worker {job.worker}"
         click.echo(f"  {printable(job.run_name)} ({who})")
+
+
+@click.command("prune")
+@click.option("--dry-run", is_flag=True, help="count what would be deleted, delete nothing")
+@click.option(
+    "--days",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    help="keep this many days (default AI_JOB_RETENTION_DAYS)",
+)
+@click.pass_context
+@fails_cleanly
+def prune_command(ctx: click.Context, dry_run: bool, days: float | None) -> None:
+    """Delete what is past retention: finished jobs and their results, who used tokens (kept as
+    daily totals), people with nothing left (JSON). Also a scheduled run of `serve` and
+    `deploy`, which deletes the run history of forgotten users too."""
+    settings = settings_from(ctx)
+    by_kind = (ctx.find_root().obj or {}).get("retention", lambda: {})()
+    with open_store(ctx, write=not dry_run) as store:
+        pruned = store.prune(retention_days=days, by_kind=by_kind, dry_run=dry_run)
+    echo_json(pruned.as_dict() | {"retention_days": days or settings.retention_days})

@@ -20,6 +20,9 @@ SAFETY_NET_SECONDS = 3600
 # Backfill runs following their scopes at once; more wait for a slot without
 # a process (each run follows, the consumer does the work).
 BACKFILL_RUNS_AT_ONCE = 4
+# How often retention runs (D2), under `serve` and on a work pool: each run is one row of the
+# history, with what it removed; a forgotten user's runs go at the next one if Prefect was away.
+PRUNE_SECONDS = 3600
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,8 +31,9 @@ class Deployment:
     function: str  # the function in flows/flows.py
     queue: str  # work queue on a pool (scale-out)
     description: str
-    interval_seconds: int | None = None  # scheduled on a work pool; never under `serve`
+    interval_seconds: int | None = None  # scheduled on a work pool
     concurrency_limit: int | None = None
+    scheduled_under_serve: bool = False  # also scheduled by `serve` (the drain is not)
 
     @property
     def name(self) -> str:
@@ -62,4 +66,14 @@ DRAIN = Deployment(
     interval_seconds=SAFETY_NET_SECONDS,
 )
 
-DEPLOYMENTS: tuple[Deployment, ...] = (INTERACTIVE, BACKFILL, DRAIN)
+PRUNE = Deployment(
+    "prune",
+    "prune",
+    BACKFILL_QUEUE,
+    "retention: delete what is past its time, and the runs of forgotten users",
+    interval_seconds=PRUNE_SECONDS,
+    concurrency_limit=1,
+    scheduled_under_serve=True,
+)
+
+DEPLOYMENTS: tuple[Deployment, ...] = (INTERACTIVE, BACKFILL, DRAIN, PRUNE)

@@ -7,16 +7,20 @@ when the store says one is needed, at most one per job per `RUN_WINDOW_SECONDS`.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import logging
 import threading
 import time
+from collections.abc import Iterator, Sequence
 from typing import Any, Self
 
 from deployments import table
 from deployments.prefect_api import PrefectApi, PrefectUnavailable, api_url
 from flows.runtime import Runtime
 from queue_store import (
+    Forgotten,
     JobState,
     OperatorStore,
     ScreenStore,
@@ -34,6 +38,9 @@ RUN_WINDOW_SECONDS = 30
 # A backfill triggered twice for the same sync (or, without a sync id, within
 # this window) starts one run.
 BACKFILL_WINDOW_SECONDS = 60
+NO_SCOPES = "no scope to queue for this user"
+# How a run names its user: by pseudonym (as flows.history tags generation runs).
+TAG_PREFIX_USER = "user:"
 NO_SERVER = (
     "no Prefect server: PREFECT_API_URL is not set and no `insight-queue serve` "
     "is running for this data directory"
@@ -82,6 +89,17 @@ class InsightState:
         shown = dataclasses.asdict(self)
         del shown["version"], shown["unchanged"]
         return shown
+
+
+@dataclasses.dataclass(frozen=True)
+class ForgetState:
+    """What `forget` did: the store's part, and the run history's."""
+
+    forgotten: Forgotten
+    history_note: str | None = None  # why the run history's part is not done yet
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**self.forgotten.as_dict(), "history_note": self.history_note}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,7 +206,8 @@ class Triggers:
         except Unavailable as exc:
             logger.error("store unavailable for %s:%s: %s", kind, subject, exc)
             return InsightState(status=str(Status.UNKNOWN), error=str(exc))
-        if not state.run_needed:
+        pseudonym = state.job.pseudonym
+        if not state.run_needed or pseudonym is None:
             return InsightState.of(state)
         window = int(time.time() // RUN_WINDOW_SECONDS)
         key = (state.job.id, window)
@@ -196,12 +215,13 @@ class Triggers:
             started = self._screen_runs.get(key)
         if started is not None:
             return InsightState.of(state, started)
+        # Prefect sees the user as their pseudonym only (D4), in the key too.
         run_id, note = self._start_run(
             table.INTERACTIVE,
-            parameters=dict(user_id=user_id, kind=kind, subject=subject, fingerprint=fingerprint),
+            parameters={"user": pseudonym, "kind": kind, "subject": subject},
             name=f"{kind}:{subject}",
-            tags=[f"user:{user_id}", f"kind:{kind}", "priority:interactive"],
-            idempotency_key=f"interactive:{job_id(user_id, kind, subject)}:{window}",
+            tags=[f"{TAG_PREFIX_USER}{pseudonym}", f"kind:{kind}", "priority:interactive"],
+            idempotency_key=f"interactive:{pseudonym}:{kind}:{subject}:{window}",
         )
         if run_id is not None:
             with self._lock:
@@ -218,19 +238,59 @@ class Triggers:
         if sync_id is not None:
             sync_id = validation.text("sync_id", sync_id, 200)
         scopes = self.runtime.registry.scopes_for(user_id)
-        error: str | None = None
         try:
             self.store.enqueue_many([s.request(user_id) for s in scopes])
+            ids = [job_id(user_id, s.kind, s.subject) for s in scopes]
+            found = self.store.jobs(ids) if ids else {}
         except Unavailable as exc:
-            # The run queues them itself when it starts.
+            # Without the store there is no pseudonym to name the user by: no run either.
             logger.error("could not queue the scopes of %s: %s", user_id, exc)
-            error = str(exc)
+            return BackfillState(user_id, len(scopes), None, None, str(exc))
+        pseudonym = next((j.pseudonym for j in found.values() if j.pseudonym), None)
+        if pseudonym is None:
+            return BackfillState(user_id, len(scopes), None, NO_SCOPES)
         window = sync_id or str(int(time.time() // BACKFILL_WINDOW_SECONDS))
         run_id, note = self._start_run(
             table.BACKFILL,
-            parameters={"user_id": user_id},
-            name=f"backfill:{user_id}",
-            tags=[f"user:{user_id}", "priority:prefetch"],
-            idempotency_key=f"backfill:{user_id}:{window}",
+            parameters={"user": pseudonym},
+            name=f"backfill:{pseudonym}",
+            tags=[f"{TAG_PREFIX_USER}{pseudonym}", "priority:prefetch"],
+            idempotency_key=f"backfill:{pseudonym}:{window}",
         )
-        return BackfillState(user_id, len(scopes), run_id, note, error)
+        return BackfillState(user_id, len(scopes), run_id, note)
+
+    def forget(self, user_id: str) -> ForgetState:
+        """Erase the user (D3): every row of theirs from the store at once, then their runs (with
+        their logs and artifacts) from Prefect, and those of users forgotten while Prefect was
+        away. With Prefect away, the store's part is done and the rest waits: `history_pending`
+        says how many users', and the next `forget` or the scheduled prune does it."""
+        user_id = validation.user_id(user_id)
+        forgotten = self.operator.forget(user_id)
+        erased, note = self.erase_history(forgotten.history_pending)
+        if erased:
+            left = self.operator.forget(erased=erased).history_pending
+            forgotten = dataclasses.replace(forgotten, history_pending=left)
+        return ForgetState(forgotten, note)
+
+    def erase_history(self, pseudonyms: Sequence[str]) -> tuple[list[str], str | None]:
+        """Delete the runs of these forgotten users' pseudonyms from Prefect (Prefect's client,
+        imported now: an operator's action, not a screen's); returns those done, and why not the
+        rest."""
+        if not pseudonyms:
+            return [], None
+        url = self._prefect_url or api_url(self.runtime.settings)
+        if url is None:
+            return [], NO_SERVER
+        from flows.history import erase_runs
+
+        with _prefect_at(url):
+            return asyncio.run(erase_runs(list(pseudonyms)))
+
+
+@contextlib.contextmanager
+def _prefect_at(url: str) -> Iterator[None]:
+    """Prefect's client pointed at `url` for a moment (it reads PREFECT_API_URL)."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings(updates={PREFECT_API_URL: url}):
+        yield

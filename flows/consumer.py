@@ -254,7 +254,7 @@ class Consumer:
             self._busy.pop(lane, None)
         self.summary.add(report)
         log = logger.info if report.outcome is Outcome.DONE else logger.warning
-        log("%s: %s (%s)", job.run_name, report.outcome, report.message)
+        log("%s: %s (%s)", job.run_name, report.outcome, report.public_message)
         if report.failure is Failure.REFUSED and not self._standby:
             self._stop_refused(report.message)
             return None

@@ -1,8 +1,13 @@
-"""The Prefect flows: a backfill, a screen's run, the drain, and a generation's record.
+"""The Prefect flows: a backfill, a screen's run, the drain, a generation's record, retention.
 
 Each attempt is a `generate` run of its own (`flows.history`), so a backfill and a screen's
 run are about the people who asked: they follow their jobs and tell their story. When a warm
 consumer stands by they only follow; when none does, they drain the queue themselves.
+
+Prefect sees a user only as the pseudonym the store keeps for them (D4): runs take it as their
+`user` parameter and look the user up in the store; a forgotten user's pseudonym stands for no
+one, and such a run ends at once. Run names, parameters, logs and artifacts carry pseudonyms,
+kinds and subjects, never a prompt, an answer or a user's id.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from prefect.states import Completed, Failed
 
 from flows.consumer import Consumer, worker_name
 from flows.guard import PrefectSlotGuard
-from flows.history import PrefectLedger, run_url
+from flows.history import PrefectLedger, erase_runs, run_url
 from flows.runtime import Runtime
 from queue_store import INTERACTIVE, Job, Status, StoreError, job_id
 
@@ -111,14 +116,26 @@ class _Scope:
     queued: str
 
 
-@flow(name="backfill", flow_run_name="backfill:{user_id}", log_prints=False)
-async def backfill(user_id: str) -> State[Any]:
-    """After a data sync: queue the user's scopes at prefetch priority and see them through."""
+FORGOTTEN = "this user was forgotten: nothing to do"
+
+
+def _user_of(rt: Runtime, pseudonym: str) -> str | None:
+    """The user a run's pseudonym stands for (None once forgotten)."""
+    return rt.store.user_of(pseudonym)
+
+
+@flow(name="backfill", flow_run_name="backfill:{user}", log_prints=False)
+async def backfill(user: str) -> State[Any]:
+    """After a data sync: queue the user's scopes at prefetch priority and see them through.
+    `user` is the user's pseudonym."""
     with _runtime() as rt:
-        return await _backfill(rt, user_id)
+        user_id = await asyncio.to_thread(_user_of, rt, user)
+        if user_id is None:
+            return Completed(message=FORGOTTEN)
+        return await _backfill(rt, user_id, user)
 
 
-async def _backfill(rt: Runtime, user_id: str) -> State[Any]:
+async def _backfill(rt: Runtime, user_id: str, pseudonym: str) -> State[Any]:
     log = get_run_logger()
     scopes = rt.registry.scopes_for(user_id)
     requests = [s.request(user_id) for s in scopes]
@@ -127,10 +144,10 @@ async def _backfill(rt: Runtime, user_id: str) -> State[Any]:
         _Scope(s.kind, s.subject, job_id(user_id, s.kind, s.subject), str(status))
         for s, status in zip(scopes, statuses, strict=True)
     ]
-    log.info("queued %d scope(s) of %s: %s", len(tracked), user_id, _counts(statuses))
-    key = f"backfill-{_slug(user_id)}"
+    log.info("queued %d scope(s) of %s: %s", len(tracked), pseudonym, _counts(statuses))
+    key = f"backfill-{_slug(pseudonym)}"
     progress = await acreate_progress_artifact(
-        0.0, key=f"{key}-progress", description=f"Scopes of {user_id} finished"
+        0.0, key=f"{key}-progress", description=f"Scopes of {pseudonym} finished"
     )
 
     async def show(done: int) -> None:
@@ -139,32 +156,32 @@ async def _backfill(rt: Runtime, user_id: str) -> State[Any]:
     async with _consuming(rt, role="backfill") as consumer:
         jobs = await _follow(rt, [t.job_id for t in tracked], show, consumer)
     rows, done, failed = _scope_rows(tracked, jobs, _ui_url())
-    await acreate_table_artifact(rows, key=f"{key}-scopes", description=f"Scopes of {user_id}")
+    await acreate_table_artifact(rows, key=f"{key}-scopes", description=f"Scopes of {pseudonym}")
     summary = f"{done} done" + (f", {failed} failed" if failed else "")
     unfinished = len(tracked) - done - failed - sum(1 for r in rows if r["status"] == "superseded")
     if unfinished:
         summary += f", {unfinished} still queued"
-    log.info("backfill of %s: %s", user_id, summary)
+    log.info("backfill of %s: %s", pseudonym, summary)
     return Failed(message=summary) if failed else Completed(message=summary)
 
 
 @flow(name="interactive", flow_run_name="{kind}:{subject}", log_prints=False)
-async def interactive(
-    user_id: str, kind: str, subject: str, fingerprint: str | None = None
-) -> State[Any]:
-    """A screen is open: put its insight at the front and tell the screen's story."""
+async def interactive(user: str, kind: str, subject: str) -> State[Any]:
+    """A screen is open: put its insight at the front and tell the screen's story. `user` is
+    the user's pseudonym."""
     with _runtime() as rt:
-        return await _interactive(rt, user_id, kind, subject, fingerprint)
+        user_id = await asyncio.to_thread(_user_of, rt, user)
+        if user_id is None:
+            return Completed(message=FORGOTTEN)
+        return await _interactive(rt, user_id, user, kind, subject)
 
 
 async def _interactive(
-    rt: Runtime, user_id: str, kind: str, subject: str, fingerprint: str | None
+    rt: Runtime, user_id: str, pseudonym: str, kind: str, subject: str
 ) -> State[Any]:
     log = get_run_logger()
     asked = time.time()
-    status = await asyncio.to_thread(
-        rt.store.enqueue, user_id, kind, subject, fingerprint, INTERACTIVE
-    )
+    status = await asyncio.to_thread(rt.store.enqueue, user_id, kind, subject, None, INTERACTIVE)
     jid = job_id(user_id, kind, subject)
     if status == Status.DONE:
         job = (await asyncio.to_thread(rt.store.jobs, [jid])).get(jid)
@@ -182,7 +199,7 @@ async def _interactive(
     if job is not None and job.status == Status.DONE:
         asked_at = time.strftime("%H:%M:%S UTC", time.gmtime(asked))
         story = (
-            f"**{kind}:{subject}** for user `{user_id}`\n\n"
+            f"**{kind}:{subject}** for user `{pseudonym}`\n\n"
             f"- generated by run {link}\n"
             f"- the screen asked at {asked_at}; the result was ready "
             f"after **{waited:.1f} s**\n"
@@ -194,33 +211,32 @@ async def _interactive(
     else:
         why = (job.error if job else None) or (f"still {job.status}" if job else "the job is gone")
         story = (
-            f"**{kind}:{subject}** for user `{user_id}`\n\n"
-            f"- not generated: {why}\n- last attempt: {link}\n- the screen waited {waited:.1f} s\n"
+            f"**{kind}:{subject}** for user `{pseudonym}`\n\n"
+            f"- not generated: {_shown(why)}\n- last attempt: {link}\n"
+            f"- the screen waited {waited:.1f} s\n"
         )
-        outcome = Failed(message=f"not served after {waited:.0f} s: {why}"[:500])
+        outcome = Failed(message=f"not served after {waited:.0f} s: {_shown(why)}"[:500])
     await _story(kind, story)
-    log.info("%s:%s for %s: %s", kind, subject, user_id, outcome.message)
+    log.info("%s:%s for %s: %s", kind, subject, pseudonym, outcome.message)
     return outcome
 
 
 @flow(name="generate", flow_run_name="{kind}:{subject}", log_prints=False)
 async def generate(
-    user_id: str,
+    user: str,
     kind: str,
     subject: str,
-    fingerprint: str | None = None,
     attempt: int | None = None,
     worker: str | None = None,
 ) -> State[Any]:
     """One generation of an insight: the run history's record of each attempt.
 
     A consumer makes the call first and records the attempt as a run of this
-    flow beside it (`flows.history`), with the attempt and the worker as
-    parameters. Run by hand, it asks for the insight as a screen does and
-    sees it through.
+    flow beside it (`flows.history`), with the user's pseudonym, the attempt and
+    the worker as parameters. Run by hand, it asks for the insight as a screen
+    does and sees it through.
     """
-    with _runtime() as rt:
-        return await _interactive(rt, user_id, kind, subject, fingerprint)
+    return await interactive.fn(user, kind, subject)
 
 
 @flow(name="drain", log_prints=False)
@@ -237,6 +253,36 @@ async def _drain(rt: Runtime, max_jobs: int | None) -> dict[str, Any]:
     await ledger.flush()
     get_run_logger().info("drained: %s", summary.as_dict())
     return summary.as_dict()
+
+
+@flow(name="prune", log_prints=False)
+async def prune(dry_run: bool = False) -> dict[str, Any]:
+    """Retention (D2, D3): delete from the store what is past its time, in short chunks, and
+    from the run history the runs of users forgotten while it was away. Its result and log say
+    how many of each; with `dry_run`, what would go."""
+    with _runtime() as rt:
+        return await _prune(rt, dry_run)
+
+
+async def _prune(rt: Runtime, dry_run: bool) -> dict[str, Any]:
+    log = get_run_logger()
+    pruned = await asyncio.to_thread(
+        rt.store.prune, by_kind=rt.registry.retention(), dry_run=dry_run
+    )
+    shown = pruned.as_dict()
+    if not dry_run:
+        pending = (await asyncio.to_thread(rt.store.forget)).history_pending
+        erased, why = await erase_runs(list(pending))
+        if erased:
+            await asyncio.to_thread(rt.store.forget, erased=erased)
+        shown |= {
+            "forgotten_users_erased": len(erased),
+            "erasures_left": len(pending) - len(erased),
+        }
+        if why:
+            log.warning("%s", why)
+    log.info("retention: %s", shown)
+    return shown
 
 
 async def _follow(
@@ -318,6 +364,13 @@ async def _story(kind: str, story: str) -> None:
     await acreate_markdown_artifact(
         story, key=f"screen-{_slug(kind)}", description="The screen's story"
     )
+
+
+def _shown(error: str) -> str:
+    """A job's error as a run may show it: a gateway's or a generator's own words stay in the
+    store (they may quote a prompt or an answer, D4)."""
+    head, colon, _ = error.partition(": ")
+    return f"{head}{colon}(the rest is in the store's error)" if colon else error
 
 
 def _made_by(job: Job | None) -> str:

@@ -35,6 +35,7 @@ RUN_ID_WAIT_SECONDS = 2.0
 # History writes waiting beyond this are dropped (the Prefect server is away).
 MAX_PENDING_WRITES = 1000
 TAG_PREFIX_USER = "user:"
+UNKNOWN_PSEUDONYM = "p-unknown"  # a job read without its user's pseudonym (never a user id)
 
 
 def run_url(ui_url: str | None, run_id: str) -> str:
@@ -52,11 +53,16 @@ CONSUMER_STOPPED = "insight-queue.consumer.stopped"
 RUN_HEARTBEAT_SECONDS = 30.0
 
 
+def user_tag(job: Job) -> str:
+    """How a run names its user: the pseudonym, never the user's id (D4)."""
+    return f"{TAG_PREFIX_USER}{job.pseudonym or UNKNOWN_PSEUDONYM}"
+
+
 def generation_tags(job: Job) -> list[str]:
     return [
         PROJECT_TAG,
         "generation",
-        f"{TAG_PREFIX_USER}{job.user_id}",
+        user_tag(job),
         f"kind:{job.kind}",
         f"priority:{job.priority_class}",
         f"attempt:{job.attempts}",
@@ -181,15 +187,14 @@ class PrefectLedger:
                     flow=self._flow,
                     name=job.run_name,
                     parameters={
-                        "user_id": job.user_id,
+                        "user": job.pseudonym or UNKNOWN_PSEUDONYM,
                         "kind": job.kind,
                         "subject": job.subject,
-                        "fingerprint": job.fingerprint,
                         "attempt": job.attempts,
                         "worker": self.worker,
                     },
                     tags=generation_tags(job),
-                    context={"insight_queue": {"job_id": job.id, "parent": self._parent}},
+                    context={"insight_queue": {"parent": self._parent}},
                     state=Running(
                         timestamp=claimed,
                         message=f"attempt {job.attempts}, claimed by {self.worker}",
@@ -215,11 +220,11 @@ class PrefectLedger:
         if report.outcome is Outcome.DONE:
             state_name, message = "completed", _done_message(report)
         elif report.outcome is Outcome.RELEASED and report.failure == Failure.STOPPED:
-            state_name, message = "cancelled", report.message
+            state_name, message = "cancelled", report.public_message
         else:
             state_name, message = "failed", _failed_message(report)
         level = logging.INFO if state_name == "completed" else logging.WARNING
-        logs.append((time.time(), level, f"{report.outcome}: {report.message}"))
+        logs.append((time.time(), level, f"{report.outcome}: {report.public_message}"))
         if report.settlement is not None and report.settlement.verdict:
             logs.append((time.time(), level, report.settlement.verdict))
 
@@ -278,7 +283,7 @@ async def _close_earlier_attempts(
         flow_filter=FlowFilter(name=FlowFilterName(any_=[flow_name])),
         flow_run_filter=FlowRunFilter(
             name=FlowRunFilterName(any_=[job.run_name]),
-            tags=FlowRunFilterTags(all_=[PROJECT_TAG, f"{TAG_PREFIX_USER}{job.user_id}"]),
+            tags=FlowRunFilterTags(all_=[PROJECT_TAG, user_tag(job)]),
             state=FlowRunFilterState(
                 type=FlowRunFilterStateType(any_=[StateType.RUNNING, StateType.PENDING])
             ),
@@ -339,7 +344,8 @@ def _tokens(report: Report) -> str:
 
 
 def _failed_message(report: Report) -> str:
-    first = report.message.splitlines()[0] if report.message else str(report.outcome)
+    shown = report.public_message
+    first = shown.splitlines()[0] if shown else str(report.outcome)
     what = {
         "requeued": "attempt failed, queued again",
         "failed": "failed, attempts spent",
@@ -349,3 +355,41 @@ def _failed_message(report: Report) -> str:
     }.get(str(report.outcome), str(report.outcome))
     spent = f" ({_tokens(report)})" if report.answered else ""
     return f"{what}{spent}: {first}"[:500]
+
+
+# Runs a round of erasing reads and deletes at most.
+ERASE_BATCH = 50
+
+
+async def erase_runs(pseudonyms: list[str]) -> tuple[list[str], str | None]:
+    """Delete the runs of these forgotten users' pseudonyms from Prefect, with their artifacts
+    (Prefect deletes a run's logs with it) (D3). Returns the pseudonyms done, and why not the
+    rest (Prefect unreachable, say)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (
+        ArtifactFilter,
+        ArtifactFilterFlowRunId,
+        FlowRunFilter,
+        FlowRunFilterTags,
+    )
+
+    done: list[str] = []
+    try:
+        async with get_client() as client:
+            for pseudonym in pseudonyms:
+                tagged = FlowRunFilter(
+                    tags=FlowRunFilterTags(all_=[f"{TAG_PREFIX_USER}{pseudonym}"])
+                )
+                while runs := await client.read_flow_runs(
+                    flow_run_filter=tagged, limit=ERASE_BATCH
+                ):
+                    ids = [run.id for run in runs]
+                    of_runs = ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=ids))
+                    for artifact in await client.read_artifacts(artifact_filter=of_runs):
+                        await client.delete_artifact(artifact.id)
+                    for run_id in ids:
+                        await client.delete_flow_run(run_id)
+                done.append(pseudonym)
+    except Exception as exc:  # noqa: BLE001 - what is left is done by a later erasure
+        return done, f"the run history could not be erased now: {type(exc).__name__}: {exc}"
+    return done, None

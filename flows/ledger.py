@@ -13,6 +13,8 @@ from typing import Protocol
 
 from queue_store import Failure, Job, Settlement, Usage
 
+QUOTED_ELSEWHERE = "(its words are in the store's error)"
+
 
 class Outcome(enum.StrEnum):
     DONE = "done"
@@ -39,6 +41,16 @@ class Report:
     flow_run_id: str | None = None
     answered: bool = False  # the gateway's answer came (it may have cost tokens)
     usage: Usage | None = None  # the tokens it said it used; None: unknown
+    # Words of the gateway's or of a generator's in `message` (an error body, an exception's
+    # text): they may quote a prompt or an answer, so only the store keeps them (D4).
+    quoted: str = ""
+
+    @property
+    def public_message(self) -> str:
+        """The message as the run history and the logs may say it: without what it quotes."""
+        if not self.quoted:
+            return self.message
+        return self.message.replace(self.quoted, QUOTED_ELSEWHERE)
 
     @property
     def pause_seconds(self) -> float | None:

@@ -43,6 +43,7 @@ class Generator:
     parse: ParseAnswer
     options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     subjects: CheckSubject | None = None  # None: any subject
+    retention_days: float | None = None  # None: AI_JOB_RETENTION_DAYS (D2)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,12 +139,16 @@ class Registry:
         parse: ParseAnswer = text_result,
         *,
         subjects: CheckSubject | None = None,
+        retention_days: float | None = None,
         **options: Any,
     ) -> Generator:
         """Make `kind` known: `build` makes its prompt, `parse` its stored result; `subjects`
         says which subjects it accepts (`iso_dates()`, `periods(28)`; default any), so a screen
-        asking for another is refused before anything is written."""
-        generator = Generator(kind, build, parse, options, subjects)
+        asking for another is refused before anything is written; `retention_days` how long its
+        finished insights are kept (default `AI_JOB_RETENTION_DAYS`)."""
+        if retention_days is not None and not retention_days > 0:
+            raise PluginError(f"{kind}: retention_days must be more than 0")
+        generator = Generator(kind, build, parse, options, subjects, retention_days)
         self._generators[kind] = generator
         return generator
 
@@ -179,6 +184,14 @@ class Registry:
             except ValueError as exc:
                 raise InvalidArgument("subject", f"not a subject of {kind!r}: {exc}") from None
         return kind, subject
+
+    def retention(self) -> dict[str, float]:
+        """The kinds kept for a time of their own, and that time in days."""
+        return {
+            kind: found.retention_days
+            for kind, found in self._generators.items()
+            if found.retention_days is not None
+        }
 
     def generator_for(self, kind: str) -> Generator:
         found = self._generators.get(kind)

@@ -249,13 +249,13 @@ class JobRunner:
             if retry_after is not None:
                 # The store pauses at most this long (G1) and refuses absurd waits.
                 retry_after = min(retry_after, self._settings.backoff_max_seconds)
-            recording = self._settle(attempt, exc.failure, str(exc), retry_after)
+            recording = self._settle(attempt, exc.failure, str(exc), retry_after, exc.excerpt)
         except Exception as exc:  # noqa: BLE001 - a bad generator fails its job only
             building = attempt.phase == "build"
             failure = Failure.BUILD if building else Failure.PARSE
             where = "building the prompt" if building else "parsing the answer"
             message = f"generator {job.kind!r} failed {where}: {type(exc).__name__}: {exc}"
-            recording = self._settle(attempt, failure, message)
+            recording = self._settle(attempt, failure, message, quoted=str(exc))
         else:
             recording = self._finish(attempt, result)
         return await self._close(attempt, noted, recording)
@@ -295,7 +295,7 @@ class JobRunner:
             report = self._report(attempt, Outcome.LOST, message)
         else:
             report = await self._settle(attempt, failure, message)
-        logger.warning("%s: %s (%s)", attempt.job.run_name, report.message, ended)
+        logger.warning("%s: %s (%s)", attempt.job.run_name, report.public_message, ended)
         return report
 
     async def _close(
@@ -360,10 +360,18 @@ class JobRunner:
         return self._report(attempt, Outcome.DONE, "done", flow_run_id=run_id)
 
     async def _settle(
-        self, attempt: _Attempt, failure: Failure, message: str, retry_after: float | None = None
+        self,
+        attempt: _Attempt,
+        failure: Failure,
+        message: str,
+        retry_after: float | None = None,
+        quoted: str = "",
     ) -> Report:
+        """Tell the store; `quoted`: what of `message` is the gateway's or the generator's own
+        words (the store keeps them; the history and the logs do not, D4)."""
         job = attempt.job
         message = self._redact(" ".join(message.split()))
+        said = {"quoted": self._redact(" ".join(quoted.split()))} if quoted.strip() else {}
         # A stop can afford to wait a little longer for the history entry: the
         # job row then points at the run that says it was stopped.
         wait = STOP_RUN_ID_WAIT_SECONDS if failure is Failure.STOPPED else None
@@ -386,10 +394,10 @@ class JobRunner:
             settlement = await self._record(job, write)
         except ClaimLost:
             lost = f"{message} (the claim had been taken over; nothing recorded)"
-            return self._report(attempt, Outcome.LOST, lost, failure=failure)
+            return self._report(attempt, Outcome.LOST, lost, failure=failure, **said)
         except StoreError as exc:
             unrecorded = f"{message} (not recorded: {exc})"
-            return self._report(attempt, Outcome.UNRECORDED, unrecorded, failure=failure)
+            return self._report(attempt, Outcome.UNRECORDED, unrecorded, failure=failure, **said)
         if not settlement.attempt_spent:
             outcome = Outcome.RELEASED
         elif settlement.status is Status.FAILED:
@@ -399,7 +407,13 @@ class JobRunner:
         if settlement.pause_seconds:
             logger.warning("%s: %s", job.run_name, settlement.verdict)
         return self._report(
-            attempt, outcome, message, failure=failure, settlement=settlement, flow_run_id=run_id
+            attempt,
+            outcome,
+            message,
+            failure=failure,
+            settlement=settlement,
+            flow_run_id=run_id,
+            **said,
         )
 
     async def _record(self, job: Job, write: Callable[[], Any]) -> Any:

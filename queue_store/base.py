@@ -9,6 +9,7 @@ with the clock read after it (every lease decision). The verbs themselves are in
 from __future__ import annotations
 
 import datetime as dt
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -18,12 +19,14 @@ from sqlalchemy import Connection, Row
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
-from queue_store import lease, migrate, schema, validation
+from queue_store import files, lease, migrate, schema, validation
 from queue_store.clock import Clock, ClockFunction, DatabaseClock, HostClock, InjectedClock
 from queue_store.engine import SQLITE_BEGIN, create_store_engine, shown_url, wrap_database_error
 from queue_store.errors import ClaimLost, InvalidArgument, SchemaOutdated
 from queue_store.redact import Redactor
 from queue_store.settings import Settings
+
+logger = logging.getLogger(__name__)
 
 
 class StoreBase:
@@ -51,6 +54,8 @@ class StoreBase:
         self._is_sqlite = make_url(target).get_backend_name() == "sqlite"
         if self._is_sqlite and not create:
             _require_sqlite_file(target)
+        if self._is_sqlite and create and target == settings.database_url:
+            files.private_directory(settings.data_dir)  # ours: narrowed if it was not (D1)
         self._engine = create_store_engine(target)
         self._clock: Clock
         if clock is not None:
@@ -126,6 +131,19 @@ class StoreBase:
             self._clock.prepare(connection)
             now = self._clock.now(connection)
             yield connection, now, state
+
+    def _checkpoint(self) -> None:
+        """On SQLite, what was deleted leaves the write-ahead log too: the log is copied into
+        the database (where `secure_delete` zeroed the rows) and truncated."""
+        if not self._is_sqlite:
+            return
+        raw = self._engine.raw_connection()
+        try:
+            raw.driver_connection.execute("PRAGMA wal_checkpoint(TRUNCATE)")  # type: ignore[union-attr]
+        except Exception as exc:  # noqa: BLE001 - the next checkpoint will do it
+            logger.warning("could not checkpoint the SQLite log: %s", exc)
+        finally:
+            raw.close()
 
     def _now(self, connection: Connection) -> dt.datetime:
         return self._clock.now(connection)

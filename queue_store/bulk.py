@@ -37,7 +37,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import Dialect
 
-from queue_store import places, schema
+from queue_store import people, places, schema
 from queue_store.models import INTERACTIVE, EnqueueRequest, Status, job_id
 from queue_store.rules import decide
 from queue_store.settings import StoreConfig
@@ -327,6 +327,7 @@ def write(connection: Connection, plan: Plan) -> None:
             written = connection.execute(_sqlite_insert(), rows).rowcount
         if written != len(rows):  # another caller inserted one first
             raise Raced
+        people.pseudonymize(connection, {row["user_id"] for row in rows}, rows[0]["created_at"])
     if plan.updates:
         connection.execute(
             update(jobs).where(jobs.c.id == bindparam("job_id")),

@@ -1,8 +1,10 @@
 """Engines for the two backends, and the one place driver errors are wrapped.
 
 SQLite: WAL so readers never wait for the writer, a generous busy timeout because several
-processes share the file, and transactions begun by us so a write transaction can take the write
-lock up front (`BEGIN IMMEDIATE`) instead of failing half-way when it upgrades from a read.
+processes share the file, transactions begun by us so a write transaction can take the write
+lock up front (`BEGIN IMMEDIATE`) instead of failing half-way when it upgrades from a read, and
+`secure_delete`, so a deleted row is overwritten in the file, not only unlinked (D3). The file
+and its directory are made for this account alone (`files`).
 
 PostgreSQL: psycopg 3; connections checked before use so a database restart costs one failed
 call, not a pool of dead connections.
@@ -17,6 +19,7 @@ from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 
+from queue_store import files
 from queue_store.errors import DatabaseError, SettingsError
 from queue_store.redact import mask_url
 
@@ -54,12 +57,12 @@ def create_store_engine(url: str | URL, **kwargs: Any) -> Engine:
 
 def _sqlite_engine(url: URL, **kwargs: Any) -> Engine:
     if url.database and url.database != ":memory:" and not url.database.startswith("file:"):
-        directory = Path(url.database).expanduser().parent
+        database = Path(url.database).expanduser()
         try:
-            directory.mkdir(parents=True, exist_ok=True)
+            files.private_sqlite(database)
         except OSError as exc:
             raise DatabaseError(
-                f"cannot create the SQLite directory {directory}: {exc.strerror or exc}"
+                f"cannot create the SQLite file {database}: {exc.strerror or exc}"
             ) from exc
     engine = create_engine(url, **kwargs)
 
@@ -70,6 +73,7 @@ def _sqlite_engine(url: URL, **kwargs: Any) -> Engine:
         cursor.execute(f"PRAGMA busy_timeout = {SQLITE_BUSY_TIMEOUT_MS}")
         cursor.execute("PRAGMA journal_mode = WAL")
         cursor.execute("PRAGMA synchronous = NORMAL")
+        cursor.execute("PRAGMA secure_delete = ON")
         cursor.close()
 
     @event.listens_for(engine, "begin")

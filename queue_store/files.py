@@ -13,21 +13,26 @@ from pathlib import Path
 
 DIRECTORY_MODE = 0o700
 FILE_MODE = 0o600
+PRIVATE_UMASK = 0o077  # for processes that write our data (the embedded Prefect server)
 SQLITE_COMPANIONS = ("-wal", "-shm", "-journal")
 
 
-def private_directory(path: Path) -> Path:
-    """Make `path` (and any missing parents) and leave it to this account alone."""
+def private_directory(path: Path, *, narrow: bool = True) -> Path:
+    """Make `path` (and any missing parents) for this account alone. `narrow`: an existing
+    directory is narrowed too (the data directory, ours); else only one made here is (a
+    database's folder may be shared)."""
+    made = not path.exists()
     path.mkdir(parents=True, exist_ok=True)
-    if path.stat().st_mode & 0o777 != DIRECTORY_MODE:
+    if (made or narrow) and path.stat().st_mode & 0o777 != DIRECTORY_MODE:
         os.chmod(path, DIRECTORY_MODE)
     return path
 
 
 def private_sqlite(database: Path) -> None:
     """A SQLite database file that is this account's alone, before SQLite opens it: SQLite
-    gives its `-wal` and `-shm` the database file's mode. Existing files are narrowed too."""
-    private_directory(database.parent)
+    gives its `-wal` and `-shm` the database file's mode. Existing files are narrowed too; the
+    folder only if it is made here."""
+    private_directory(database.parent, narrow=False)
     with contextlib.suppress(FileExistsError):
         os.close(os.open(database, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE))
     for path in (database, *(Path(f"{database}{suffix}") for suffix in SQLITE_COMPANIONS)):

@@ -24,7 +24,7 @@ from typing import Any
 
 from sqlalchemy import Connection, Row, and_, delete, func, insert, select, update
 
-from queue_store import places, schema, tallies
+from queue_store import people, places, schema, tallies
 from queue_store.errors import SchemaOutdated
 from queue_store.models import (
     HOLDER_NONCE_HEX,
@@ -122,16 +122,24 @@ def reap(
 
 
 def cut(
-    connection: Connection, settings: StoreConfig, now: dt.datetime, row: Row[Any], cause: CutCause
+    connection: Connection,
+    settings: StoreConfig,
+    now: dt.datetime,
+    row: Any,
+    cause: CutCause,
+    *,
+    job_gone: bool = False,
 ) -> None:
     """The call of this claim, if one started, was cut on our side: it holds the gateway until
-    its start plus the hold (H1). A hold already over by now holds nothing."""
+    its start plus the hold (H1). A hold already over by now holds nothing. `job_gone`: the job
+    is being deleted, so the hold names none."""
     started = row.call_started_at
     if started is None:
         return
     until = started + dt.timedelta(seconds=settings.cut_hold)
     if until > now:
-        values = {"job_id": row.id, "worker": row.worker, "cause": cause, "started_at": started}
+        shown = None if job_gone else row.id
+        values = {"job_id": shown, "worker": row.worker, "cause": cause, "started_at": started}
         connection.execute(insert(holds).values(**values, until=until))
 
 
@@ -237,7 +245,10 @@ def claim(
                 update(gate).where(gate.c.id == schema.GATE_ROW_ID).values({served: candidate.turn})
             )
         job = schema.from_row(Job, candidate)
-        return Claim(dataclasses.replace(job, **claimed))
+        # What the run history will know the user as: made now if the user has none yet.
+        people.pseudonymize(connection, [job.user_id], now)
+        pseudonym = people.pseudonym_of(connection, job.user_id)
+        return Claim(dataclasses.replace(job, **claimed, pseudonym=pseudonym))
 
 
 def _first_pending(

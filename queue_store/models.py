@@ -158,6 +158,9 @@ class Job:
     turn: int = 0  # its turn in the fair order (R8b); 0 for interactive jobs and under fifo
     call_started_at: dt.datetime | None = None  # when the claim's call started (H1)
     losses: int = 0  # claims lost with their worker since it last entered the queue (H2)
+    last_holder: str | None = None  # the token of the last claim that ended
+    # What the run history knows the user as (D4); None where it was not read with the job.
+    pseudonym: str | None = None
 
     def __post_init__(self) -> None:
         # Rows hand over the status as text, and the original's rows may lack `queued_at`.
@@ -182,6 +185,7 @@ class Job:
         shown: dict[str, Any] = {
             "id": self.id,
             "user_id": self.user_id,
+            "pseudonym": self.pseudonym,
             "kind": self.kind,
             "subject": self.subject,
             "status": str(self.status),
@@ -498,6 +502,40 @@ class Requeued:
 
 
 @dataclasses.dataclass(frozen=True)
+class Forgotten:
+    """What `forget` removed of one user (D3), and the run history's part still to do."""
+
+    user_id: str
+    jobs: int
+    results: int
+    usage_rows: int
+    calls_cut: int  # calls of the user in flight that were cut (they hold the gateway, H1)
+    pseudonym: str | None  # what the run history knew the user as; None: never seen there
+    # Pseudonyms of forgotten users whose runs are still in the run history (this one's too).
+    history_pending: tuple[str, ...] = ()
+
+    def as_dict(self) -> dict[str, Any]:
+        shown = dataclasses.asdict(self)
+        shown["history_pending"] = len(self.history_pending)
+        return shown
+
+
+@dataclasses.dataclass(frozen=True)
+class Pruned:
+    """What retention removed (D2), or with `dry_run` would remove."""
+
+    jobs: int
+    results: int
+    usage_rows: int  # a user's daily usage rows folded into the day's totals of no one
+    people: int  # people with nothing left, no longer known
+    retention_days: float
+    dry_run: bool = False
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
 class QueueView:
     """The whole queue at a glance, read in one transaction: what runs, what waits (in worker
     order), what failed, what it cost; and the figures /metrics shows (M1)."""
@@ -519,6 +557,8 @@ class QueueView:
     usage_by_kind: list[UsageRow]  # user_id ""
     tallies: list[Tally]
     holds: list[Hold] = dataclasses.field(default_factory=list)  # cut calls still held (H1)
+    # Forgotten users whose runs the run history still holds: (pseudonym, when forgotten).
+    erasures_pending: list[tuple[str, dt.datetime]] = dataclasses.field(default_factory=list)
 
     @property
     def waiting_total(self) -> int:
@@ -540,4 +580,7 @@ class QueueView:
                 "total": self.usage_total.as_dict(),
                 "by_user_and_kind": [u.as_dict() for u in self.usage],
             },
+            "erasures_pending": [
+                {"pseudonym": p, "forgotten_at": iso(at)} for p, at in self.erasures_pending
+            ],
         }

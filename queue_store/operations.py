@@ -5,20 +5,23 @@ A mixin of `JobStore` over `StoreBase`'s transactions; callers name the role (`O
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import datetime as dt
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from sqlalchemy import ColumnElement, Connection, and_, case, func, select, update
 
-from queue_store import lease, places, schema, validation, views
+from queue_store import lease, places, privacy, schema, validation, views
 from queue_store.base import StoreBase
 from queue_store.models import (
     INTERACTIVE,
     PREFETCH,
+    Forgotten,
     GateState,
     Job,
     ListedJob,
     PauseKind,
+    Pruned,
     QueueView,
     Requeued,
     Status,
@@ -152,3 +155,87 @@ class OperatorActions(StoreBase):
         with self._read("queue_view") as connection:
             now = self._now(connection)
             return views.queue_view(connection, self._settings, now, limit)
+
+    # -- D2, D3: retention and forgetting ----------------------------------------------
+
+    def prune(
+        self,
+        *,
+        retention_days: float | None = None,
+        by_kind: Mapping[str, float] | None = None,
+        dry_run: bool = False,
+    ) -> Pruned:
+        """Delete what is past retention (D2): finished and failed jobs with their results,
+        results whose job is gone, users' token usage (folded into daily totals of no one),
+        and people with nothing left; `AI_JOB_RETENTION_DAYS` unless `retention_days`, and
+        `by_kind` for kinds of their own. In short transactions of at most `PRUNE_CHUNK` rows
+        each, safe beside claims and other pruners. `dry_run` counts, and changes nothing."""
+        days = self._settings.retention_days if retention_days is None else retention_days
+        days = validation.seconds("retention_days", days)
+        kinds = {
+            validation.kind(kind): validation.seconds("by_kind", kept)
+            for kind, kept in (by_kind or {}).items()
+        }
+        retention = privacy.Retention(days, kinds)
+        jobs_gone = results_gone = 0
+        while True:
+            with self._chunk(dry_run) as connection:
+                found = privacy.prune_jobs(
+                    connection, retention, self._now(connection), count_only=dry_run
+                )
+            jobs_gone, results_gone = jobs_gone + found[0], results_gone + found[1]
+            if dry_run or not any(found):
+                break
+        orphans = self._until_done(
+            dry_run,
+            lambda c, now: privacy.prune_orphan_results(c, retention, now, count_only=dry_run),
+        )
+        folded = self._until_done(
+            dry_run, lambda c, now: privacy.fold_usage(c, retention, now, count_only=dry_run)
+        )
+        people = self._until_done(
+            dry_run, lambda c, now: privacy.prune_people(c, count_only=dry_run)
+        )
+        return Pruned(jobs_gone, results_gone + orphans, folded, people, days, dry_run)
+
+    def _chunk(self, dry_run: bool) -> Any:
+        """One chunk's transaction: a read for a dry run (nothing written)."""
+        return self._read("prune") if dry_run else self._write("prune")
+
+    def _until_done(self, dry_run: bool, step: Callable[[Connection, dt.datetime], int]) -> int:
+        """Run one chunk of `step` after another until one finds nothing (a dry run: once)."""
+        total = 0
+        while True:
+            with self._chunk(dry_run) as connection:
+                found = step(connection, self._now(connection))
+            total += found
+            if dry_run or not found:
+                return total
+
+    def forget(self, user_id: str | None = None, *, erased: Iterable[str] = ()) -> Forgotten:
+        """Remove every row of the user from the store (D3): jobs, results, usage, the
+        pseudonym; a call in flight is cut (its answer is never written, and it holds the
+        gateway as any call cut on our side, H1). Idempotent. `erased`: pseudonyms whose runs
+        the run history no longer holds (the history's part of an earlier `forget`). Returns what
+        was removed, and the pseudonyms whose history part is still to do."""
+        if user_id is not None:
+            user_id = validation.user_id(user_id)
+        done = [validation.text("erased", p, 40) for p in erased]
+        with self._gated("forget") as (connection, now, _state):
+            removed = (
+                privacy.forget(connection, self._settings, now, user_id)
+                if user_id is not None
+                else privacy.Erased(0, 0, 0, 0, None)
+            )
+            privacy.erasures_done(connection, done)
+            pending = tuple(p for p, _ in privacy.pending_erasures(connection))
+        self._checkpoint()
+        return Forgotten(
+            user_id or "",
+            removed.jobs,
+            removed.results,
+            removed.usage_rows,
+            removed.calls_cut,
+            removed.pseudonym,
+            pending,
+        )

@@ -12,7 +12,7 @@ small fake for one role. The rules behind each verb are in docs/rules.md.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal, Protocol, overload, runtime_checkable
 
 from queue_store.models import (
@@ -20,10 +20,12 @@ from queue_store.models import (
     Claim,
     EnqueueRequest,
     Failure,
+    Forgotten,
     GateState,
     Job,
     JobState,
     ListedJob,
+    Pruned,
     QueueView,
     Renewal,
     Requeued,
@@ -111,6 +113,8 @@ class ScreenStore(Protocol):
 
     def jobs(self, ids: Iterable[str]) -> dict[str, Job]: ...
 
+    def user_of(self, pseudonym: str) -> str | None: ...
+
     def gate_state(self) -> GateState: ...
 
 
@@ -131,3 +135,13 @@ class OperatorStore(Protocol):
     def requeue(self, kinds: Sequence[str] | None = None) -> int: ...
 
     def recover(self, worker: str | None = None) -> list[Job]: ...
+
+    def prune(
+        self,
+        *,
+        retention_days: float | None = None,
+        by_kind: Mapping[str, float] | None = None,
+        dry_run: bool = False,
+    ) -> Pruned: ...
+
+    def forget(self, user_id: str | None = None, *, erased: Iterable[str] = ()) -> Forgotten: ...

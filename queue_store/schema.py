@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 from sqlalchemy import (
     BigInteger,
     Column,
+    Date,
     DateTime,
     Dialect,
     Float,
@@ -30,7 +31,7 @@ from sqlalchemy import (
 )
 
 # The migration this code expects; `JobStore` refuses an older database.
-SCHEMA_REVISION = "0007"
+SCHEMA_REVISION = "0008"
 VERSION_TABLE = "insight_queue_version"
 
 GATE_ROW_ID = 1
@@ -148,6 +149,8 @@ Index(
 )
 # list_jobs, retry_failed, pending_count(user) and supersede.
 Index("ix_ai_jobs_user", jobs.c.user_id, jobs.c.kind, jobs.c.status)
+# Retention: the finished jobs past their time, oldest first, in bounded chunks.
+Index("ix_ai_jobs_finished", jobs.c.status, jobs.c.finished_at)
 
 results = Table(
     "ai_job_results",
@@ -168,8 +171,9 @@ results = Table(
     Column("completion_tokens", BigInteger),
 )
 
-# Recent durations per kind, for the ETA.
+# Recent durations per kind, for the ETA; a user's results, to forget them.
 Index("ix_ai_job_results_kind", results.c.kind, results.c.produced_at)
+Index("ix_ai_job_results_user", results.c.user_id)
 
 # One row: the deployment-wide guard of the gateway. Claims lock it, so the
 # concurrency count and the claim are one atomic step on every backend.
@@ -205,17 +209,38 @@ kind_durations = Table(
     Column("samples", Integer, nullable=False),
 )
 
-# Tokens the gateway's answers used, per user and kind; `unknown` counts the
-# answers that did not say.
+# Tokens the gateway's answers used, per day, user and kind; `unknown` counts the answers that
+# did not say. Past retention a user's rows become the day's totals (user_id "": no one's).
 usage = Table(
-    "ai_job_usage",
+    "ai_job_usage_days",
     metadata,
+    Column("day", Date, primary_key=True),
     Column("user_id", String(200), primary_key=True),
     Column("kind", String(100), primary_key=True),
     Column("answers", BigInteger, nullable=False, server_default=text("0")),
     Column("unknown", BigInteger, nullable=False, server_default=text("0")),
     Column("prompt_tokens", BigInteger, nullable=False, server_default=text("0")),
     Column("completion_tokens", BigInteger, nullable=False, server_default=text("0")),
+)
+Index("ix_ai_job_usage_days_user", usage.c.user_id)
+
+# Each user's pseudonym: all that the run history (Prefect) ever sees of them. Forgetting a
+# user deletes the row, and with it who the pseudonym was.
+people = Table(
+    "ai_job_people",
+    metadata,
+    Column("user_id", String(200), primary_key=True),
+    Column("pseudonym", String(40), nullable=False, unique=True),
+    Column("created_at", UTCDateTime, nullable=False),
+)
+
+# Pseudonyms of forgotten users whose runs in the run history are still to be deleted (the
+# history was away when they were forgotten).
+erasures = Table(
+    "ai_job_erasures",
+    metadata,
+    Column("pseudonym", String(40), primary_key=True),
+    Column("forgotten_at", UTCDateTime, nullable=False),
 )
 
 # Counters and histograms for /metrics, kept by the writes that settle

@@ -192,6 +192,9 @@ class Settings(_Checked):
     max_interactive: int = _f(
         8, "a user's waiting screens' jobs; the oldest beyond fall back to prefetch", ge=1
     )
+    retention_days: float = _f(
+        90.0, "days finished jobs, results and who used tokens are kept", gt=0
+    )
     gateway: GatewaySettings = Field(default_factory=GatewaySettings)
     api: ApiSettings = Field(default_factory=ApiSettings)
 
@@ -262,6 +265,7 @@ class Settings(_Checked):
             order=self.order,
             cut_hold=self.cut_hold,
             max_interactive=self.max_interactive,
+            retention_days=self.retention_days,
         )
 
     @property
@@ -338,6 +342,7 @@ class StoreConfig:
     order: Literal["fair", "fifo"] = "fair"
     cut_hold: float = 1080.0  # seconds a call cut on our side holds the gateway (H1)
     max_interactive: int = 8  # waiting interactive jobs per user (A3)
+    retention_days: float = 90.0  # finished work is kept this long (D2)
 
 
 def _variable(model: type[BaseSettings], name: str) -> str:

@@ -30,7 +30,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.exc import IntegrityError
 
-from queue_store import bulk, lease, places, schema, validation, views
+from queue_store import bulk, lease, people, places, schema, validation, views
 from queue_store.errors import ClaimLost, DatabaseError, InvalidArgument
 from queue_store.models import (
     INTERACTIVE,
@@ -47,6 +47,7 @@ from queue_store.models import (
     job_id,
 )
 from queue_store.operations import OperatorActions
+from queue_store.redact import Redactor
 from queue_store.rules import decide, lapsed
 from queue_store.schema import from_row
 from queue_store.tallies import tally_attempt
@@ -113,6 +114,7 @@ class JobStore(OperatorActions):
                     turn = places.next_turn(connection, self._settings, key[0], priority)
                     values = bulk.new_job(*key, fingerprint, priority, now, turn)
                     connection.execute(insert(jobs).values(values))
+                    people.pseudonymize(connection, [key[0]], now)
                     if priority <= INTERACTIVE:
                         places.cap_interactive(connection, self._settings, key[0], now)
             except IntegrityError:
@@ -198,8 +200,14 @@ class JobStore(OperatorActions):
         """The jobs with these ids, by id, in one read (ids with no job are left out)."""
         wanted = sorted({validation.job_id(i) for i in ids})
         with self._read("jobs") as connection:
-            rows = connection.execute(select(jobs).where(jobs.c.id.in_(wanted))).all()
+            rows = connection.execute(views.WITH_PSEUDONYM.where(jobs.c.id.in_(wanted))).all()
         return {row.id: from_row(Job, row) for row in rows}
+
+    def user_of(self, pseudonym: str) -> str | None:
+        """The user a pseudonym of the run history stands for; None once forgotten (D4)."""
+        pseudonym = validation.text("pseudonym", pseudonym, people.MAX_PSEUDONYM_LENGTH)
+        with self._read("user_of") as connection:
+            return people.user_of(connection, pseudonym)
 
     @overload
     def poll(
@@ -324,7 +332,11 @@ class JobStore(OperatorActions):
         `ClaimLost`, having changed nothing, if the claim was taken over."""
         jid = validation.job_id(jid)
         holder = validation.holder(holder)
-        output, size = validation.result(result, self._settings.max_result_bytes)
+        output, _ = validation.result(result, self._settings.max_result_bytes)
+        # An answer may quote our secrets (a gateway echoing its token): stored without (G5).
+        output, size = validation.result(
+            _redacted(output, self._redact), self._settings.max_result_bytes
+        )
         if duration_seconds is not None:
             duration_seconds = validation.seconds("duration_seconds", duration_seconds)
         if flow_run_id is not None:
@@ -357,7 +369,7 @@ class JobStore(OperatorActions):
             if duration_seconds is not None:
                 places.record_duration(connection, row.kind, duration_seconds)
             lease.settle_done(connection, now, row, flow_run_id)
-            tally_attempt(connection, row, "done", duration_seconds, usage or True)
+            tally_attempt(connection, now, row, "done", duration_seconds, usage or True)
         return Status.DONE
 
     def fail(
@@ -403,7 +415,7 @@ class JobStore(OperatorActions):
             settled = lease.settle_failure(
                 connection, self._settings, now, state, row, failure, error, retry_after
             )
-            tally_attempt(connection, row, failure, duration_seconds, answer)
+            tally_attempt(connection, now, row, failure, duration_seconds, answer)
             return settled
 
     # -- presence of consumers ----------------------------------------------------
@@ -436,6 +448,17 @@ class JobStore(OperatorActions):
                 kept = self._settings.lease_seconds * FORGET_WORKERS_AFTER_LEASES
                 forget = now - dt.timedelta(seconds=kept)
                 connection.execute(delete(workers).where(workers.c.seen_at < forget))
+
+
+def _redacted(value: Any, redact: Redactor) -> Any:
+    """A JSON value with every secret removed from its texts (keys too)."""
+    if isinstance(value, str):
+        return redact(value)
+    if isinstance(value, list):
+        return [_redacted(item, redact) for item in value]
+    if isinstance(value, dict):
+        return {redact(str(k)): _redacted(v, redact) for k, v in value.items()}
+    return value
 
 
 def _checked_request(request: object) -> EnqueueRequest:

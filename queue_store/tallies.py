@@ -8,6 +8,7 @@ and a count per upper bound, cumulative.
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 from collections.abc import Sequence
 from typing import Any
@@ -49,9 +50,12 @@ def count(connection: Connection, name: str, kind: str, outcome: str, value: flo
         )
 
 
-def spent_tokens(connection: Connection, user_id: str, kind: str, used: Usage | None) -> None:
-    """Add an answer's usage to its user's and kind's; an answer that did not say is unknown."""
-    key = (usage.c.user_id == user_id, usage.c.kind == kind)
+def spent_tokens(
+    connection: Connection, day: dt.date, user_id: str, kind: str, used: Usage | None
+) -> None:
+    """Add an answer's usage to its day's, user's and kind's; an answer that did not say is
+    unknown."""
+    key = (usage.c.day == day, usage.c.user_id == user_id, usage.c.kind == kind)
     row = connection.execute(select(usage).where(*key)).one_or_none()
     values = {
         "answers": (row.answers if row else 0) + 1,
@@ -61,13 +65,18 @@ def spent_tokens(connection: Connection, user_id: str, kind: str, used: Usage | 
         + (used.completion_tokens if used else 0),
     }
     if row is None:
-        connection.execute(insert(usage).values(user_id=user_id, kind=kind, **values))
+        connection.execute(insert(usage).values(day=day, user_id=user_id, kind=kind, **values))
     else:
         connection.execute(update(usage).where(*key).values(**values))
 
 
 def tally_attempt(
-    connection: Connection, row: Any, outcome: str, seconds: float | None, answer: Usage | bool
+    connection: Connection,
+    now: dt.datetime,
+    row: Any,
+    outcome: str,
+    seconds: float | None,
+    answer: Usage | bool,
 ) -> None:
     """Count a settled attempt of the job `row`, its call's time and its answer's tokens (M1,
     M2). `answer`: the tokens the answer said it used, True if one came that did not say."""
@@ -76,7 +85,7 @@ def tally_attempt(
         count(connection, CALL_SECONDS, row.kind, str(outcome), seconds)
     if answer:
         used = answer if isinstance(answer, Usage) else None
-        spent_tokens(connection, row.user_id, row.kind, used)
+        spent_tokens(connection, now.date(), row.user_id, row.kind, used)
 
 
 def read(connection: Connection) -> list[Tally]:
@@ -99,7 +108,17 @@ def usage_by(connection: Connection, *columns: Any) -> list[UsageRow]:
 
 
 def usage_rows(connection: Connection, limit: int | None = None) -> Sequence[UsageRow]:
-    """Tokens per user and kind, the most first."""
-    tokens = usage.c.prompt_tokens + usage.c.completion_tokens
-    query = select(usage).order_by(tokens.desc(), usage.c.user_id, usage.c.kind).limit(limit)
-    return [schema.from_row(UsageRow, r) for r in connection.execute(query)]
+    """Tokens per user and kind (of the days still kept per user), the most first."""
+    sums = [func.sum(usage.c[name]).label(name) for name in SUMMED]
+    tokens = func.sum(usage.c.prompt_tokens + usage.c.completion_tokens)
+    query = (
+        select(usage.c.user_id, usage.c.kind, *sums)
+        .where(usage.c.user_id != "")
+        .group_by(usage.c.user_id, usage.c.kind)
+        .order_by(tokens.desc(), usage.c.user_id, usage.c.kind)
+        .limit(limit)
+    )
+    return [
+        UsageRow(r.user_id, r.kind, *(int(r._mapping[n]) for n in SUMMED))
+        for r in connection.execute(query)
+    ]

@@ -12,7 +12,7 @@ from typing import Any
 
 from sqlalchemy import Connection, Row, bindparam, case, func, select
 
-from queue_store import lease, places, schema, tallies
+from queue_store import lease, places, privacy, schema, tallies
 from queue_store.models import (
     INTERACTIVE,
     CutCause,
@@ -37,16 +37,22 @@ results = schema.results
 gate = schema.gate
 workers = schema.workers
 holds = schema.holds
+people = schema.people
 
 # What a poll reads of the latest result before it knows whether to load it.
 RESULT_META = (
     results.c.fingerprint.label("result_fingerprint"),
     results.c.produced_at.label("result_produced_at"),
 )
+# A job with what the run history knows its user as (D4).
+WITH_PSEUDONYM = select(jobs, people.c.pseudonym).outerjoin(
+    people, people.c.user_id == jobs.c.user_id
+)
 # The statements of a poll, made once: SQLAlchemy then keys its cache on them for free.
 JOB_AND_RESULT = (
-    select(jobs, *RESULT_META)
+    select(jobs, people.c.pseudonym, *RESULT_META)
     .outerjoin(results, results.c.job_id == jobs.c.id)
+    .outerjoin(people, people.c.user_id == jobs.c.user_id)
     .where(jobs.c.id == bindparam("jid"))
 )
 RESULT = select(results).where(results.c.job_id == bindparam("jid"))
@@ -157,7 +163,7 @@ def user_jobs(
         (jobs.c.status == Status.FAILED, 2),
         else_=3,
     )
-    query = select(jobs).where(jobs.c.user_id == user_id)
+    query = WITH_PSEUDONYM.where(jobs.c.user_id == user_id)
     query = query.order_by(by_status, *places.order(settings)).limit(limit)
     listed = [from_row(Job, r) for r in connection.execute(query)]
     view = outlook(connection, settings, now, gate_row(connection))
@@ -199,6 +205,7 @@ def queue_view(
         usage_by_kind=tallies.usage_by(connection, schema.usage.c.kind),
         tallies=tallies.read(connection),
         holds=holding,
+        erasures_pending=privacy.pending_erasures(connection),
     )
 
 
@@ -228,7 +235,7 @@ def _listed(
     connection: Connection, status: Status, *order: Any, limit: int | None = None
 ) -> list[Job]:
     """The jobs of one status in this order (the first `limit`)."""
-    query = select(jobs).where(jobs.c.status == status).order_by(*order).limit(limit)
+    query = WITH_PSEUDONYM.where(jobs.c.status == status).order_by(*order).limit(limit)
     return [from_row(Job, row) for row in connection.execute(query)]
 
 

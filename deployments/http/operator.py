@@ -17,6 +17,7 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 from deployments import metrics, queue_page
 from deployments.http.deps import (
     OperationsDep,
+    TriggersDep,
     Writes,
     operator,
     page_operator,
@@ -97,6 +98,12 @@ def operator_router(store: OperatorStore, ui_url: Callable[[], str | None]) -> A
     ) -> Response:
         done = await run_in_threadpool(ops.retry_failed, path_text(request, "user_id"))
         return JSONResponse(done.as_dict(), headers=NO_STORE)
+
+    @router.delete("/v1/users/{user_id}", dependencies=[*only, *Writes])
+    async def forget(request: Request, triggers: TriggersDep) -> Response:
+        """Erase the user (D3): the store's part at once, Prefect's when it can."""
+        state = await run_in_threadpool(triggers.forget, path_text(request, "user_id"))
+        return JSONResponse(state.as_dict(), headers=NO_STORE)
 
     @router.get("/metrics", dependencies=only)
     async def metrics_route() -> Response:

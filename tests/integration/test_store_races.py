@@ -221,7 +221,7 @@ def test_a_worker_whose_claim_was_taken_over_cannot_touch_the_job(database_url: 
         # Every write A tries is fenced off, and A learns it lost the job.
         assert a.call("heartbeat", jid, token_a) == Renewal.LOST
         assert a.refused("finish", jid, token_a, result={"by": "a"}) == "ClaimLost"
-        assert a.refused("finish", jid, token_a, error="TimeoutError: gave up") == "ClaimLost"
+        assert a.refused("fail", jid, token_a, Failure.BUILD, "gave up") == "ClaimLost"
         assert a.refused("fail", jid, token_a, Failure.STOPPED, "shutting down") == "ClaimLost"
         assert a.refused("fail", jid, token_a, Failure.UNAVAILABLE, "no gateway") == "ClaimLost"
         assert a.call("heartbeat", jid, token_a, flow_run_id="flow-run-a") == Renewal.LOST

@@ -1,0 +1,53 @@
+"""Pseudonyms: what the run history knows a user as (D4).
+
+Each user gets a random pseudonym with their first job; the run history (Prefect's runs, their
+parameters, tags, logs and artifacts) sees only that. Forgetting the user deletes the row, and
+with it who the pseudonym was (`privacy.forget`).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import secrets
+from collections.abc import Iterable
+
+from sqlalchemy import Connection, select
+from sqlalchemy.dialects import postgresql, sqlite
+
+from queue_store import schema
+
+people = schema.people
+
+PSEUDONYM_BYTES = 12
+MAX_PSEUDONYM_LENGTH = 40
+
+
+def new_pseudonym() -> str:
+    return "p-" + secrets.token_hex(PSEUDONYM_BYTES)
+
+
+def pseudonymize(connection: Connection, user_ids: Iterable[str], now: dt.datetime) -> None:
+    """A pseudonym for each of these users who has none yet (their first job is queued)."""
+    wanted = sorted(set(user_ids))
+    if not wanted:
+        return
+    known = set(
+        connection.execute(select(people.c.user_id).where(people.c.user_id.in_(wanted))).scalars()
+    )
+    missing = [u for u in wanted if u not in known]
+    if not missing:
+        return
+    rows = [{"user_id": u, "pseudonym": new_pseudonym(), "created_at": now} for u in missing]
+    dialect = postgresql if connection.dialect.name == "postgresql" else sqlite
+    statement = dialect.insert(people).on_conflict_do_nothing(index_elements=["user_id"])
+    connection.execute(statement, rows)
+
+
+def pseudonym_of(connection: Connection, user_id: str) -> str | None:
+    found = connection.execute(select(people.c.pseudonym).where(people.c.user_id == user_id))
+    return found.scalar_one_or_none()
+
+
+def user_of(connection: Connection, pseudonym: str) -> str | None:
+    found = connection.execute(select(people.c.user_id).where(people.c.pseudonym == pseudonym))
+    return found.scalar_one_or_none()

@@ -1,0 +1,237 @@
+"""What the store keeps of a person, for how long, and forgetting them (D2, D3, D4).
+
+- Pseudonyms: the run history sees a user only as a random pseudonym kept in `ai_job_people`;
+  deleting that row (forgetting) leaves whatever the history kept unlinkable to anyone.
+- Retention (`prune`): finished and failed jobs past their kind's retention go, with their
+  results; results whose job is gone, past retention too; a user's token usage past it becomes
+  the day's totals, no one's; a person with nothing left is no longer known. In chunks of
+  `PRUNE_CHUNK` rows, one short transaction each, never the gate's lock: a claim waits for one
+  chunk at most. Each chunk re-checks what it deletes, and PostgreSQL's `SKIP LOCKED` gives two
+  pruners different rows, so any number may run at once.
+- Forgetting (`forget`): every row of the user in one transaction holding the gate lock (a call
+  in flight is cut: it keeps holding the gateway, H1, and its answer is never written, its job
+  being gone); the pseudonym is kept in `ai_job_erasures` until the run history's part is done.
+
+Nothing here reads or writes Prefect: the flows delete the history's part.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from sqlalchemy import Connection, and_, delete, exists, func, insert, select, update
+
+from queue_store import lease, schema
+from queue_store.models import CutCause, Status
+from queue_store.people import pseudonym_of
+from queue_store.settings import StoreConfig
+
+jobs = schema.jobs
+results = schema.results
+usage = schema.usage
+people = schema.people
+erasures = schema.erasures
+holds = schema.holds
+
+PRUNE_CHUNK = 500  # rows a prune transaction deletes at most
+FINISHED = (Status.DONE, Status.FAILED)
+NO_ONE = ""  # the user of usage totals past retention
+
+
+@dataclasses.dataclass(frozen=True)
+class Retention:
+    """How long finished work is kept: `days` for every kind, but those in `by_kind`."""
+
+    days: float
+    by_kind: Mapping[str, float] = dataclasses.field(default_factory=dict)
+
+    def cutoffs(self, now: dt.datetime) -> list[tuple[Any, dt.datetime]]:
+        """(which jobs, before when) for the default and each kind of its own."""
+        kinds = sorted(self.by_kind)
+        found: list[tuple[Any, dt.datetime]] = [
+            (jobs.c.kind.not_in(kinds) if kinds else None, _before(now, self.days))
+        ]
+        found += [(jobs.c.kind == kind, _before(now, self.by_kind[kind])) for kind in kinds]
+        return found
+
+    def result_cutoffs(self, now: dt.datetime) -> list[tuple[Any, dt.datetime]]:
+        kinds = sorted(self.by_kind)
+        found: list[tuple[Any, dt.datetime]] = [
+            (results.c.kind.not_in(kinds) if kinds else None, _before(now, self.days))
+        ]
+        found += [(results.c.kind == kind, _before(now, self.by_kind[kind])) for kind in kinds]
+        return found
+
+
+def _before(now: dt.datetime, days: float) -> dt.datetime:
+    return now - dt.timedelta(days=days)
+
+
+def prune_jobs(
+    connection: Connection, retention: Retention, now: dt.datetime, *, count_only: bool
+) -> tuple[int, int]:
+    """One chunk of finished jobs past retention, with their results: (jobs, results) deleted
+    (or, `count_only`, that would be, counted in full)."""
+    deleted_jobs = deleted_results = 0
+    for kinds, cutoff in retention.cutoffs(now):
+        past = [jobs.c.status.in_(FINISHED), jobs.c.finished_at < cutoff]
+        if kinds is not None:
+            past.append(kinds)
+        if count_only:
+            deleted_jobs += _count(connection, select(jobs.c.id).where(*past))
+            deleted_results += _count(
+                connection,
+                select(results.c.job_id).join(jobs, jobs.c.id == results.c.job_id).where(*past),
+            )
+            continue
+        chosen = _chunk(connection, select(jobs.c.id).where(*past).order_by(jobs.c.finished_at))
+        if not chosen:
+            continue
+        # Re-checked as they are deleted: a job queued again since is not finished any more.
+        gone = connection.execute(
+            delete(jobs).where(jobs.c.id.in_(chosen), *past).returning(jobs.c.id)
+        ).scalars()
+        ids = list(gone)
+        deleted_jobs += len(ids)
+        if ids:
+            deleted_results += _deleted(
+                connection, delete(results).where(results.c.job_id.in_(ids))
+            )
+    return deleted_jobs, deleted_results
+
+
+def prune_orphan_results(
+    connection: Connection, retention: Retention, now: dt.datetime, *, count_only: bool
+) -> int:
+    """Results past retention whose job is gone (superseded): a chunk of them."""
+    no_job = ~exists().where(jobs.c.id == results.c.job_id)
+    found = 0
+    for kinds, cutoff in retention.result_cutoffs(now):
+        past = [results.c.produced_at < cutoff, no_job]
+        if kinds is not None:
+            past.append(kinds)
+        if count_only:
+            found += _count(connection, select(results.c.job_id).where(*past))
+            continue
+        chosen = _chunk(connection, select(results.c.job_id).where(*past))
+        if chosen:
+            statement = delete(results).where(results.c.job_id.in_(chosen), *past)
+            found += _deleted(connection, statement)
+    return found
+
+
+def fold_usage(
+    connection: Connection, retention: Retention, now: dt.datetime, *, count_only: bool
+) -> int:
+    """A chunk of users' daily token usage past retention, folded into the day's totals of no
+    one (M2 counts stay right; who used them is gone). Returns the user rows folded."""
+    cutoff = _before(now, retention.days).date()
+    past = and_(usage.c.day < cutoff, usage.c.user_id != NO_ONE)
+    if count_only:
+        return _count(connection, select(usage.c.day).where(past))
+    keys = connection.execute(
+        select(usage.c.day, usage.c.user_id, usage.c.kind)
+        .where(past)
+        .order_by(usage.c.day)
+        .limit(PRUNE_CHUNK)
+    ).all()
+    folded = 0
+    for day, user_id, kind in keys:
+        key = (usage.c.day == day, usage.c.user_id == user_id, usage.c.kind == kind)
+        row = connection.execute(delete(usage).where(*key).returning(*SUMMED)).one_or_none()
+        if row is None:  # another pruner folded it first
+            continue
+        folded += 1
+        into = (usage.c.day == day, usage.c.user_id == NO_ONE, usage.c.kind == kind)
+        added = {name: usage.c[name] + row._mapping[name] for name in SUMMED_NAMES}
+        if not connection.execute(update(usage).where(*into).values(**added)).rowcount:
+            values = {name: row._mapping[name] for name in SUMMED_NAMES}
+            connection.execute(insert(usage).values(day=day, user_id=NO_ONE, kind=kind, **values))
+    return folded
+
+
+SUMMED_NAMES = ("answers", "unknown", "prompt_tokens", "completion_tokens")
+SUMMED = tuple(usage.c[name] for name in SUMMED_NAMES)
+
+
+def prune_people(connection: Connection, *, count_only: bool) -> int:
+    """People with nothing left in the store: a chunk of them, no longer known (their old runs
+    in the history can no longer be tied to them)."""
+    nothing_left = and_(
+        ~exists().where(jobs.c.user_id == people.c.user_id),
+        ~exists().where(results.c.user_id == people.c.user_id),
+        ~exists().where(usage.c.user_id == people.c.user_id),
+    )
+    if count_only:
+        return _count(connection, select(people.c.user_id).where(nothing_left))
+    chosen = _chunk(connection, select(people.c.user_id).where(nothing_left))
+    if not chosen:
+        return 0
+    return _deleted(connection, delete(people).where(people.c.user_id.in_(chosen), nothing_left))
+
+
+def _chunk(connection: Connection, query: Any) -> list[Any]:
+    """The first `PRUNE_CHUNK` keys of `query`, rows another pruner holds skipped
+    (PostgreSQL; SQLite's write lock already serialises pruners)."""
+    query = query.limit(PRUNE_CHUNK)
+    if connection.dialect.name == "postgresql":
+        query = query.with_for_update(skip_locked=True)
+    return list(connection.execute(query).scalars())
+
+
+def _count(connection: Connection, query: Any) -> int:
+    return int(connection.execute(select(func.count()).select_from(query.subquery())).scalar_one())
+
+
+def _deleted(connection: Connection, statement: Any) -> int:
+    return int(connection.execute(statement).rowcount or 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Erased:
+    """What forgetting a user removed from the store, by table, and what is left to do."""
+
+    jobs: int
+    results: int
+    usage_rows: int
+    calls_cut: int  # calls of the user in flight, cut: they hold the gateway (H1)
+    pseudonym: str | None  # what the run history knew the user as (None: never seen there)
+
+
+def forget(connection: Connection, settings: StoreConfig, now: dt.datetime, user_id: str) -> Erased:
+    """Every row of the user, in a transaction that holds the gate lock (D3)."""
+    mine = jobs.c.user_id == user_id
+    running = connection.execute(
+        select(*(jobs.c[name] for name in lease.RUNNING_COLUMNS)).where(
+            mine, jobs.c.status == Status.RUNNING
+        )
+    ).all()
+    for row in running:
+        lease.cut(connection, settings, now, row, CutCause.CANCELLED, job_gone=True)
+    ids = select(jobs.c.id).where(mine).scalar_subquery()
+    connection.execute(update(holds).where(holds.c.job_id.in_(ids)).values(job_id=None))
+    erased = Erased(
+        jobs=_deleted(connection, delete(jobs).where(mine)),
+        results=_deleted(connection, delete(results).where(results.c.user_id == user_id)),
+        usage_rows=_deleted(connection, delete(usage).where(usage.c.user_id == user_id)),
+        calls_cut=sum(1 for row in running if row.call_started_at is not None),
+        pseudonym=pseudonym_of(connection, user_id),
+    )
+    if erased.pseudonym is not None:
+        connection.execute(delete(people).where(people.c.user_id == user_id))
+        connection.execute(insert(erasures).values(pseudonym=erased.pseudonym, forgotten_at=now))
+    return erased
+
+
+def erasures_done(connection: Connection, pseudonyms: Iterable[str]) -> None:
+    done = sorted(set(pseudonyms))
+    if done:
+        connection.execute(delete(erasures).where(erasures.c.pseudonym.in_(done)))
+
+
+def pending_erasures(connection: Connection) -> list[tuple[str, dt.datetime]]:
+    query = select(erasures.c.pseudonym, erasures.c.forgotten_at).order_by(erasures.c.forgotten_at)
+    return [(str(p), at) for p, at in connection.execute(query)]
