@@ -349,7 +349,7 @@ def _scope_rows(
                 "status": status,
                 "attempts": attempts,
                 "generated_by": run,
-                "error": error[:200],
+                "error": _shown(error)[:200],
             }
         )
     return rows, done, failed
@@ -366,11 +366,15 @@ async def _story(kind: str, story: str) -> None:
     )
 
 
+# Where a job's error starts quoting the gateway's body or a generator's exception.
+_QUOTING = re.compile(r"^(.*?\(HTTP \d{3}\)|generator '[^']*' failed [a-z ]+: \w+)(: .*)$", re.S)
+
+
 def _shown(error: str) -> str:
     """A job's error as a run may show it: a gateway's or a generator's own words stay in the
     store (they may quote a prompt or an answer, D4)."""
-    head, colon, _ = error.partition(": ")
-    return f"{head}{colon}(the rest is in the store's error)" if colon else error
+    quoting = _QUOTING.match(error)
+    return f"{quoting.group(1)} (its words are in the store's error)" if quoting else error
 
 
 def _made_by(job: Job | None) -> str:

@@ -154,18 +154,31 @@ def run_flow(rt: Runtime, flow_call: Coroutine[Any, Any, T]) -> T:
         return asyncio.run(flow_call)
 
 
-async def backfilled(user_id: str) -> State[Any]:
-    """The backfill flow's final state."""
-    return cast(State[Any], await backfill(user_id, return_state=True))
+def pseudonym(rt: Runtime, user_id: str) -> str:
+    """What the run history knows the user as (D4)."""
+    found = {e.job.pseudonym for e in rt.store.list_jobs(user_id)}
+    assert len(found) == 1 and None not in found, found
+    return str(found.pop())
+
+
+async def backfilled(rt: Runtime, user_id: str) -> State[Any]:
+    """The backfill flow's final state, started as the post-sync hook starts it: the scopes
+    queued first, the run given the user's pseudonym."""
+    await asyncio.to_thread(
+        rt.store.enqueue_many, [s.request(user_id) for s in rt.registry.scopes_for(user_id)]
+    )
+    who = await asyncio.to_thread(pseudonym, rt, user_id)
+    return cast(State[Any], await backfill(who, return_state=True))
 
 
 async def screened(
-    user_id: str, kind: str, subject: str, fingerprint: str | None = None
+    rt: Runtime, user_id: str, kind: str, subject: str, fingerprint: str | None = None
 ) -> State[Any]:
-    """A screen's run's final state."""
-    return cast(
-        State[Any], await interactive(user_id, kind, subject, fingerprint, return_state=True)
-    )
+    """A screen's run's final state, started as a screen's poll starts it: the job queued at
+    the front first, the run given the user's pseudonym."""
+    await asyncio.to_thread(rt.store.poll, user_id, kind, subject, fingerprint)
+    who = await asyncio.to_thread(pseudonym, rt, user_id)
+    return cast(State[Any], await interactive(who, kind, subject, return_state=True))
 
 
 async def drained() -> dict[str, Any]:
@@ -187,25 +200,27 @@ def answers(gateway: Gateway, label: str) -> int:
     )
 
 
-def generation_runs(prefect: PrefectReader, user: str, *, settled: int) -> list[dict[str, Any]]:
-    """The user's generation runs, once `settled` of them have a final state."""
+def generation_runs(prefect: PrefectReader, who: str, *, settled: int) -> list[dict[str, Any]]:
+    """The generation runs of the user whose pseudonym is `who`, once `settled` of them have a
+    final state."""
     found: list[dict[str, Any]] = []
 
     def enough() -> bool:
         nonlocal found
-        found = prefect.runs_tagged("generation", f"user:{user}")
+        found = prefect.runs_tagged("generation", f"user:{who}")
         return sum(1 for r in found if r["state"]["type"] != "RUNNING") >= settled
 
-    wait_for(enough, 30, f"{settled} generation runs of {user} ended")
+    wait_for(enough, 30, f"{settled} generation runs of {who} ended")
     return found
 
 
 def test_a_backfill_with_no_consumer_drains_its_scopes_itself_and_reports_them(
     rt: Runtime, gateway: Gateway, prefect: PrefectReader, user: str
 ) -> None:
-    state = run_flow(rt, backfilled(user))
+    state = run_flow(rt, backfilled(rt, user))
     assert (state.type.value, state.message) == ("COMPLETED", "8 done")
     run_id = run_id_of(state)
+    who = pseudonym(rt, user)
 
     scopes = demo_scopes(user)
     jobs = [job_of(rt.store, user, s.kind, s.subject) for s in scopes]
@@ -222,7 +237,7 @@ def test_a_backfill_with_no_consumer_drains_its_scopes_itself_and_reports_them(
     gateway.assert_kept(concurrency=1, gap=GAP)
 
     artifacts = prefect.artifacts(run_id)
-    key = f"backfill-{user}"
+    key = f"backfill-{who}"
     progress = artifacts[f"{key}-progress"]
     assert progress["type"] == "progress" and float(progress["data"]) == 100.0
     table = artifacts[f"{key}-scopes"]
@@ -235,7 +250,7 @@ def test_a_backfill_with_no_consumer_drains_its_scopes_itself_and_reports_them(
         assert job is not None and job.flow_run_id
         assert row["generated_by"].endswith(f"/runs/flow-run/{job.flow_run_id}"), row
 
-    runs = generation_runs(prefect, user, settled=len(scopes))
+    runs = generation_runs(prefect, who, settled=len(scopes))
     assert len(runs) == len(scopes)
     by_name = {r["name"]: r for r in runs}
     for scope, job in zip(scopes, jobs, strict=True):
@@ -246,12 +261,14 @@ def test_a_backfill_with_no_consumer_drains_its_scopes_itself_and_reports_them(
         assert set(generation["tags"]) == {
             "insight-queue",  # what the automations that end a lost machine's runs match
             "generation",
-            f"user:{user}",
+            f"user:{who}",  # the pseudonym: Prefect never sees the user's id (D4)
             f"kind:{scope.kind}",
             "priority:prefetch",
             "attempt:1",
         }
         assert state_of(generation)[0] == "COMPLETED"
+        assert generation["parameters"]["user"] == who
+        assert user not in json.dumps(generation)
 
 
 def test_a_backfill_with_a_broken_scope_fails_naming_it_and_its_attempts_fail_honestly(
@@ -262,8 +279,9 @@ def test_a_backfill_with_a_broken_scope_fails_naming_it_and_its_attempts_fail_ho
     with Runtime.open(
         Settings(**{**settings.model_dump(), "plugins": "tests.support.plugins"})
     ) as rt:
-        state = run_flow(rt, backfilled(user))
+        state = run_flow(rt, backfilled(rt, user))
         broken = job_of(rt.store, user, "broken", "day-8")
+        who = pseudonym(rt, user)
     assert (state.type.value, state.message) == ("FAILED", "7 done, 1 failed")
     assert broken is not None and (broken.status, broken.attempts) == (Status.FAILED, 3)
     assert broken.error is not None and "no data for day-8" in broken.error
@@ -271,12 +289,14 @@ def test_a_backfill_with_a_broken_scope_fails_naming_it_and_its_attempts_fail_ho
     assert gateway.calls_for("broken:day-8") == 0
     assert len(gateway.served()) == 7
 
-    rows = table_rows(prefect.artifacts(run_id_of(state))[f"backfill-{user}-scopes"])
+    rows = table_rows(prefect.artifacts(run_id_of(state))[f"backfill-{who}-scopes"])
     failed = [r for r in rows if r["status"] == "failed"]
     assert len(failed) == 1 and failed[0]["subject"] == "day-8" and failed[0]["attempts"] == 3
-    assert "no data for day-8" in failed[0]["error"]
+    # The generator's own words may quote a person's data: the store keeps them (D4).
+    assert "generator 'broken' failed building the prompt" in failed[0]["error"]
+    assert "no data for day-8" not in failed[0]["error"]
 
-    runs = generation_runs(prefect, user, settled=10)
+    runs = generation_runs(prefect, who, settled=10)
     attempts = sorted((r for r in runs if r["name"] == "broken:day-8"), key=lambda r: r["tags"])
     assert [t for r in attempts for t in r["tags"] if t.startswith("attempt:")] == [
         "attempt:1",
@@ -285,12 +305,14 @@ def test_a_backfill_with_a_broken_scope_fails_naming_it_and_its_attempts_fail_ho
     ]
     for attempt in attempts:
         kind, message = state_of(attempt)
-        assert kind == "FAILED" and "\n" not in message and "no data for day-8" in message
-        assert {"generation", f"user:{user}", "kind:broken", "priority:prefetch"} <= set(
+        assert kind == "FAILED" and "\n" not in message and "RuntimeError" in message
+        assert "no data for day-8" not in message
+        assert {"generation", f"user:{who}", "kind:broken", "priority:prefetch"} <= set(
             attempt["tags"]
         )
         logs = prefect.logs(attempt["id"])
         assert logs and not [line for line in logs if "Traceback" in line], logs
+        assert not [line for line in logs if "no data for day-8" in line], logs
     assert state_of(attempts[-1])[1].startswith("failed, attempts spent")
 
     # The operator's view of the user's queue names the failure too.
@@ -303,7 +325,7 @@ def test_a_screen_s_run_ends_with_its_story_linking_to_the_generation_run(
     rt: Runtime, gateway: Gateway, prefect: PrefectReader, user: str
 ) -> None:
     scope = demo_scopes(user)[0]
-    state = run_flow(rt, screened(user, scope.kind, scope.subject, scope.fingerprint))
+    state = run_flow(rt, screened(rt, user, scope.kind, scope.subject, scope.fingerprint))
     job = job_of(rt.store, user, scope.kind, scope.subject)
     assert job is not None and job.status == Status.DONE and job.flow_run_id
     assert state.type.value == "COMPLETED"
@@ -314,7 +336,7 @@ def test_a_screen_s_run_ends_with_its_story_linking_to_the_generation_run(
     assert f"/runs/flow-run/{job.flow_run_id}" in story["data"]
     assert f"[{scope.kind}:{scope.subject}]" in story["data"]
 
-    (generation,) = generation_runs(prefect, user, settled=1)
+    (generation,) = generation_runs(prefect, pseudonym(rt, user), settled=1)
     assert generation["id"] == job.flow_run_id
     assert generation["name"] == f"{scope.kind}:{scope.subject}"
     assert "priority:interactive" in generation["tags"]
@@ -333,10 +355,10 @@ def test_a_screen_s_job_is_the_next_call_while_a_backfill_drains(
     gateway.simulator.set_fault("hang", requests=1)
 
     async def both() -> tuple[State[Any], State[Any]]:
-        filling = asyncio.create_task(backfilled(user))
+        filling = asyncio.create_task(backfilled(rt, user))
         await asyncio.to_thread(recorder.wait_until, lambda s: s.in_flight == 1, 60, "a call")
         screen = asyncio.create_task(
-            screened(user, target.kind, target.subject, target.fingerprint)
+            screened(rt, user, target.kind, target.subject, target.fingerprint)
         )
 
         def promoted() -> bool:
@@ -366,8 +388,8 @@ def test_with_a_consumer_standing_by_the_flows_only_follow(
     with Workers(settings, tmp_path).running() as workers:
         workers.start("standby")
         wait_for(lambda: bool(standing_by(rt.store)), 30, "the consumer standing by")
-        filled = run_flow(rt, backfilled(user))
-        screen = run_flow(rt, screened(user, "ok", "on-screen"))
+        filled = run_flow(rt, backfilled(rt, user))
+        screen = run_flow(rt, screened(rt, user, "ok", "on-screen"))
         summary = workers.stop("standby")
 
     assert (filled.type.value, filled.message) == ("COMPLETED", "8 done")
@@ -375,8 +397,9 @@ def test_with_a_consumer_standing_by_the_flows_only_follow(
     assert summary["outcomes"] == {"done": 9}, summary
     # The consumer made every call; the flows wrote no generation of their
     # own (a flow that drains records each attempt as a run).
-    assert prefect.runs_tagged("generation", f"user:{user}") == []
-    rows = table_rows(prefect.artifacts(run_id_of(filled))[f"backfill-{user}-scopes"])
+    who = pseudonym(rt, user)
+    assert prefect.runs_tagged("generation", f"user:{who}") == []
+    rows = table_rows(prefect.artifacts(run_id_of(filled))[f"backfill-{who}-scopes"])
     assert [r["status"] for r in rows] == ["done"] * 8
     assert len(gateway.served()) == 9
     gateway.assert_kept(concurrency=1, gap=GAP)
