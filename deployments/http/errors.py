@@ -65,49 +65,66 @@ def challenged(response: Response) -> Response:
     return response
 
 
+async def _refused(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, Refused)
+    response = problem(exc.status, exc.message, exc.field, exc.headers)
+    return challenged(response) if exc.challenge else response
+
+
+async def _invalid(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, InvalidArgument)
+    return problem(422, str(exc), exc.argument)
+
+
+async def _misconfigured(request: Request, exc: Exception) -> Response:
+    return problem(500, f"the server is misconfigured: {exc}")
+
+
+async def _unavailable(request: Request, exc: Exception) -> Response:
+    return unavailable(str(exc))
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    messages = {404: "no such route", 405: "method not allowed on this route"}
+    if exc.status_code == 400:  # FastAPI could not read the body
+        return problem(400, "body: not valid JSON", "body")
+    if exc.status_code == 413:
+        return problem(413, TOO_LARGE, "body")
+    message = messages.get(exc.status_code) or str(exc.detail)
+    return problem(exc.status_code, message, headers=exc.headers)
+
+
+async def _validation_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, RequestValidationError)
+    first: Mapping[str, Any] = next(iter(exc.errors()), {})
+    location = [str(p) for p in first.get("loc", ()) if p not in ("path", "query", "header")]
+    if first.get("type") == "json_invalid":
+        reason = first.get("ctx", {}).get("error", "")
+        return problem(400, f"body: not valid JSON ({reason})", "body")
+    field = location[-1] if location and not location[-1].isdigit() else "body"
+    if field == "body" and len(location) > 1:
+        field = location[1]
+    return problem(422, f"{field}: {first.get('msg', 'invalid')}", field)
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    logger.error("unexpected error while answering a request", exc_info=exc)
+    return problem(500, "internal error; the server's log has the details")
+
+
+HANDLERS = {
+    Refused: _refused,
+    InvalidArgument: _invalid,
+    Misconfigured: _misconfigured,
+    Unavailable: _unavailable,
+    HTTPException: _http_error,
+    RequestValidationError: _validation_error,
+    Exception: _internal_error,
+}
+
+
 def add_error_handlers(app: FastAPI) -> None:
     """Every refusal and failure as one line of JSON."""
-
-    @app.exception_handler(Refused)
-    async def refused(request: Request, exc: Refused) -> Response:
-        response = problem(exc.status, exc.message, exc.field, exc.headers)
-        return challenged(response) if exc.challenge else response
-
-    @app.exception_handler(InvalidArgument)
-    async def invalid(request: Request, exc: InvalidArgument) -> Response:
-        return problem(422, str(exc), exc.argument)
-
-    @app.exception_handler(Misconfigured)
-    async def misconfigured(request: Request, exc: Misconfigured) -> Response:
-        return problem(500, f"the server is misconfigured: {exc}")
-
-    @app.exception_handler(Unavailable)
-    async def store_unavailable(request: Request, exc: Unavailable) -> Response:
-        return unavailable(str(exc))
-
-    @app.exception_handler(HTTPException)
-    async def http_error(request: Request, exc: HTTPException) -> Response:
-        messages = {404: "no such route", 405: "method not allowed on this route"}
-        if exc.status_code == 400:  # FastAPI could not read the body
-            return problem(400, "body: not valid JSON", "body")
-        if exc.status_code == 413:
-            return problem(413, TOO_LARGE, "body")
-        message = messages.get(exc.status_code) or str(exc.detail)
-        return problem(exc.status_code, message, headers=exc.headers)
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(request: Request, exc: RequestValidationError) -> Response:
-        first: Mapping[str, Any] = next(iter(exc.errors()), {})
-        location = [str(p) for p in first.get("loc", ()) if p not in ("path", "query", "header")]
-        if first.get("type") == "json_invalid":
-            reason = first.get("ctx", {}).get("error", "")
-            return problem(400, f"body: not valid JSON ({reason})", "body")
-        field = location[-1] if location and not location[-1].isdigit() else "body"
-        if field == "body" and len(location) > 1:
-            field = location[1]
-        return problem(422, f"{field}: {first.get('msg', 'invalid')}", field)
-
-    @app.exception_handler(Exception)
-    async def internal_error(request: Request, exc: Exception) -> Response:
-        logger.error("unexpected error while answering a request", exc_info=exc)
-        return problem(500, "internal error; the server's log has the details")
+    for error, handler in HANDLERS.items():
+        app.add_exception_handler(error, handler)
