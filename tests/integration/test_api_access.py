@@ -36,6 +36,7 @@ from deployments.http.credentials import Credentials
 from deployments.http.middleware import MAX_HEADER_BYTES
 from deployments.processes import free_port
 from deployments.triggers import Triggers
+from devtools.stack import ApiServer
 from flows.registry import Registry
 from flows.runtime import Runtime
 from queue_store import (
@@ -650,3 +651,26 @@ def test_headers_over_16_kb_in_all_are_431_and_write_nothing(api: Served) -> Non
     refused = api.bare.get(insight_path(ALICE, "hrv", DAY), headers={**SERVICE, **many})
     assert refused.status_code == 431
     assert job_count(api.database_url) == 1
+
+
+# -- what answers show -------------------------------------------------------------------------
+
+
+def test_a_prefect_url_with_credentials_shows_them_in_no_answer(
+    api: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    closed = free_port()
+    password = "pw-of-the-prefect-server-0123"
+    monkeypatch.setenv("PREFECT_API_URL", f"http://svc:{password}@127.0.0.1:{closed}/api")
+    monkeypatch.delenv("PREFECT_UI_URL", raising=False)
+    app = create_app(Triggers(api.runtime), api.credentials)  # the UI's address from the URL
+    with ApiServer(app) as server, httpx.Client(base_url=server.url, timeout=30) as http:
+        polled = http.get(insight_path(ALICE, "sleep", DAY), headers=SERVICE)
+        assert polled.json()["run_note"].startswith("Prefect unreachable at http://")
+        page = http.get("/queue", headers=OPERATOR)
+        assert page.status_code == 200
+        assert f'href="http://127.0.0.1:{closed}/runs"' in page.text, "linked, without them"
+        backfill = http.post(f"/v1/users/{ALICE}/backfills", json={}, headers=SERVICE)
+        queue = http.get("/v1/queue", headers=OPERATOR)
+        for answer in (polled, page, backfill, queue):
+            assert password not in answer.text and "svc:" not in answer.text, answer.url
