@@ -8,6 +8,7 @@ calls run in the threadpool, never on the event loop. Who may call what: `access
 
 from __future__ import annotations
 
+import urllib.parse
 from collections.abc import Callable
 
 from fastapi import FastAPI
@@ -35,7 +36,11 @@ def create_app(
     """The app for these triggers and credentials; hosts, origins and rates are the settings'
     (`AI_API_*`). `ui_url` gives the Prefect UI's address for the page's links."""
     settings = triggers.runtime.settings
-    links = ui_url or (lambda: prefect_api.ui_url(settings))
+    found = ui_url or (lambda: prefect_api.ui_url(settings))
+
+    def links() -> str | None:
+        return link_without_credentials(found())
+
     app = FastAPI(title="insight-queue", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.triggers = triggers
     app.state.gatekeeper = Gatekeeper(credentials, settings.api)
@@ -52,3 +57,15 @@ def create_app(
     app.include_router(app_router(triggers))
     app.include_router(operator_router(triggers.operator, links))
     return app
+
+
+def link_without_credentials(url: str | None) -> str | None:
+    """An address for the page's links: without the user and password a `PREFECT_API_URL` (and
+    so the UI's address made from it) may carry. A browser needs none, and the page must not
+    show them."""
+    if not url:
+        return url
+    parts = urllib.parse.urlsplit(url)
+    if "@" not in parts.netloc:
+        return url
+    return urllib.parse.urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))

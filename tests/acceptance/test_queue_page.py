@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 from pydantic import SecretStr
 
-from deployments.api import create_app
+from deployments.http import create_app
+from deployments.http.credentials import Credentials
 from deployments.processes import free_port
 from deployments.triggers import Triggers
 from devtools.stack import ApiServer
@@ -94,7 +95,8 @@ def served_page(database_url: str, tmp_path: Path) -> Iterator[str]:
     try:
         fill(runtime.store)
         triggers = Triggers(runtime, prefect_url=f"http://127.0.0.1:{free_port()}/api")
-        with ApiServer(create_app(triggers, ui_url=lambda: UI)) as server:
+        app = create_app(triggers, Credentials.load(settings), ui_url=lambda: UI)
+        with ApiServer(app) as server:
             yield server.url
     finally:
         runtime.close()
