@@ -296,7 +296,6 @@ def test_bad_key_text_is_refused_by_name_and_writes_nothing(
     calls: list[tuple[str, Any]] = [
         ("enqueue", lambda: store.enqueue(*args, "fp")),
         ("request_insight", lambda: app.request_insight(*args, "fp")),
-        ("job", lambda: job_of(store, *args)),
         ("state", lambda: state_of(store, *args)),
         ("result_of", lambda: result_of(store, *args)),
         ("superseding", lambda: store.enqueue_many([EnqueueRequest(*args, supersede=True)])),
