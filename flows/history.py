@@ -205,7 +205,10 @@ class PrefectLedger:
                 raise
             entry.flow_id = str(run.flow_id)
             entry._run.set_result(str(run.id))
-            if job.attempts > 1 or job.flow_run_id:
+            # An earlier attempt's run may be open: a spent attempt, the run the job row
+            # names, or a claim the store took back from a lost worker, whose attempt H2
+            # gave back and whose run's id the dying worker may never have written.
+            if job.attempts > 1 or job.flow_run_id or job.losses:
                 await _close_earlier_attempts(client, job, run.id, self._flow.name)
 
         self._writer.submit(create)

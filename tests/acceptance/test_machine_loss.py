@@ -30,7 +30,7 @@ from typing import Any
 import httpx
 import pytest
 
-from deployments.deploy import CRASH_AFTER_SECONDS
+from deployments.deploy import CRASH_AFTER_SECONDS, PENDING_SECONDS
 from deployments.triggers import Triggers
 from devtools.recorder import RecorderSnapshot
 from devtools.stack import Machine
@@ -50,8 +50,9 @@ LEASE = 10.0
 HOLD = 4.0  # AI_GATEWAY_CUT_HOLD_SECONDS: past a call's end at the gateway
 DEADLINE = 300.0  # seconds for every job to be done after the kill
 # After the kill, a lost run is Crashed once it missed its heartbeats for
-# CRASH_AFTER_SECONDS, within the automations' evaluation (every 5 s).
-RUNS_END_SECONDS = CRASH_AFTER_SECONDS + 60.0
+# CRASH_AFTER_SECONDS, or stayed Pending for PENDING_SECONDS, within the
+# automations' evaluation (every 5 s).
+RUNS_END_SECONDS = max(CRASH_AFTER_SECONDS, PENDING_SECONDS) + 60.0
 
 wait_for = partial(waiting.wait_for, every=0.5)
 
@@ -82,8 +83,9 @@ def flow_runs(api_url: str) -> list[dict[str, Any]]:
 
 
 def open_runs(api_url: str) -> list[str]:
+    """Our runs Running or Pending: name, state, and the worker of a generation run."""
     return [
-        f"{r['name']} {r['state']['type']}"
+        f"{r['name']} {r['state']['type']} {r['parameters'].get('worker') or ''}".rstrip()
         for r in flow_runs(api_url)
         if r["state"]["type"] in ("RUNNING", "PENDING")
     ]
@@ -196,13 +198,24 @@ def _lose_a_machine(
     healed = first_call_after(killed_at, gateway)
     healing = None if healed is None else healed - killed_at
 
-    # No run of ours stays Running or Pending once the lost machine's missed
-    # heartbeats were seen; the live machine's runs end by themselves.
-    wait_for(
-        lambda: not open_runs(server.api_url),
-        max(RUNS_END_SECONDS - (time.monotonic() - killed_at), 10) + 60,
-        "no run left open",
-    )
+    # No run of ours stays Running or Pending: the cut attempt's run is ended by
+    # the takeover, the lost machine's others by the automations once they had
+    # time to see it gone; the live machine's runs end by themselves.
+    left: list[str] = []
+
+    def no_run_open() -> bool:
+        nonlocal left
+        left = open_runs(server.api_url)
+        return not left
+
+    try:
+        wait_for(
+            no_run_open,
+            max(RUNS_END_SECONDS - (time.monotonic() - killed_at), 10) + 60,
+            "no run left open",
+        )
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; open: {left}") from None
 
     seen = gateway.assert_kept(concurrency=1, gap=GAP)
     assert seen.peak_in_flight == 1

@@ -14,6 +14,8 @@ recorder, not the store, says how many calls were open at the gateway at once.
 - Each generation attempt is a flow run of `generate`, named `kind:subject`,
   tagged with the user, kind, priority class and attempt, ending in an honest
   state: Completed, or Failed with a one-line message and no traceback.
+- A takeover ends the lost attempt's run Crashed, found by its record in
+  Prefect, though the lost worker never wrote the run's id to the job row.
 """
 
 from __future__ import annotations
@@ -37,11 +39,14 @@ from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from devtools.simulator import HUNG, OK
 from flows.demo import demo_scopes
-from flows.flows import backfill, drain, interactive
+from flows.flows import backfill, drain, generate, interactive
+from flows.history import PrefectLedger
 from flows.limits import ensure_gateway_limit
 from flows.runtime import Runtime
-from queue_store import INTERACTIVE, JobStore, Settings, Status
+from queue_store import INTERACTIVE, Job, JobStore, Redactor, Settings, Status
+from tests.conftest import StoreFactory
 from tests.support import waiting
+from tests.support.databases import FakeClock
 from tests.support.faults import Gateway, Workers
 from tests.support.reads import job_of, pending, standing_by
 from tests.support.services import ROOT, PrefectServer, cli, run_cli, running
@@ -454,6 +459,40 @@ def test_three_drains_at_once_never_overlap_at_the_gateway(
     assert sorted(gateway.served()) == sorted(f"ok:s{n:02d}" for n in range(12))
     seen = gateway.assert_kept(concurrency=1, gap=GAP)
     assert seen.count == 12
+
+
+def test_a_takeover_ends_the_lost_attempt_s_run_though_its_worker_never_wrote_the_run_s_id(
+    make_store: StoreFactory, clock: FakeClock, prefect: PrefectReader, user: str
+) -> None:
+    """W3: a worker killed after its attempt's run was recorded, before the job row named it.
+    The takeover's claim is attempt 1 again (H2) with no run id in the row; the lost claim the
+    store counted is what sends the new attempt's writer to end the old run."""
+    store = make_store(lease_seconds=10, gateway={"cut_hold_seconds": 0})
+    store.enqueue(user, "sleep", "d1")
+    lost = store.claim_next("w1").job
+    assert lost is not None and lost.holder and store.heartbeat(lost.id, lost.holder, calling=True)
+    redactor = Redactor.for_settings(store.settings)
+
+    async def record(worker: str, job: Job) -> str | None:
+        ledger = PrefectLedger(worker, redactor, generate)
+        entry = ledger.open(job)
+        await ledger.flush()
+        return await entry.run_id()
+
+    first = asyncio.run(record("w1", lost))  # then w1 dies: no close, no set_flow_run
+    assert first is not None
+    clock.advance(11)  # past the lease: the next claim takes the job back
+    taken = store.claim_next("w2").job
+    assert taken is not None and taken.id == lost.id, taken
+    assert (taken.attempts, taken.flow_run_id, taken.losses) == (1, None, 1), taken
+    second = asyncio.run(record("w2", taken))
+    assert second is not None and second != first
+    state, message = state_of(prefect.run(first))
+    assert (state, message) == (
+        "CRASHED",
+        "its worker stopped while this attempt was in flight; the job was taken over",
+    )
+    assert state_of(prefect.run(second))[0] == "RUNNING"
 
 
 def test_setup_limit_updates_the_gateway_limit(settings: Settings, prefect: PrefectReader) -> None:
