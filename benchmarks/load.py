@@ -292,6 +292,8 @@ def consumer_settings(url: str, gateway_url: str, concurrency: int) -> dict[str,
         "database_url": url,
         "concurrency": concurrency,
         "gap_seconds": 0.0,
+        # Each of the scenario's screens is its own user's one look: none falls back (A3).
+        "max_interactive": 1_000_000,
         "gateway": {"url": gateway_url},
     }
 

@@ -53,6 +53,7 @@ class OperatorActions(StoreBase):
         with self._write("retry_failed") as connection:
             failed = and_(jobs.c.user_id == user_id, jobs.c.status == Status.FAILED)
             retried = self._queue_anew(connection, failed, user_id)
+            self._cap_screens(connection, user_id)
             waiting = jobs.c.status.in_([Status.PENDING, Status.RUNNING])
             pending = connection.execute(
                 select(func.count()).where(jobs.c.user_id == user_id, waiting)
@@ -69,9 +70,11 @@ class OperatorActions(StoreBase):
             finished = and_(finished, jobs.c.kind.in_(checked))
         with self._write("requeue") as connection:
             priority = case((jobs.c.priority < PREFETCH, jobs.c.priority), else_=PREFETCH)
-            return self._queue_anew(
+            queued = self._queue_anew(
                 connection, finished, None, priority=priority, requested_at=None
             )
+            self._cap_screens(connection, None)
+            return queued
 
     def _queue_anew(
         self, connection: Connection, where: Any, user_id: str | None, **more: Any
@@ -83,23 +86,41 @@ class OperatorActions(StoreBase):
         return int(connection.execute(update(jobs).where(where).values(**values)).rowcount)
 
     def _deal_turns(self, connection: Connection, where: Any, user_id: str | None) -> None:
-        """Turns for the prefetch jobs `where` picks, about to be queued again together (R8b):
-        each user's in their order, after the turn being served (and, for one user, after
-        their jobs waiting already)."""
+        """Turns for the jobs `where` picks, about to be queued again together (R8b, A3): each
+        user's in their order, in their class (prefetch, interactive), after the turn being
+        served there (and, for one user, after their jobs waiting already)."""
         if self._settings.order != "fair":
             return
-        base = places.next_turn(connection, self._settings, user_id, PREFETCH) - 1 if user_id else 0
-        if not user_id:
-            base = connection.execute(
-                select(gate.c.turn).where(gate.c.id == schema.GATE_ROW_ID)
-            ).scalar_one()
-        rank = func.row_number().over(partition_by=jobs.c.user_id, order_by=places.FIFO)
-        dealt = (
-            select(jobs.c.id, (rank + base).label("turn"))
-            .where(where, jobs.c.priority > INTERACTIVE)
-            .subquery()
-        )
-        connection.execute(update(jobs).where(jobs.c.id == dealt.c.id).values(turn=dealt.c.turn))
+        for priority, of_class, served in (
+            (PREFETCH, jobs.c.priority > INTERACTIVE, gate.c.turn),
+            (INTERACTIVE, jobs.c.priority <= INTERACTIVE, gate.c.interactive_turn),
+        ):
+            if user_id:
+                base = places.next_turn(connection, self._settings, user_id, priority) - 1
+            else:
+                base = connection.execute(
+                    select(served).where(gate.c.id == schema.GATE_ROW_ID)
+                ).scalar_one()
+            rank = func.row_number().over(partition_by=jobs.c.user_id, order_by=places.FIFO)
+            dealt = select(jobs.c.id, (rank + base).label("turn")).where(where, of_class).subquery()
+            connection.execute(
+                update(jobs).where(jobs.c.id == dealt.c.id).values(turn=dealt.c.turn)
+            )
+
+    def _cap_screens(self, connection: Connection, user_id: str | None) -> None:
+        """At most `max_interactive` waiting screens per user (A3), for one user or for all."""
+        now = self._now(connection)
+        if user_id is not None:
+            places.cap_interactive(connection, self._settings, user_id, now)
+            return
+        over = connection.execute(
+            select(jobs.c.user_id)
+            .where(jobs.c.status == Status.PENDING, jobs.c.priority <= INTERACTIVE)
+            .group_by(jobs.c.user_id)
+            .having(func.count() > self._settings.max_interactive)
+        ).scalars()
+        for user in list(over):
+            places.cap_interactive(connection, self._settings, user, now)
 
     # -- N2, G1, G4: pauses, shared by every worker ------------------------------
 

@@ -384,6 +384,7 @@ def _first_error(model: type[BaseSettings], exc: ValidationError) -> str:
     if error["type"] == "extra_forbidden":
         return f"{variable}: not a setting"
     shown = error.get("input")
-    if isinstance(shown, str) and "TOKEN" not in variable and "URL" not in variable:
+    secret = any(word in variable for word in ("TOKEN", "URL", "SECRET", "KEY"))
+    if isinstance(shown, str) and not secret:
         return f"{variable}: {message} (got {shown[:80]!r})"
     return f"{variable}: {message}"

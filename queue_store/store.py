@@ -22,6 +22,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any, Literal, overload
 
 from sqlalchemy import (
+    Connection,
     Row,
     delete,
     insert,
@@ -188,11 +189,20 @@ class JobStore(OperatorActions):
             if decided.writes_nothing:
                 return decided
             if not self._is_sqlite:
-                bulk.write(connection, decided)
+                self._write_chunk(connection, chunk, decided)
                 return decided
         with self._write("enqueue_many") as connection:
-            bulk.write(connection, decided)
+            self._write_chunk(connection, chunk, decided)
         return decided
+
+    def _write_chunk(
+        self, connection: Connection, chunk: Sequence[EnqueueRequest], decided: bulk.Plan
+    ) -> None:
+        """Write a chunk's plan; its users' screens stay within their number (A3)."""
+        bulk.write(connection, decided)
+        now = self._now(connection)
+        for user in sorted({r.user_id for r in chunk if r.priority <= INTERACTIVE}):
+            places.cap_interactive(connection, self._settings, user, now)
 
     # -- reads: jobs, a screen's poll, a user's queue -----------------------------
 

@@ -157,6 +157,7 @@ def api_command(ctx: click.Context, host: str, port: int, workers: int) -> None:
     tokens not set are made once and kept in the data directory, which this prints.
     """
     settings = settings_from(ctx)
+    verbose = bool(ctx.find_root().params.get("verbose"))
     credentials = Credentials.load(settings)
     kept = "made now and kept" if credentials.made else "kept"
     click.echo(
@@ -175,7 +176,9 @@ def api_command(ctx: click.Context, host: str, port: int, workers: int) -> None:
         workers=workers,
         http=GuardedH11Protocol,
         log_config=None,
-        access_log=bool(ctx.find_root().params.get("verbose")),
+        # Each worker process sets uvicorn's loggers to this level itself.
+        log_level="info" if verbose else "warning",
+        access_log=verbose,
         server_header=False,
         timeout_keep_alive=KEEP_ALIVE_SECONDS,
         timeout_graceful_shutdown=GRACEFUL_STOP_SECONDS,

@@ -290,13 +290,13 @@ def test_request_insight_with_the_database_down_prints_a_state_with_the_error(
         "AI_JOB_DATA_DIR": str(tmp_path / "data"),
         "PREFECT_API_URL": "",
     }
-    done = run_cli("request-insight", "u", "sleep", "s1", env=env, check=False, timeout=120)
+    done = run_cli("request-insight", "u", "sleep", "2026-11-30", env=env, check=False, timeout=120)
     assert "Traceback" not in done.stderr
     assert done.returncode == 0, done.stderr
     state = json.loads(done.stdout)
     assert state["status"] == "unknown" and state["error"], state
     # Bad input is still refused as such, store or no store.
-    refused = run_cli("request-insight", "u|x", "sleep", "s1", env=env, check=False)
+    refused = run_cli("request-insight", "u|x", "sleep", "2026-11-30", env=env, check=False)
     assert refused.returncode == 2 and "user_id" in refused.stderr, refused.stderr
 
 

@@ -125,6 +125,7 @@ def test_a_worker_starts_the_screen_s_run_before_waiting_backfill_runs(
         "interactive/insight-queue",
         "backfill/insight-queue",
         "drain/insight-queue",
+        "prune/insight-queue",
     }
 
     # No worker is up yet: backfill runs wait, then a screen's run joins them.
@@ -210,6 +211,8 @@ def test_with_a_warm_consumer_beside_the_workers_the_runs_follow_and_it_calls(
             "the backfill runs to end",
             log=worker_log,
         )
+        # Prefect knows each user by a pseudonym only (D4).
+        pseudonyms = {u: e.job.pseudonym for u in (*users, "frank") for e in store.list_jobs(u)}
         consumer.send_signal(15)
         assert consumer.wait(30) == 0, consumer_log.read_text(errors="replace")[-3000:]
 
@@ -225,7 +228,8 @@ def test_with_a_warm_consumer_beside_the_workers_the_runs_follow_and_it_calls(
         ("COMPLETED", "8 done")
     ] * 2
     # Every generation was the consumer's: the backfill runs only followed.
-    tags = {f"user:{u}" for u in (*users, "frank")}
+    tags = {f"user:{p}" for p in pseudonyms.values()}
+    assert not [r for r in runs if any(u in json.dumps(r) for u in (*users, "frank"))]
     generations = [r for r in runs if "generation" in r["tags"] and set(r["tags"]) & tags]
     assert len(generations) == len(keys)
     assert {r["parameters"]["worker"].split("@")[0] for r in generations} == {"consumer"}

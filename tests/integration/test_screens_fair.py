@@ -184,22 +184,12 @@ def test_only_waiting_screens_count_and_the_cap_is_a_setting(
     assert waiting(store, "ann")["p0"] == INTERACTIVE
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="enqueue_many queues interactive requests without the per-user cap: a bulk of "
-    "screens leaves more than max_interactive waiting",
-)
 def test_a_bulk_of_screens_keeps_the_cap_too(make_store: StoreFactory) -> None:
     store = make_store()
     store.enqueue_many([EnqueueRequest("ann", "k", f"a{n}", None, INTERACTIVE) for n in range(10)])
     assert sum(p == INTERACTIVE for p in waiting(store, "ann").values()) == 8
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="retry_failed puts a user's failed screens back with their old interactive turn "
-    "and without the per-user cap",
-)
 def test_failed_screens_put_back_keep_the_cap_and_take_turns(
     make_store: StoreFactory, clock: FakeClock
 ) -> None:
