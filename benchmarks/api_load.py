@@ -7,7 +7,7 @@ temporary directory; a PostgreSQL database created on the server of
 **Part A, CPU per request.** The store holds one job done with a result (a
 dict of about 1 KB of JSON) and one job waiting with `AHEAD` interactive jobs
 ahead of it. A standing-by consumer is only a live row in the workers table
-(`worker_seen`, refreshed from a thread), so no poll asks Prefect for a run;
+(`presence`, refreshed from a thread), so no poll asks Prefect for a run;
 Prefect is unreachable anyway (`PREFECT_API_URL` is a closed loopback port).
 Two servers run as subprocesses on free 127.0.0.1 ports: `insight-queue api`
 (one worker) and `benchmarks/bare_route.py`, a Starlette route that reads one
@@ -39,8 +39,12 @@ serve` (gap `--gap`, the demo plugins, the recorder as its gateway) and
 so serve's consumer drains while the screens poll. `--screens` screens
 (default 200) poll in a spawned process of their own (asyncio, one httpx
 client), each one insight every `--interval` s (staggered), with
-`If-None-Match` from its last answer, for `--seconds`. Most show a result
-made before the run; `--waiting` wait on an insight their first poll queued.
+`If-None-Match` from its last answer and a screen token of its own user,
+for `--seconds`. Most show a result made before the run; `--waiting` wait on
+an insight their first poll queued. Beside them, `--slow-clients` (default
+300) connections cost the server what slow clients can: half send nothing,
+half send their headers a byte every 2 s, each connecting again as soon as
+the server closes it (after its 10 s header deadline).
 It prints the polls' latency (p50, p95, max), their statuses, the share of
 polls in which the store (the API's `Server-Timing`) took at least half the
 response time, the recorder's peak of calls in flight and smallest gap
@@ -90,6 +94,7 @@ from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.engine import make_url
 
 from deployments import processes
+from deployments.http.credentials import ScreenTokens
 from deployments.stack import PrefectServer, client_env, executable
 from queue_store import INTERACTIVE, PREFETCH, JobStore, Settings, StoreError, job_id, migrate
 from queue_store.engine import normalise_url
@@ -103,6 +108,24 @@ from devtools.simulator import GatewaySimulator
 from devtools.stack import ServeProcess
 
 ROOT = Path(__file__).resolve().parent.parent
+# The API's credentials for the run (A1): the app's backend polls and backfills with the
+# service token; each screen signs in with a token of its own, for its user.
+SERVICE_TOKEN = "bench-service-token-0123456789"
+OPERATOR_TOKEN = "bench-operator-token-0123456789"
+SCREEN_SECRET = "bench-screen-secret-0123456789abcdef"
+CREDENTIALS = {
+    "AI_API_SERVICE_TOKEN": SERVICE_TOKEN,
+    "AI_API_OPERATOR_TOKEN": OPERATOR_TOKEN,
+    "AI_API_SCREEN_SECRET": SCREEN_SECRET,
+    # Part A sends its requests back to back: the rate is not what it measures.
+    "AI_API_SERVICE_RATE": str(10**9),
+}
+AS_SERVICE = {"Authorization": f"Bearer {SERVICE_TOKEN}"}
+# Slow clients beside the screens (A2): connections that send nothing, and ones that send
+# their headers a byte at a time; the server closes each after its header deadline, and each
+# connects again at once.
+SLOW_BYTE_SECONDS = 2.0
+SLOW_REQUEST = b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: "
 BARE_ROUTE = Path(__file__).resolve().parent / "bare_route.py"
 DEFAULT_POSTGRES_URL = "postgresql://postgres@127.0.0.1:5432/test"
 KIND = "sleep"  # a demo kind: its subject is a date
@@ -513,6 +536,7 @@ def run_part_a(url: str, args: argparse.Namespace) -> PartA:
             [executable("insight-queue"), "api", "--workers", "1"],
             {
                 **api_settings.to_env(),
+                **CREDENTIALS,
                 # Nothing listens there: a run asked for would fail fast (none should be).
                 "PREFECT_API_URL": f"http://127.0.0.1:{processes.free_port()}/api",
                 "PREFECT_HOME": str(directory / "prefect"),
@@ -539,7 +563,7 @@ def run_part_a(url: str, args: argparse.Namespace) -> PartA:
         api_meter = CpuMeter(api, backends, API_APPLICATION)
         bare_meter = CpuMeter(bare, backends, BARE_APPLICATION)
         api_http = stack.enter_context(
-            httpx.Client(base_url=api.url, timeout=REQUEST_TIMEOUT_SECONDS)
+            httpx.Client(base_url=api.url, timeout=REQUEST_TIMEOUT_SECONDS, headers=AS_SERVICE)
         )
         bare_http = stack.enter_context(
             httpx.Client(base_url=bare.url, timeout=REQUEST_TIMEOUT_SECONDS)
@@ -610,10 +634,16 @@ class Screen:
     offset: float  # seconds after the start of polling of its first poll
     etag: str | None = None
     answered: bool = False  # a waiting screen saw its fresh result
+    token: str = ""  # the screen's own credential, for its user
 
     @property
     def path(self) -> str:
         return f"/v1/users/{self.user}/insights/{KIND}/{self.subject}"
+
+    @property
+    def headers(self) -> dict[str, str]:
+        signed = {"Authorization": f"Bearer {self.token}"}
+        return signed | ({"If-None-Match": self.etag} if self.etag else {})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -642,11 +672,10 @@ async def poll_screen(
             except TimeoutError:
                 pass
         due += interval
-        headers = {"If-None-Match": screen.etag} if screen.etag else {}
         sent = time.perf_counter()
         try:
             response = await client.get(
-                screen.path, params={"fingerprint": screen.fingerprint}, headers=headers
+                screen.path, params={"fingerprint": screen.fingerprint}, headers=screen.headers
             )
         except httpx.HTTPError as exc:
             elapsed = (time.perf_counter() - sent) * 1000
@@ -668,14 +697,56 @@ class ScreensReport:
     screens: list[Screen]
     seconds: float  # from the first poll due to the stop
     lag_ms: list[float]  # how late the screens' event loop woke from 50 ms sleeps
+    slow_lives: list[float]  # seconds each slow client's connection lived until it was closed
+    slow_open_at_stop: int  # slow connections still open when the run stopped
+
+
+async def slow_client(
+    port: int, trickle: bool, stop: asyncio.Event, lives: list[float], open_now: list[int]
+) -> None:
+    """One slow client: a connection that sends nothing (or, `trickle`, its headers a byte
+    every `SLOW_BYTE_SECONDS`), again as soon as the server closes it."""
+    while not stop.is_set():
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        except OSError:
+            await asyncio.sleep(0.5)
+            continue
+        opened = time.monotonic()
+        open_now[0] += 1
+        try:
+            if trickle:
+                writer.write(SLOW_REQUEST)
+            while not stop.is_set():
+                if trickle:
+                    writer.write(b"a")
+                    await writer.drain()
+                try:
+                    if await asyncio.wait_for(reader.read(1024), SLOW_BYTE_SECONDS) == b"":
+                        lives.append(time.monotonic() - opened)
+                        break
+                except TimeoutError:
+                    continue
+        except OSError:
+            lives.append(time.monotonic() - opened)
+        finally:
+            open_now[0] -= 1
+            writer.close()
 
 
 async def drive_screens(
-    api_url: str, screens: list[Screen], interval: float, stop: Any, started: Any
+    api_url: str, screens: list[Screen], interval: float, stop: Any, started: Any, slow: int
 ) -> ScreensReport:
     stopping = asyncio.Event()
     samples: list[Sample] = []
     lags: list[float] = []
+    lives: list[float] = []
+    open_now = [0]
+    port = int(api_url.rsplit(":", 1)[1])
+    slowpokes = [
+        asyncio.create_task(slow_client(port, n % 2 == 1, stopping, lives, open_now))
+        for n in range(slow)
+    ]
     # A screen keeps its connection: every one of them stays open between polls
     # (httpx would keep only 20 idle ones and reconnect the others on each poll).
     connections = len(screens) + 10
@@ -693,18 +764,26 @@ async def drive_screens(
             before = time.monotonic()
             await asyncio.sleep(LAG_TICK_SECONDS)
             lags.append((time.monotonic() - before - LAG_TICK_SECONDS) * 1000)
+        still_open = open_now[0]
         stopping.set()
         seconds = time.monotonic() - start
-        await asyncio.gather(*tasks)
-    return ScreensReport(samples, screens, seconds, lags)
+        await asyncio.gather(*tasks, *slowpokes)
+    return ScreensReport(samples, screens, seconds, lags, lives, still_open)
 
 
 def screens_process(
-    api_url: str, screens: list[Screen], interval: float, stop: Any, started: Any, out: Any
+    api_url: str,
+    screens: list[Screen],
+    interval: float,
+    stop: Any,
+    started: Any,
+    out: Any,
+    slow: int,
 ) -> None:
-    """The screens, in a process of their own: their CPU is neither the API's nor this one's."""
+    """The screens (and the slow clients), in a process of their own: their CPU is neither the
+    API's nor this one's."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the main process stops them
-    out.put(asyncio.run(drive_screens(api_url, screens, interval, stop, started)))
+    out.put(asyncio.run(drive_screens(api_url, screens, interval, stop, started, slow)))
 
 
 def server_timing(header: str) -> float | None:
@@ -720,6 +799,8 @@ def server_timing(header: str) -> float | None:
 
 
 def make_screens(args: argparse.Namespace, subject: str) -> list[Screen]:
+    tokens = ScreenTokens(secret=SCREEN_SECRET, audience="insight-queue")
+    valid = args.seconds + 3600  # seconds: past the run, whatever its start-up takes
     return [
         Screen(
             user=f"screen-{n:04d}",
@@ -727,6 +808,7 @@ def make_screens(args: argparse.Namespace, subject: str) -> list[Screen]:
             fingerprint=f"fp-{n:04d}",
             waiting=n < args.waiting,
             offset=args.interval * n / args.screens,
+            token=tokens.issue(f"screen-{n:04d}", valid),
         )
         for n in range(args.screens)
     ]
@@ -800,6 +882,7 @@ def run_part_b(url: str, args: argparse.Namespace) -> PartB:
             {
                 **with_changes(settings, database_url=tagged(url, API_APPLICATION)).to_env(),
                 **client_env(server.api_url, directory / "api-prefect"),
+                **CREDENTIALS,
             },
             directory / "api.log",
             "/healthz",
@@ -811,7 +894,9 @@ def run_part_b(url: str, args: argparse.Namespace) -> PartB:
         stack.callback(backends.close)
         meter = CpuMeter(api, backends, API_APPLICATION)
 
-        with httpx.Client(base_url=api.url, timeout=REQUEST_TIMEOUT_SECONDS) as http:
+        with httpx.Client(
+            base_url=api.url, timeout=REQUEST_TIMEOUT_SECONDS, headers=AS_SERVICE
+        ) as http:
             for n in range(args.backfill_users):
                 # A busy Prefect server may refuse a run (503); the hook is sent again, as
                 # an app would: the same sync starts one run.
@@ -831,7 +916,7 @@ def run_part_b(url: str, args: argparse.Namespace) -> PartB:
                     http,
                     screen.path,
                     {"fingerprint": screen.fingerprint},
-                    {},
+                    screen.headers,
                     200,
                     f"{screen.user}'s first poll",
                 )
@@ -841,7 +926,7 @@ def run_part_b(url: str, args: argparse.Namespace) -> PartB:
         stop, started, out = SPAWN.Event(), SPAWN.Event(), SPAWN.Queue()
         child = SPAWN.Process(
             target=screens_process,
-            args=(api.url, screens, args.interval, stop, started, out),
+            args=(api.url, screens, args.interval, stop, started, out, args.slow_clients),
             name="screens",
             daemon=True,
         )
@@ -958,6 +1043,7 @@ def report_b(part: PartB, args: argparse.Namespace) -> list[str]:
     dominated = sum(1 for s in answered if s.store_ms is not None and s.store_ms >= s.ms / 2)
     waiting = [s for s in part.report.screens if s.waiting]
     lags = part.report.lag_ms
+    lives = part.report.slow_lives
     lines = [
         f"B. {args.screens} screens beside serve for {seconds:.0f} s, each polling every "
         f"{args.interval:g} s ({args.waiting} waiting, the rest on a result made earlier); "
@@ -990,6 +1076,11 @@ def report_b(part: PartB, args: argparse.Namespace) -> list[str]:
         f"{part.busy_cores:.2f} of {os.cpu_count()}",
         f"  the screens' event loop was late by at most {ms(max(lags, default=None), 0)} ms "
         f"(p99 {ms(percentile(lags, 0.99), 0)} ms)",
+        f"  slow clients: {args.slow_clients} ({args.slow_clients - args.slow_clients // 2} "
+        f"sending nothing, {args.slow_clients // 2} a header byte every {SLOW_BYTE_SECONDS:g} s),"
+        f" each connecting again when closed: {len(lives)} connections closed by the server, "
+        f"after p50 {ms(percentile(lives, 0.5), 1)} s, max {ms(max(lives, default=None), 1)} s; "
+        f"{part.report.slow_open_at_stop} open at the stop",
     ]
     for error, n in collections.Counter(s.error for s in samples if not s.status).items():
         lines.append(f"  no answer ({n}x): {error[:200]}")
@@ -1070,6 +1161,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--gap", type=float, default=1.0, help="AI_JOB_GAP_SECONDS")
     parser.add_argument("--concurrency", type=int, default=1, help="AI_JOB_CONCURRENCY")
     parser.add_argument("--workers", type=int, default=1, help="the API's uvicorn workers (B)")
+    parser.add_argument(
+        "--slow-clients",
+        type=int,
+        default=300,
+        help="clients that connect and send nothing or a byte at a time, beside the screens (B)",
+    )
     parser.add_argument("--parts", default="AB", help="which parts to run: A, B or AB")
     args = parser.parse_args(argv)
     if not args.parts or set(args.parts) - {"A", "B"}:

@@ -125,7 +125,8 @@ def render_queue(view: QueueView) -> str:
         j = e.job
         run = f"  run {j.flow_run_id[:8]}" if j.flow_run_id else ""
         out.append(
-            f"  {printable(j.run_name)}  user {printable(j.user_id)}  {j.priority_class}  "
+            f"  {printable(j.run_name)}  user {printable(j.user_id)} ({j.pseudonym or '-'})  "
+            f"{j.priority_class}  "
             f"try {j.attempts}/{view.max_attempts}  for {_duration(e.running_seconds or 0)}  "
             f"by {j.worker or '?'}{run}"
         )
@@ -137,6 +138,7 @@ def render_queue(view: QueueView) -> str:
     columns: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
         ("#", lambda r: str(r["place"])),
         ("USER", lambda r: r["user_id"]),
+        ("IN PREFECT AS", lambda r: r["pseudonym"] or ""),
         ("KIND", lambda r: r["kind"]),
         ("SUBJECT", lambda r: r["subject"]),
         ("CLASS", lambda r: r["priority_class"]),
