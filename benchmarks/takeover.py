@@ -6,7 +6,9 @@ claim has lapsed and the margin its call would have stopped within has
 passed: `AI_JOB_LEASE_SECONDS` (60 s) after its last renewal, which was at
 most `AI_JOB_HEARTBEAT_SECONDS` (5 s) before the kill, with
 `AI_JOB_LEASE_MARGIN_SECONDS` (10 s) inside it. Every other setting is the
-default too; only the gateway's address and the plugin are set.
+default too; only the gateway's address, the plugin and a hold of 0 are set
+(the simulator stops on disconnect; with the default hold the next call also
+waits for the cut call's start plus the read timeout, H1).
 
 The workers are `tests.support.worker` processes (the store and the
 self-fencing runner, without Prefect); the gateway is the simulator behind
@@ -59,7 +61,9 @@ def measure(database_url: str, workdir: Path) -> dict[str, float]:
             database_url=database_url,
             data_dir=workdir / "data",
             plugins="tests.support.plugins",
-            gateway={"url": gateway.url},
+            # The simulator stops on disconnect: the cut call holds nothing (H1), so what is
+            # measured is the lease and the gap alone.
+            gateway={"url": gateway.url, "cut_hold_seconds": 0},
         )
         store = JobStore(database_url, settings=settings)
         key = ("takeover", "ok", "victim")
