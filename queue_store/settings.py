@@ -252,20 +252,7 @@ class Settings(_Checked):
     def store(self) -> StoreConfig:
         """What the store decides with: its rules' numbers, and no secret."""
         return StoreConfig(
-            concurrency=self.concurrency,
-            gap_seconds=self.gap_seconds,
-            max_attempts=self.max_attempts,
-            retry_after_seconds=self.retry_after_seconds,
-            claim_timeout_seconds=self.claim_timeout_seconds,
-            lease_seconds=self.lease_seconds,
-            backoff_seconds=self.backoff_seconds,
-            backoff_max_seconds=self.backoff_max_seconds,
-            default_duration_seconds=self.default_duration_seconds,
-            max_result_bytes=self.max_result_bytes,
-            order=self.order,
-            cut_hold=self.cut_hold,
-            max_interactive=self.max_interactive,
-            retention_days=self.retention_days,
+            **{f.name: getattr(self, f.name) for f in dataclasses.fields(StoreConfig)}
         )
 
     @property
@@ -327,22 +314,22 @@ class Settings(_Checked):
 
 @dataclasses.dataclass(frozen=True)
 class StoreConfig:
-    """The settings the store's rules read (`Settings.store`), under the same names."""
+    """The settings the store's rules read (`Settings.store`), under the same names: no secret."""
 
-    concurrency: int = 1
-    gap_seconds: float = 20.0
-    max_attempts: int = 3
-    retry_after_seconds: float = 1800.0
-    claim_timeout_seconds: float = 1800.0
-    lease_seconds: float = 60.0
-    backoff_seconds: float = 15.0
-    backoff_max_seconds: float = 600.0
-    default_duration_seconds: float = 120.0
-    max_result_bytes: int = MIB
-    order: Literal["fair", "fifo"] = "fair"
-    cut_hold: float = 1080.0  # seconds a call cut on our side holds the gateway (H1)
-    max_interactive: int = 8  # waiting interactive jobs per user (A3)
-    retention_days: float = 90.0  # finished work is kept this long (D2)
+    concurrency: int
+    gap_seconds: float
+    max_attempts: int
+    retry_after_seconds: float
+    claim_timeout_seconds: float
+    lease_seconds: float
+    backoff_seconds: float
+    backoff_max_seconds: float
+    default_duration_seconds: float
+    max_result_bytes: int
+    order: Literal["fair", "fifo"]
+    cut_hold: float  # seconds a call cut on our side holds the gateway (H1)
+    max_interactive: int  # waiting interactive jobs per user (A3)
+    retention_days: float  # finished work is kept this long (D2)
 
 
 def _variable(model: type[BaseSettings], name: str) -> str:
