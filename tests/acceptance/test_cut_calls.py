@@ -290,13 +290,13 @@ def test_with_no_hold_and_a_gateway_that_stops_the_queue_heals_as_before(
             workers.stop("first", sig=signal.SIGTERM, timeout=15)
             wait_for(lambda: all_done(store), 60, "every job done")
             workers.stop_all()
+            victim = job_of(store, *VICTIM)
         seen = stops.assert_kept(concurrency=1, gap=GAP)
         records = calls(stops)
         cut, retried = records[0], next(r for r in records[1:] if r.job == "ok:cut")
         assert cut.ended is not None and cut.ended - cut.started < WORK / 2  # type: ignore[operator]
         assert retried.started is not None
         healed = retried.started - stopped_at
-        victim = job_of(store, *VICTIM)
         assert victim is not None and victim.attempts == 1
         assert seen.peak_in_flight == 1
     print(

@@ -184,7 +184,8 @@ def test_the_history_tells_what_was_generated_for_whom_and_how_it_ended(
         # Idle: nothing added. Stopped gracefully: nothing left running, the
         # finished runs kept their states.
         assert after_idle == before_idle
-        assert not [r["name"] for r in history.runs() if state(r)[0] in ("RUNNING", "PENDING")]
+        ours = history.runs(tags={"all_": [f"user:{who}"]})
+        assert not [r["name"] for r in ours if state(r)[0] in ("RUNNING", "PENDING")]
         assert state(history.run(backfill_id)) == ("FAILED", "1 done, 1 failed")
         job = job_of(store, USER, "ok", "on-screen")
         assert job is not None and job.status == Status.DONE

@@ -54,7 +54,14 @@ class ThrowawayPostgres:
         if self._as_postgres:
             runuser = _binary("runuser", SBIN_CANDIDATES, "util-linux")
             command = [runuser, "-u", "postgres", "--", *command]
-        subprocess.run(command, check=True, capture_output=True, timeout=120)
+        # The C locale: a caller's LANG may name a locale this machine never generated,
+        # which initdb refuses.
+        env = {**os.environ, "LC_ALL": "C", "LANG": "C"}
+        done = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+        if done.returncode != 0:
+            raise RuntimeError(
+                f"{Path(args[0]).name} exited {done.returncode}: {done.stderr.strip()[-2000:]}"
+            )
 
     def create(self) -> ThrowawayPostgres:
         self.directory.mkdir(parents=True)
@@ -70,6 +77,7 @@ class ThrowawayPostgres:
             "--auth=trust",
             "-E",
             "UTF8",
+            "--no-locale",
         )
         return self.start()
 
@@ -93,6 +101,6 @@ class ThrowawayPostgres:
 
     def destroy(self) -> None:
         if (self.directory / "postmaster.pid").exists():
-            with contextlib.suppress(subprocess.CalledProcessError):
+            with contextlib.suppress(RuntimeError):
                 self.stop()
         shutil.rmtree(self._home, ignore_errors=True)
