@@ -503,3 +503,59 @@ def test_setup_limit_updates_the_gateway_limit(settings: Settings, prefect: Pref
     response = httpx.get(f"{prefect.api_url}/concurrency_limits/tag/gateway", timeout=10)
     response.raise_for_status()
     assert response.json()["concurrency_limit"] == 2
+
+
+async def backfilled_as_the_hook_starts_it(rt: Runtime, user_id: str) -> State[Any]:
+    """`backfilled`, the run tagged with the user's pseudonym as the triggers tag it."""
+    from prefect import tags
+
+    await asyncio.to_thread(
+        rt.store.enqueue_many, [s.request(user_id) for s in rt.registry.scopes_for(user_id)]
+    )
+    who = await asyncio.to_thread(pseudonym, rt, user_id)
+    with tags(f"user:{who}"):
+        return cast(State[Any], await backfill(who, return_state=True))
+
+
+def test_d3_forget_with_prefect_away_erases_the_store_at_once_and_the_history_once_it_is_back(
+    rt: Runtime, gateway: Gateway, prefect: PrefectReader, user: str
+) -> None:
+    from deployments.processes import free_port
+    from deployments.triggers import Triggers
+
+    other = f"{user}-other"
+    run_flow(rt, backfilled_as_the_hook_starts_it(rt, user))
+    run_flow(rt, backfilled_as_the_hook_starts_it(rt, other))
+    who, who_else = pseudonym(rt, user), pseudonym(rt, other)
+    generation_runs(prefect, who, settled=8)
+    runs = prefect.runs_tagged(f"user:{who}")
+    assert len(runs) == 9  # the backfill and its 8 generations
+    backfill_run = next(str(r["id"]) for r in runs if str(r["name"]).startswith("backfill"))
+    assert prefect.artifacts(backfill_run)
+    assert prefect.logs(backfill_run)
+
+    away = Triggers(rt, prefect_url=f"http://127.0.0.1:{free_port()}/api").forget(user)
+
+    # The store's part at once; the history's waits, and says so.
+    assert away.forgotten.jobs == 8 and away.forgotten.results == 8
+    assert away.forgotten.history_pending == (who,)
+    assert away.history_note and "could not be erased now" in away.history_note
+    assert rt.store.list_jobs(user) == []
+    assert [p for p, _ in rt.store.queue_view(0).erasures_pending] == [who]
+    assert len(prefect.runs_tagged(f"user:{who}")) == 9
+
+    back = Triggers(rt, prefect_url=prefect.api_url).forget(user)  # again, Prefect back
+
+    assert (back.forgotten.jobs, back.history_note, back.forgotten.history_pending) == (
+        0,
+        None,
+        (),
+    )
+    assert prefect.runs_tagged(f"user:{who}") == []
+    assert prefect.artifacts(backfill_run) == {}
+    # Prefect deletes a deleted run's logs in a background task of its own.
+    wait_for(lambda: prefect.logs(backfill_run) == [], 30, "the erased run's logs gone")
+    assert rt.store.queue_view(0).erasures_pending == []
+    # The other user's history and store are what they were.
+    assert len(prefect.runs_tagged(f"user:{who_else}")) == 9
+    assert len(rt.store.list_jobs(other)) == 8
