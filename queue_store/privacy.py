@@ -22,7 +22,8 @@ import datetime as dt
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from sqlalchemy import Connection, and_, delete, exists, func, insert, select, update
+from sqlalchemy import Connection, and_, delete, exists, func, insert, select, tuple_, update
+from sqlalchemy.dialects import postgresql, sqlite
 
 from queue_store import lease, schema
 from queue_store.models import CutCause, Status
@@ -132,25 +133,32 @@ def fold_usage(
     past = and_(usage.c.day < cutoff, usage.c.user_id != NO_ONE)
     if count_only:
         return _count(connection, select(usage.c.day).where(past))
-    keys = connection.execute(
-        select(usage.c.day, usage.c.user_id, usage.c.kind)
-        .where(past)
-        .order_by(usage.c.day)
-        .limit(PRUNE_CHUNK)
+    key = (usage.c.day, usage.c.user_id, usage.c.kind)
+    query = select(*key).where(past).order_by(usage.c.day).limit(PRUNE_CHUNK)
+    if connection.dialect.name == "postgresql":
+        query = query.with_for_update(skip_locked=True)
+    keys = [tuple(row) for row in connection.execute(query)]
+    if not keys:
+        return 0
+    # What this transaction deleted is what it adds: a row another pruner took is not returned.
+    gone = connection.execute(
+        delete(usage)
+        .where(tuple_(*key).in_(keys), past)
+        .returning(usage.c.day, usage.c.kind, *SUMMED)
     ).all()
-    folded = 0
-    for day, user_id, kind in keys:
-        key = (usage.c.day == day, usage.c.user_id == user_id, usage.c.kind == kind)
-        row = connection.execute(delete(usage).where(*key).returning(*SUMMED)).one_or_none()
-        if row is None:  # another pruner folded it first
-            continue
-        folded += 1
-        into = (usage.c.day == day, usage.c.user_id == NO_ONE, usage.c.kind == kind)
-        added = {name: usage.c[name] + row._mapping[name] for name in SUMMED_NAMES}
-        if not connection.execute(update(usage).where(*into).values(**added)).rowcount:
-            values = {name: row._mapping[name] for name in SUMMED_NAMES}
-            connection.execute(insert(usage).values(day=day, user_id=NO_ONE, kind=kind, **values))
-    return folded
+    totals: dict[tuple[Any, str], list[int]] = {}
+    for row in gone:
+        summed = totals.setdefault((row.day, row.kind), [0] * len(SUMMED_NAMES))
+        for n, name in enumerate(SUMMED_NAMES):
+            summed[n] += int(row._mapping[name])
+    dialect = postgresql if connection.dialect.name == "postgresql" else sqlite
+    for (day, kind), summed in sorted(totals.items()):
+        statement = dialect.insert(usage).values(
+            day=day, user_id=NO_ONE, kind=kind, **dict(zip(SUMMED_NAMES, summed, strict=True))
+        )
+        added = {name: usage.c[name] + statement.excluded[name] for name in SUMMED_NAMES}
+        connection.execute(statement.on_conflict_do_update(index_elements=list(key), set_=added))
+    return len(gone)
 
 
 SUMMED_NAMES = ("answers", "unknown", "prompt_tokens", "completion_tokens")

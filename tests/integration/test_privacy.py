@@ -209,9 +209,23 @@ def _old_finished_rows(store: JobStore, count: int, finished: dt.datetime) -> li
                 "produced_at": finished,
             }
         )
+    # And a day's usage of each: one user a row, so the days' totals must add up.
+    usage = [
+        {
+            "day": finished.date() + dt.timedelta(days=n // 7),
+            "user_id": f"u{n % 7}",
+            "kind": "sleep",
+            "answers": 1,
+            "unknown": 0,
+            "prompt_tokens": 10,
+            "completion_tokens": 2,
+        }
+        for n in range(count)
+    ]
     with engine_of(store).begin() as connection:
         connection.execute(insert(schema.jobs), jobs)
         connection.execute(insert(schema.results), results)
+        connection.execute(insert(schema.usage), usage)
     return [str(j["id"]) for j in jobs]
 
 
@@ -265,6 +279,15 @@ def test_d2_pruners_in_other_processes_work_in_chunks_beside_a_claiming_consumer
     assert all("error" not in r for r in reports), reports
     assert sum(r["jobs"] for r in reports) == len(old)
     assert sum(r["results"] for r in reports) == len(old)
+    # Every user's usage row folded once, into one total of no one a day, nothing lost.
+    assert sum(r["usage_rows"] for r in reports) == len(old)
+    assert usage_totals(store)[:2] == (
+        len(old) + 40,
+        len(old) * 10,
+    )  # the live jobs: answers of unknown tokens
+    folded = rows(store)["ai_job_usage_days"]
+    assert {r[1] for r in folded if str(r[0]) < "2026-01-01"} == {NO_ONE}
+    assert len([r for r in folded if str(r[0]) < "2026-01-01"]) == (len(old) + 6) // 7
     assert store.jobs(old) == {}
     assert {j.status for j in store.jobs(claimed).values()} == {Status.DONE}
     assert len(store.jobs(claimed)) == 40
