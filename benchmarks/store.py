@@ -8,7 +8,9 @@ Backlog measures, for each size in `--sizes` (default 1k, 10k and 100k pending
 jobs): the backlog is bulk-inserted (1000 users, about 1% INTERACTIVE, the rest
 PREFETCH, queue times spread over 30 days, plus 1% as many failed jobs, and a
 mean duration known for every kind), then `ANALYZE` (with `--vacuum`, on
-PostgreSQL `VACUUM ANALYZE`). Median and p95 of:
+PostgreSQL `VACUUM ANALYZE`; with `--fresh`, neither, and autovacuum off for the
+store's tables: the table as a bulk backfill leaves it, before autovacuum has
+run). Median and p95 of:
 
 - no-op poll: `enqueue` of an existing pending job with the same priority and
   fingerprint (what a waiting screen does every few seconds). "Wrote nothing"
@@ -125,6 +127,8 @@ PLACE_TARGET_MS = 10.0
 READ_TARGET_MS = 50.0
 # The order the backlogs are measured in (set from --orders, one at a time).
 ORDER = {"value": "fair"}
+# --fresh: no ANALYZE, no VACUUM, autovacuum off for the store's tables (PostgreSQL).
+FRESH = {"value": False}
 BULK_TARGET_S = 30.0
 # From the issue: the original per-call enqueue of 100k rows.
 ORIGINAL_ENQUEUE_100K_S = {"postgresql": 441.0, "sqlite": 118.0}
@@ -254,6 +258,8 @@ def open_store(url: str) -> JobStore:
 
 def analyse(url: str, vacuum: bool = False) -> None:
     """ANALYZE; with `vacuum`, on PostgreSQL VACUUM ANALYZE (what autovacuum would leave)."""
+    if FRESH["value"]:
+        return
     engine = create_store_engine(url)
     try:
         if vacuum and engine.dialect.name == "postgresql":
@@ -290,6 +296,12 @@ def fill(url: str, size: int, vacuum: bool = False) -> list[Key]:
     Returns the pending jobs' keys, in the order they were queued.
     """
     engine = create_store_engine(url)
+    if FRESH["value"] and engine.dialect.name == "postgresql":
+        with engine.begin() as connection:
+            for table in schema.metadata.sorted_tables:
+                connection.exec_driver_sql(
+                    f"ALTER TABLE {table.name} SET (autovacuum_enabled = false)"
+                )
     slots = list_user_slots(size)
     keys = [backlog_key(i, slots) for i in range(size)]
     if ORDER["value"] == "fair":  # each user's prefetch jobs in turns 0, 1, 2...
@@ -1186,6 +1198,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="PostgreSQL: VACUUM ANALYZE the backlog instead of ANALYZE, as autovacuum "
         "(on by default) would soon after a bulk load: index-only scans then skip the table",
     )
+    parser.add_argument(
+        "--fresh",
+        action="store_true",
+        help="neither ANALYZE nor VACUUM after the fill, and on PostgreSQL autovacuum off for "
+        "the store's tables: what a screen meets right after a bulk backfill",
+    )
     parser.add_argument("--seed", type=int, default=1, help="random seed for the keys polled")
     parser.add_argument(
         "--explain",
@@ -1216,6 +1234,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"load average at start: {load_at_start}")
     if args.vacuum:
         print("backlogs: VACUUM ANALYZE on PostgreSQL (ANALYZE on SQLite)")
+    FRESH["value"] = args.fresh
+    if args.fresh:
+        print("backlogs: fresh, as a bulk load leaves them (no ANALYZE, autovacuum off)")
     backlogs: list[BacklogRow] = []
     bulks: list[BulkRow] = []
     for backend in args.backends:
