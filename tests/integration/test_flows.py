@@ -559,3 +559,39 @@ def test_d3_forget_with_prefect_away_erases_the_store_at_once_and_the_history_on
     # The other user's history and store are what they were.
     assert len(prefect.runs_tagged(f"user:{who_else}")) == 9
     assert len(rt.store.list_jobs(other)) == 8
+
+
+def test_d2_the_prune_run_deletes_what_is_past_retention_and_finishes_a_forget_prefect_missed(
+    settings: Settings, gateway: Gateway, prefect: PrefectReader, user: str
+) -> None:
+    """The scheduled prune (its flow, run here): the store's part of retention with its counts
+    as the run's result, and the run history's part of a forget made while Prefect was away."""
+    from deployments.processes import free_port
+    from deployments.triggers import Triggers
+    from flows.flows import prune
+
+    short = settings.model_copy(update={"retention_days": 1e-6})  # a tenth of a second
+    with Runtime.open(short) as rt:
+        run_flow(rt, backfilled_as_the_hook_starts_it(rt, user))
+        forgotten = f"{user}-gone"
+        run_flow(rt, backfilled_as_the_hook_starts_it(rt, forgotten))
+        gone = pseudonym(rt, forgotten)
+        generation_runs(prefect, gone, settled=8)
+        away = Triggers(rt, prefect_url=f"http://127.0.0.1:{free_port()}/api").forget(forgotten)
+        assert away.forgotten.history_pending == (gone,)
+        assert len(prefect.runs_tagged(f"user:{gone}")) == 9
+
+        state = run_flow(rt, cast(Coroutine[Any, Any, State[Any]], prune(return_state=True)))
+
+        assert state.type.value == "COMPLETED"
+        shown = state.result()
+        # Usage is kept by the day: today's stays, and with it the user is still known.
+        assert (shown["jobs"], shown["results"], shown["people"]) == (8, 8, 0)
+        assert (shown["forgotten_users_erased"], shown["erasures_left"]) == (1, 0)
+        assert rt.store.list_jobs(user) == []
+        assert prefect.runs_tagged(f"user:{gone}") == []
+        wait_for(
+            lambda: any("retention:" in line for line in prefect.logs(run_id_of(state))),
+            30,
+            "the prune run's log line with its counts",
+        )
