@@ -34,7 +34,7 @@ if not __package__:  # run as a script: the shared helpers are in this folder's 
 
 from benchmarks.figures import percentile
 from benchmarks.store import DEFAULT_POSTGRES_URL, postgres_database, sqlite_database
-from queue_store import JobStore, Settings, schema
+from queue_store import JobStore, Settings, migrate, schema
 from queue_store.engine import create_store_engine
 from queue_store.models import PREFETCH, Status, job_id
 
@@ -178,6 +178,7 @@ def database(backend: str, args: argparse.Namespace) -> Iterator[str]:
 
 def run(backend: str, args: argparse.Namespace) -> None:
     with database(backend, args) as url:
+        migrate.upgrade(url)  # a new PostgreSQL database is not upgraded by the store itself
         clock = DayClock()
         settings = Settings(
             database_url=url, data_dir=Path(url).parent, retention_days=args.retention_days
