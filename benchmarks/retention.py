@@ -33,7 +33,7 @@ if not __package__:  # run as a script: the shared helpers are in this folder's 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.figures import percentile
-from benchmarks.store import DEFAULT_POSTGRES_URL, postgres_database, sqlite_database
+from benchmarks.store import DEFAULT_POSTGRES_URL, _data_dir, postgres_database, sqlite_database
 from queue_store import JobStore, Settings, migrate, schema
 from queue_store.engine import create_store_engine
 from queue_store.models import PREFETCH, Status, job_id
@@ -181,7 +181,7 @@ def run(backend: str, args: argparse.Namespace) -> None:
         migrate.upgrade(url)  # a new PostgreSQL database is not upgraded by the store itself
         clock = DayClock()
         settings = Settings(
-            database_url=url, data_dir=Path(url).parent, retention_days=args.retention_days
+            database_url=url, data_dir=_data_dir(url), retention_days=args.retention_days
         )
         store = JobStore(url, settings=settings, clock=clock)
         writer = create_store_engine(url)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 from pathlib import Path
 
 DIRECTORY_MODE = 0o700
@@ -23,7 +24,10 @@ def private_directory(path: Path, *, narrow: bool = True) -> Path:
     database's folder may be shared)."""
     made = not path.exists()
     path.mkdir(parents=True, exist_ok=True)
-    if (made or narrow) and path.stat().st_mode & 0o777 != DIRECTORY_MODE:
+    mode = path.stat().st_mode
+    if mode & stat.S_ISVTX and not made:
+        return path  # a shared folder such as /tmp: never ours to close; our files are 0600
+    if (made or narrow) and mode & 0o777 != DIRECTORY_MODE:
         os.chmod(path, DIRECTORY_MODE)
     return path
 

@@ -124,6 +124,21 @@ def test_d1_the_embedded_store_is_readable_by_the_service_account_alone(
     assert stat.S_IMODE(data.stat().st_mode) == 0o700
 
 
+def test_d1_a_shared_sticky_folder_named_as_the_data_directory_is_left_open_to_its_users(
+    tmp_path: Path, umask_022: None
+) -> None:
+    """A data directory set to a folder like /tmp (world-writable, sticky) is not closed to
+    everyone else; the store's own files in it are still the service account's alone."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)
+    with JobStore(settings=Settings(data_dir=shared)) as store:
+        done(store, ALICE, "sleep", "2026-11-30")
+        modes = {f.name: stat.S_IMODE(f.stat().st_mode) for f in shared.glob("queue.db*")}
+        assert modes and set(modes.values()) == {0o600}, modes
+    assert stat.S_IMODE(shared.stat().st_mode) == 0o1777
+
+
 # -- D2: retention ----------------------------------------------------------------------
 
 

@@ -57,7 +57,10 @@ class ThrowawayPostgres:
         # The C locale: a caller's LANG may name a locale this machine never generated,
         # which initdb refuses.
         env = {**os.environ, "LC_ALL": "C", "LANG": "C"}
-        done = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+        # From the cluster's own directory: the caller's may be closed to the postgres user.
+        done = subprocess.run(
+            command, capture_output=True, text=True, timeout=120, env=env, cwd=self._home
+        )
         if done.returncode != 0:
             raise RuntimeError(
                 f"{Path(args[0]).name} exited {done.returncode}: {done.stderr.strip()[-2000:]}"
