@@ -211,7 +211,8 @@ def _lose_a_machine(
     try:
         wait_for(
             no_run_open,
-            max(RUNS_END_SECONDS - (time.monotonic() - killed_at), 10) + 60,
+            # Patience, not a target: Prefect's automations lag on a loaded machine.
+            max(RUNS_END_SECONDS - (time.monotonic() - killed_at), 10) + 180,
             "no run left open",
         )
     except AssertionError as exc:
