@@ -82,13 +82,20 @@ def flow_runs(api_url: str) -> list[dict[str, Any]]:
     return found
 
 
-def open_runs(api_url: str) -> list[str]:
-    """Our runs Running or Pending: name, state, and the worker of a generation run."""
+def open_runs(api_url: str, ignored: frozenset[str] = frozenset()) -> list[str]:
+    """Our runs Running or Pending but the `ignored` ids: name, state, and the worker of a
+    generation run."""
     return [
         f"{r['name']} {r['state']['type']} {r['parameters'].get('worker') or ''}".rstrip()
         for r in flow_runs(api_url)
-        if r["state"]["type"] in ("RUNNING", "PENDING")
+        if r["state"]["type"] in ("RUNNING", "PENDING") and r["id"] not in ignored
     ]
+
+
+def open_run_ids(api_url: str) -> frozenset[str]:
+    return frozenset(
+        str(r["id"]) for r in flow_runs(api_url) if r["state"]["type"] in ("RUNNING", "PENDING")
+    )
 
 
 def calls(gateway: Gateway) -> Counter[str]:
@@ -143,6 +150,8 @@ def _lose_a_machine(
     recipe: str,
 ) -> None:
     assert gateway.recorder is not None
+    # Runs another test left open on the shared server are not this machine loss's to end.
+    earlier = open_run_ids(server.api_url)
     logs = " ".join(str(m.log) for m in machines)
     pickup: float | None = None
     first = demo_scopes("first-screen")[0]
@@ -176,16 +185,18 @@ def _lose_a_machine(
     # Once three calls were made, kill the machine making the fourth, mid-call.
     gateway.recorder.wait_until(lambda s: s.count >= 3, 240, f"three calls (logs: {logs})")
     pid: int | None = None
+    cut: str | None = None
 
     def in_flight_on_a_machine() -> bool:
-        nonlocal pid
+        nonlocal pid, cut
         pid = holder_pid(store)
         snapshot: RecorderSnapshot = gateway.snapshot()
-        return pid is not None and snapshot.in_flight == 1
+        # Read together: a 1.5 s call may end between two separate looks.
+        cut = next((r.job for r in gateway.simulator.stats().requests if r.ended is None), None)
+        return pid is not None and snapshot.in_flight == 1 and cut is not None
 
     wait_for(in_flight_on_a_machine, 120, "a call in flight")
     lost = next(m for m in machines if pid in m.family())
-    cut = next(r.job for r in gateway.simulator.stats().requests if r.ended is None)
     killed_at = time.monotonic()
     killed = lost.kill()
     print(f"\nkilled machine {lost.name} ({len(killed)} processes) in the call of {cut}")
@@ -205,7 +216,7 @@ def _lose_a_machine(
 
     def no_run_open() -> bool:
         nonlocal left
-        left = open_runs(server.api_url)
+        left = open_runs(server.api_url, earlier)
         return not left
 
     try:
