@@ -12,7 +12,6 @@ import secrets
 from collections.abc import Iterable
 
 from sqlalchemy import Connection, select
-from sqlalchemy.dialects import postgresql, sqlite
 
 from queue_store import schema
 
@@ -38,8 +37,7 @@ def pseudonymize(connection: Connection, user_ids: Iterable[str], now: dt.dateti
     if not missing:
         return
     rows = [{"user_id": u, "pseudonym": new_pseudonym(), "created_at": now} for u in missing]
-    dialect = postgresql if connection.dialect.name == "postgresql" else sqlite
-    statement = dialect.insert(people).on_conflict_do_nothing(index_elements=["user_id"])
+    statement = schema.upsert(connection, people).on_conflict_do_nothing(index_elements=["user_id"])
     connection.execute(statement, rows)
 
 

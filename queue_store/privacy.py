@@ -23,7 +23,6 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from sqlalchemy import Connection, and_, delete, exists, func, insert, select, tuple_, update
-from sqlalchemy.dialects import postgresql, sqlite
 
 from queue_store import lease, schema
 from queue_store.models import CutCause, Status
@@ -135,9 +134,7 @@ def fold_usage(
         return _count(connection, select(usage.c.day).where(past))
     key = (usage.c.day, usage.c.user_id, usage.c.kind)
     query = select(*key).where(past).order_by(usage.c.day).limit(PRUNE_CHUNK)
-    if connection.dialect.name == "postgresql":
-        query = query.with_for_update(skip_locked=True)
-    keys = [tuple(row) for row in connection.execute(query)]
+    keys = [tuple(row) for row in connection.execute(_skip_locked(connection, query))]
     if not keys:
         return 0
     # What this transaction deleted is what it adds: a row another pruner took is not returned.
@@ -151,9 +148,8 @@ def fold_usage(
         summed = totals.setdefault((row.day, row.kind), [0] * len(SUMMED_NAMES))
         for n, name in enumerate(SUMMED_NAMES):
             summed[n] += int(row._mapping[name])
-    dialect = postgresql if connection.dialect.name == "postgresql" else sqlite
     for (day, kind), summed in sorted(totals.items()):
-        statement = dialect.insert(usage).values(
+        statement = schema.upsert(connection, usage).values(
             day=day, user_id=NO_ONE, kind=kind, **dict(zip(SUMMED_NAMES, summed, strict=True))
         )
         added = {name: usage.c[name] + statement.excluded[name] for name in SUMMED_NAMES}
@@ -182,12 +178,16 @@ def prune_people(connection: Connection, *, count_only: bool) -> int:
 
 
 def _chunk(connection: Connection, query: Any) -> list[Any]:
-    """The first `PRUNE_CHUNK` keys of `query`, rows another pruner holds skipped
-    (PostgreSQL; SQLite's write lock already serialises pruners)."""
-    query = query.limit(PRUNE_CHUNK)
+    """The first `PRUNE_CHUNK` keys of `query`, rows another pruner holds skipped."""
+    return list(connection.execute(_skip_locked(connection, query.limit(PRUNE_CHUNK))).scalars())
+
+
+def _skip_locked(connection: Connection, query: Any) -> Any:
+    """`query` locking what it reads, past rows another pruner holds (PostgreSQL; SQLite's
+    write lock already serialises pruners)."""
     if connection.dialect.name == "postgresql":
-        query = query.with_for_update(skip_locked=True)
-    return list(connection.execute(query).scalars())
+        return query.with_for_update(skip_locked=True)
+    return query
 
 
 def _count(connection: Connection, query: Any) -> int:

@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 from sqlalchemy import (
     BigInteger,
     Column,
+    Connection,
     Date,
     DateTime,
     Dialect,
@@ -29,6 +30,7 @@ from sqlalchemy import (
     TypeDecorator,
     text,
 )
+from sqlalchemy.dialects import postgresql, sqlite
 
 # The migration this code expects; `JobStore` refuses an older database.
 SCHEMA_REVISION = "0008"
@@ -294,3 +296,9 @@ def from_row(cls: type[T], row: Row[Any], **values: Any) -> T:
     names = {field.name for field in dataclasses.fields(cls)}  # type: ignore[arg-type]
     found = {name: value for name, value in row._mapping.items() if name in names}
     return cls(**{**found, **values})
+
+
+def upsert(connection: Connection, table: Table) -> Any:
+    """An INSERT into `table` in the connection's own dialect, which knows ON CONFLICT."""
+    dialect = postgresql if connection.dialect.name == "postgresql" else sqlite
+    return dialect.insert(table)
