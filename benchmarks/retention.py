@@ -19,11 +19,9 @@ of data once something is past retention: median, p95 and the worst day.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime as dt
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +31,7 @@ if not __package__:  # run as a script: the shared helpers are in this folder's 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.figures import percentile
-from benchmarks.store import DEFAULT_POSTGRES_URL, _data_dir, postgres_database, sqlite_database
+from benchmarks.store import DEFAULT_POSTGRES_URL, data_dir_for, fresh_database
 from queue_store import JobStore, Settings, migrate, schema
 from queue_store.engine import create_store_engine
 from queue_store.models import PREFETCH, Status, job_id
@@ -169,19 +167,12 @@ def size_report(store_url: str) -> str:
         engine.dispose()
 
 
-@contextlib.contextmanager
-def database(backend: str, args: argparse.Namespace) -> Iterator[str]:
-    made = sqlite_database() if backend == "sqlite" else postgres_database(args.postgres_url)
-    with made as url:
-        yield url
-
-
 def run(backend: str, args: argparse.Namespace) -> None:
-    with database(backend, args) as url:
+    with fresh_database(backend, args) as url:
         migrate.upgrade(url)  # a new PostgreSQL database is not upgraded by the store itself
         clock = DayClock()
         settings = Settings(
-            database_url=url, data_dir=_data_dir(url), retention_days=args.retention_days
+            database_url=url, data_dir=data_dir_for(url), retention_days=args.retention_days
         )
         store = JobStore(url, settings=settings, clock=clock)
         writer = create_store_engine(url)

@@ -241,20 +241,20 @@ def fresh_database(backend: str, args: argparse.Namespace) -> Any:
     return sqlite_database() if backend == "sqlite" else postgres_database(args.postgres_url)
 
 
-@functools.lru_cache
-def _data_dir(url: str) -> Path:
-    """The benchmark database's own folder (SQLite) or a temporary one: never a shared one."""
+def data_dir_for(url: str) -> Path:
+    """The SQLite database's own folder, which the store may narrow to its account; a
+    PostgreSQL store never touches its data directory."""
     database = make_url(url).database
     if make_url(url).get_backend_name() == "sqlite" and database:
         return Path(database).parent
-    return Path(tempfile.mkdtemp(prefix="insight-queue-bench-data-"))
+    return Path(tempfile.gettempdir())
 
 
 def settings_for(url: str) -> Settings:
     # gap 0 and concurrency 1: every claim can succeed once the previous job is handed back.
     return Settings(
         database_url=url,
-        data_dir=_data_dir(url),
+        data_dir=data_dir_for(url),
         gap_seconds=0.0,
         concurrency=1,
         order=ORDER["value"],

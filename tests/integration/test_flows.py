@@ -166,14 +166,18 @@ def pseudonym(rt: Runtime, user_id: str) -> str:
     return str(found.pop())
 
 
-async def backfilled(rt: Runtime, user_id: str) -> State[Any]:
+async def backfilled(rt: Runtime, user_id: str, *, tagged: bool = False) -> State[Any]:
     """The backfill flow's final state, started as the post-sync hook starts it: the scopes
-    queued first, the run given the user's pseudonym."""
+    queued first, the run given the user's pseudonym (`tagged`: and its tag, as the triggers
+    tag it)."""
+    from prefect import tags
+
     await asyncio.to_thread(
         rt.store.enqueue_many, [s.request(user_id) for s in rt.registry.scopes_for(user_id)]
     )
     who = await asyncio.to_thread(pseudonym, rt, user_id)
-    return cast(State[Any], await backfill(who, return_state=True))
+    with tags(*([f"user:{who}"] if tagged else [])):
+        return cast(State[Any], await backfill(who, return_state=True))
 
 
 async def screened(
@@ -505,18 +509,6 @@ def test_setup_limit_updates_the_gateway_limit(settings: Settings, prefect: Pref
     assert response.json()["concurrency_limit"] == 2
 
 
-async def backfilled_as_the_hook_starts_it(rt: Runtime, user_id: str) -> State[Any]:
-    """`backfilled`, the run tagged with the user's pseudonym as the triggers tag it."""
-    from prefect import tags
-
-    await asyncio.to_thread(
-        rt.store.enqueue_many, [s.request(user_id) for s in rt.registry.scopes_for(user_id)]
-    )
-    who = await asyncio.to_thread(pseudonym, rt, user_id)
-    with tags(f"user:{who}"):
-        return cast(State[Any], await backfill(who, return_state=True))
-
-
 def test_d3_forget_with_prefect_away_erases_the_store_at_once_and_the_history_once_it_is_back(
     rt: Runtime, gateway: Gateway, prefect: PrefectReader, user: str
 ) -> None:
@@ -524,8 +516,8 @@ def test_d3_forget_with_prefect_away_erases_the_store_at_once_and_the_history_on
     from deployments.triggers import Triggers
 
     other = f"{user}-other"
-    run_flow(rt, backfilled_as_the_hook_starts_it(rt, user))
-    run_flow(rt, backfilled_as_the_hook_starts_it(rt, other))
+    run_flow(rt, backfilled(rt, user, tagged=True))
+    run_flow(rt, backfilled(rt, other, tagged=True))
     who, who_else = pseudonym(rt, user), pseudonym(rt, other)
     generation_runs(prefect, who, settled=8)
     runs = prefect.runs_tagged(f"user:{who}")
@@ -572,9 +564,9 @@ def test_d2_the_prune_run_deletes_what_is_past_retention_and_finishes_a_forget_p
 
     short = settings.model_copy(update={"retention_days": 1e-6})  # a tenth of a second
     with Runtime.open(short) as rt:
-        run_flow(rt, backfilled_as_the_hook_starts_it(rt, user))
+        run_flow(rt, backfilled(rt, user, tagged=True))
         forgotten = f"{user}-gone"
-        run_flow(rt, backfilled_as_the_hook_starts_it(rt, forgotten))
+        run_flow(rt, backfilled(rt, forgotten, tagged=True))
         gone = pseudonym(rt, forgotten)
         generation_runs(prefect, gone, settled=8)
         away = Triggers(rt, prefect_url=f"http://127.0.0.1:{free_port()}/api").forget(forgotten)
