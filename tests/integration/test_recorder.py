@@ -52,6 +52,14 @@ def post(url: str, text: str = "sleep for user 42", **kwargs: Any) -> httpx.Resp
 
 def open_request(port: int, text: str = "held", headers: dict[str, str] | None = None):
     """A raw connection that has sent one whole request; the test closes it."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=WAIT_LIMIT)
+    send_request(sock, text, headers)
+    return sock
+
+
+def send_request(
+    sock: socket.socket, text: str = "held", headers: dict[str, str] | None = None
+) -> None:
     data = json.dumps(body(text)).encode()
     lines = [
         f"POST {PATH} HTTP/1.1",
@@ -60,9 +68,7 @@ def open_request(port: int, text: str = "held", headers: dict[str, str] | None =
         f"Content-Length: {len(data)}",
         *(f"{name}: {value}" for name, value in (headers or {}).items()),
     ]
-    sock = socket.create_connection(("127.0.0.1", port), timeout=WAIT_LIMIT)
     sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode() + data)
-    return sock
 
 
 def read_all(sock: socket.socket) -> bytes:
@@ -318,9 +324,12 @@ def test_in_front_of_fakellm_sequential_calls(fakellm: FakeLLM) -> None:
 
 def test_in_front_of_fakellm_overlapping_connections(fakellm: FakeLLM) -> None:
     with GatewayRecorder(fakellm.host, fakellm.port) as recorder:
-        first = open_request(recorder.port, headers={"Connection": "close"})
-        second = open_request(recorder.port, headers={"Connection": "close"})
+        # Both connections are open before either asks: they overlap whatever the timing.
+        first = socket.create_connection(("127.0.0.1", recorder.port), timeout=WAIT_LIMIT)
+        second = socket.create_connection(("127.0.0.1", recorder.port), timeout=WAIT_LIMIT)
         recorder.wait_for_connections(2, WAIT_LIMIT)
+        for sock in (first, second):
+            send_request(sock, headers={"Connection": "close"})
         with first, second:
             assert read_all(first).startswith(b"HTTP/1.1 200 ")
             assert read_all(second).startswith(b"HTTP/1.1 200 ")
