@@ -19,13 +19,14 @@ from typing import Any
 
 import pytest
 
-from queue_store import JobStore, Settings
+from queue_store import JobStore
 from tests.support.databases import (
     POSTGRES_URL,
     FakeClock,
     PostgresDatabases,
     per_test_database,
 )
+from tests.support.factories import settings_for, store_for
 from tests.support.services import PrefectServer
 
 TIERS = ("unit", "integration", "acceptance")
@@ -106,9 +107,7 @@ def make_store(database_url: str, clock: FakeClock) -> Iterator[StoreFactory]:
     made: list[JobStore] = []
 
     def factory(**overrides: Any) -> JobStore:
-        values: dict[str, Any] = {"gap_seconds": 0.0, "database_url": database_url}
-        values.update(overrides)
-        store = JobStore(database_url, settings=Settings(**values), clock=clock)
+        store = store_for(settings_for(database_url, **overrides), clock=clock)
         made.append(store)
         return store
 

@@ -25,7 +25,7 @@ import pytest
 from deployments import processes
 from deployments.prefect_api import ServeState
 from deployments.stack import DEFAULT_PORT
-from queue_store import Settings
+from tests.support.factories import settings_for
 from tests.support.services import BIN, ROOT, PrefectServer, run_cli
 
 pytestmark = [pytest.mark.slow, pytest.mark.prefect]
@@ -133,7 +133,7 @@ def test_serve_stops_with_its_prefect_server_on_a_signal(
     serve = _start(["serve", "--prefect-port", str(port), "--no-ui"], env, log)
     try:
         _wait_for_line(log, r"insight-queue serving", serve, timeout=240)
-        state = ServeState.read(Settings(data_dir=tmp_path / ".local/share/insight-queue"))
+        state = ServeState.read(settings_for(data_dir=tmp_path / ".local/share/insight-queue"))
         assert state is not None and state.pid == serve.pid
         took = _stop_and_check(serve, sig, [port])
     finally:

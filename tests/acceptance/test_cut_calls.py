@@ -29,6 +29,7 @@ from sqlalchemy.engine import make_url
 
 from devtools.simulator import RequestRecord
 from queue_store import INTERACTIVE, JobStore, Settings, migrate
+from tests.support.factories import settings_for, store_for
 from tests.support.faults import GAP_SLACK_SECONDS, Gateway, Workers
 from tests.support.pgcluster import ThrowawayPostgres
 from tests.support.reads import engine_of, job_of
@@ -52,7 +53,7 @@ def make_settings(
 ) -> Settings:
     gateway_settings = {"url": at.url, "read_timeout": 30.0, "cut_hold_seconds": HOLD}
     gateway_settings |= gateway or {}
-    return Settings(
+    return settings_for(
         database_url=url,
         data_dir=data_dir,
         gap_seconds=GAP,
@@ -154,7 +155,7 @@ def test_a_consumer_killed_or_stopped_mid_call_leaves_the_gateway_held(
 ) -> None:
     settings = make_settings(database_url, gateway, tmp_path / "data")
     with (
-        JobStore(database_url, settings=settings) as store,
+        store_for(settings) as store,
         Workers(settings, tmp_path).running() as workers,
     ):
         enqueue_all(store)
@@ -189,7 +190,7 @@ def test_self_fencing_through_a_database_outage_leaves_the_gateway_held_on_postg
         migrate.upgrade(cluster.url)
         settings = make_settings(cluster.url, gateway, tmp_path / "data")
         with (
-            JobStore(cluster.url, settings=settings) as store,
+            store_for(settings) as store,
             Workers(settings, tmp_path).running() as workers,
         ):
             enqueue_all(store)
@@ -217,7 +218,7 @@ def test_self_fencing_through_a_locked_sqlite_file_leaves_the_gateway_held(
     migrate.upgrade(url)
     settings = make_settings(url, gateway, tmp_path / "data")
     with (
-        JobStore(url, settings=settings) as store,
+        store_for(settings) as store,
         Workers(settings, tmp_path).running() as workers,
     ):
         enqueue_all(store)
@@ -249,7 +250,7 @@ def test_our_read_timeout_leaves_the_gateway_held_and_spends_the_attempt(
         database_url, gateway, tmp_path / "data", gateway={"read_timeout": 2.0}
     )
     with (
-        JobStore(database_url, settings=settings) as store,
+        store_for(settings) as store,
         Workers(settings, tmp_path).running() as workers,
     ):
         enqueue_all(store)
@@ -274,7 +275,7 @@ def test_with_no_hold_and_a_gateway_that_stops_the_queue_heals_as_before(
             database_url, stops, tmp_path / "data", gateway={"cut_hold_seconds": 0}
         )
         with (
-            JobStore(database_url, settings=settings) as store,
+            store_for(settings) as store,
             Workers(settings, tmp_path).running() as workers,
         ):
             enqueue_all(store)

@@ -35,8 +35,9 @@ from deployments.processes import free_port
 from devtools.simulator import HUNG, OK
 from devtools.stack import ServeProcess
 from flows.demo import demo_scopes
-from queue_store import JobStore, Settings
+from queue_store import Settings
 from tests.support import waiting
+from tests.support.factories import settings_for, store_for
 from tests.support.faults import Gateway
 from tests.support.reads import job_of
 from tests.support.services import ROOT, PrefectServer, run_cli
@@ -68,7 +69,7 @@ def gateway() -> Iterator[Gateway]:
 
 
 def stack_settings(tmp_path: Path, gateway: Gateway) -> Settings:
-    return Settings(
+    return settings_for(
         data_dir=tmp_path / "data",
         gap_seconds=GAP,
         lease_seconds=5.0,
@@ -168,7 +169,7 @@ def test_a_day_of_the_embedded_default_through_the_command_line(
         log=log,
         args=("--prefect-port", str(port), "--no-ui"),
     )
-    with serve, JobStore(settings.database_url, settings=settings) as store:
+    with serve, store_for(settings) as store:
         # The post-sync hook: the same sync twice starts one run.
         hook = cli_json("trigger-backfill", USER, "--sync-id", "sync-1", env=env)
         again = cli_json("trigger-backfill", USER, "--sync-id", "sync-1", env=env)
@@ -319,7 +320,7 @@ def test_a_prefect_server_restart_with_a_call_in_flight_loses_nothing_and_leaks_
 
     try:
         server.start()
-        with serve, JobStore(settings.database_url, settings=settings) as store:
+        with serve, store_for(settings) as store:
             hook = cli_json("trigger-backfill", USER, env=env)
             assert hook["flow_run_id"] and hook["error"] is None, hook
             recorder.wait_until(lambda s: s.in_flight == 1, 120, "a call in flight")

@@ -24,8 +24,9 @@ from deployments import table
 from deployments.prefect_api import PrefectApi
 from deployments.processes import free_port
 from devtools.stack import ServeProcess
-from queue_store import JobStore, Settings, Status
+from queue_store import Status
 from tests.support import waiting
+from tests.support.factories import settings_for, store_for
 from tests.support.faults import Gateway
 from tests.support.reads import job_of, result_of
 from tests.support.services import ROOT, PrefectServer, client_env, run_cli
@@ -65,7 +66,7 @@ def test_after_forget_the_user_is_in_no_file_of_the_data_directory_and_no_prefec
     keeper = f"keeper-{secrets.token_hex(8)}"
     data = tmp_path / "data"
     with Gateway(latency=0.2) as gateway:
-        settings = Settings(
+        settings = settings_for(
             data_dir=data,
             gap_seconds=0.1,
             plugins="tests.support.plugins",
@@ -76,7 +77,7 @@ def test_after_forget_the_user_is_in_no_file_of_the_data_directory_and_no_prefec
             settings, prefect.api_url, env={"PYTHONPATH": str(ROOT)}, log=tmp_path / "serve.log"
         )
         api = PrefectApi(prefect.api_url)
-        store = JobStore(settings.database_url, settings=settings)
+        store = store_for(settings)
         try:
             serve.start()
             for user in (canary, keeper):

@@ -63,6 +63,7 @@ from devtools.simulator import (
 from queue_store import Job, JobStore, Status
 from queue_store.engine import normalise_url
 from tests.support.databases import PostgresDatabases
+from tests.support.factories import store_for
 from tests.support.race_worker import dump_tables
 from tests.support.reads import job_of, result_of
 from tests.support.secrets import exposures
@@ -268,7 +269,7 @@ class Scenario:
         url = database_url or self.database_url
         env = env_for(url, gateway_url, self.directory / "data", **more)
         settings = settings_from(env)
-        store = JobStore(settings.database_url, settings=settings)
+        store = store_for(settings)
         self.opened.append(store)
         for subject in subjects:  # in this order: the oldest is claimed first
             store.enqueue(USER, "ok", subject)

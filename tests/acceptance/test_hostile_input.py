@@ -40,13 +40,13 @@ from queue_store import (
     Failure,
     InvalidArgument,
     JobStore,
-    Settings,
     Status,
     migrate,
 )
 from queue_store.engine import normalise_url
 from queue_store.redact import Redactor
 from queue_store.schema import VERSION_TABLE
+from tests.support.factories import settings_for, store_for
 from tests.support.race_worker import dump_tables
 from tests.support.reads import job_of, listed_jobs, pending, result_of, state_of
 from tests.support.services import BIN, ROOT
@@ -176,7 +176,7 @@ def app(store: JobStore, database_url: str) -> Iterator[Triggers]:
 
     registry = Registry()
     registry.register_scopes(demo_scopes)
-    settings = Settings(database_url=database_url)
+    settings = settings_for(database_url=database_url)
     runtime = Runtime(settings, store, registry, Redactor(settings.secrets()))
     yield Triggers(runtime, prefect_url=f"http://127.0.0.1:{free_port()}/api")
 
@@ -523,7 +523,7 @@ def test_cli_hostile_arguments_round_trip_exactly(cli_env: dict[str, str]) -> No
         assert [(e["kind"], e["subject"]) for e in json.loads(jobs.stdout)] == [key[1:3]]
 
     # Results made by a worker, read back on the command line.
-    with JobStore(url, settings=Settings(database_url=url, gap_seconds=0)) as store:
+    with store_for(settings_for(url)) as store:
         while (claim := store.claim_next("cli-worker")).job is not None:
             job = claim.job
             store.finish(job.id, job.holder or "", result={"echo": [job.kind, job.subject]})

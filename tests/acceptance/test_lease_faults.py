@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from queue_store import JobStore, Settings, Status, migrate
+from tests.support.factories import settings_for, store_for
 from tests.support.faults import Gateway, Workers
 from tests.support.pgcluster import ThrowawayPostgres
 from tests.support.reads import job_of, pending
@@ -42,7 +43,7 @@ def _settings(database_url: str, gateway: Gateway, data_dir: Path, **more: Any) 
         "plugins": "tests.support.plugins",
         **more,
     }
-    return Settings(**values)
+    return settings_for(**values)
 
 
 def _wait_until_settled(store: JobStore, user: str, timeout: float) -> None:
@@ -58,7 +59,7 @@ def test_workers_with_clocks_five_minutes_off_never_overlap_at_the_gateway(
         pytest.skip("one host shares one clock on SQLite; the skew case is PostgreSQL's")
     with Gateway(latency=1.2) as gateway:
         settings = _settings(database_url, gateway, tmp_path)
-        store = JobStore(database_url, settings=settings)
+        store = store_for(settings)
         subjects = [f"s{n}" for n in range(6)]
         for subject in subjects:
             store.enqueue("skew", "ok", subject)
@@ -90,7 +91,7 @@ def test_a_prompt_builder_that_sleeps_past_the_lease_keeps_its_claim(
     """The heartbeat renews while the prompt is built: one call, by one worker."""
     with Gateway(latency=0.5) as gateway:
         settings = _settings(database_url, gateway, tmp_path)
-        store = JobStore(database_url, settings=settings)
+        store = store_for(settings)
         store.enqueue("sleepy", "sleepy", "s1")
         store.enqueue("sleepy", "ok", "after")
         with Workers(
@@ -120,7 +121,7 @@ def test_a_prompt_builder_that_holds_the_gil_past_the_lease_never_calls_late(
     marks.mkdir()
     with Gateway(latency=0.5) as gateway:
         settings = _settings(database_url, gateway, tmp_path)
-        store = JobStore(database_url, settings=settings)
+        store = store_for(settings)
         store.enqueue("gil", "hog", "h1")
         env = {"TEST_MARKS": str(marks), "TEST_HOG_SECONDS": str(LEASE * 3)}
         with Workers(settings, tmp_path, env=env).running() as workers:
@@ -168,7 +169,7 @@ def test_a_database_outage_longer_than_the_lease_stops_the_call_before_anyone_ta
     with Gateway(latency=8.0) as gateway:
         assert gateway.recorder is not None
         settings = _settings(url, gateway, tmp_path)
-        store = JobStore(url, settings=settings)
+        store = store_for(settings)
         for subject in ("long-1", "long-2"):
             store.enqueue("outage", "ok", subject)
         with Workers(settings, tmp_path).running() as workers:

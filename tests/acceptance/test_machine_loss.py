@@ -37,6 +37,7 @@ from devtools.stack import Machine
 from flows.demo import demo_scopes
 from queue_store import JobStore
 from tests.support import waiting
+from tests.support.factories import store_for
 from tests.support.faults import Gateway
 from tests.support.reads import job_of, standing_by
 from tests.support.services import BIN, ROOT, PrefectServer, client_env, run_cli
@@ -134,7 +135,7 @@ def test_a_machine_killed_mid_call_stalls_nothing_and_leaves_no_run_open(
             command = [str(BIN / "insight-queue"), "worker", "--pool", "insight-queue"]
         machines = [Machine(name, command, env, tmp_path) for name in ("a", "b")]
         try:
-            with JobStore(store_url, settings=settings_from(env)) as store:
+            with store_for(settings_from(env)) as store:
                 _lose_a_machine(pg_prefect, store, gateway, env, machines, recipe)
         finally:
             for machine in machines:

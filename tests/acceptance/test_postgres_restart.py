@@ -40,8 +40,9 @@ from typing import Any
 import pytest
 
 from devtools.simulator import HUNG, OK, GatewaySimulator
-from queue_store import JobStore, Settings, StoreError, migrate
+from queue_store import JobStore, StoreError, migrate
 from tests.support import waiting
+from tests.support.factories import settings_for, store_for
 from tests.support.faults import Gateway, Workers
 from tests.support.pgcluster import ThrowawayPostgres
 from tests.support.reads import job_of, pending, result_of
@@ -158,7 +159,7 @@ def test_postgres_restarted_under_load_loses_and_duplicates_nothing(
 ) -> None:
     with Gateway(latency=CALL_SECONDS) as gateway:
         assert gateway.recorder is not None
-        settings = Settings(
+        settings = settings_for(
             database_url=cluster.url,
             data_dir=tmp_path / "data",
             gap_seconds=GAP,
@@ -173,7 +174,7 @@ def test_postgres_restarted_under_load_loses_and_duplicates_nothing(
         # The app side: no Prefect server here (consumers stand by, so a
         # poll needs no run; an outage never reaches Prefect either).
         env = {**settings.to_env(), "PYTHONPATH": str(ROOT), "PREFECT_API_URL": ""}
-        store = JobStore(cluster.url, settings=settings)
+        store = store_for(settings)
         for n in range(JOBS):
             store.enqueue(USER, "ok", subject(n))
 

@@ -27,8 +27,8 @@ from prefect.settings import PREFECT_API_URL, temporary_settings
 from deployments.processes import free_port
 from devtools.stack import ServeProcess
 from flows.limits import ensure_gateway_limit
-from queue_store import JobStore, Settings
 from tests.support import waiting
+from tests.support.factories import settings_for, store_for
 from tests.support.faults import Gateway
 from tests.support.reads import job_of, standing_by
 from tests.support.services import ROOT, PrefectServer, cli, client_env, run_cli, running
@@ -64,7 +64,7 @@ def test_serve_starts_another_runner_when_prefect_s_gives_up_and_serves_again(
     tmp_path: Path,
 ) -> None:
     with Gateway(latency=0.2) as gateway:
-        settings = Settings(
+        settings = settings_for(
             data_dir=tmp_path / "data",
             gap_seconds=GAP,
             lease_seconds=5.0,
@@ -123,7 +123,7 @@ def test_serve_rides_out_prefect_going_away_before_its_deployments_were_register
 ) -> None:
     """The window between serve saying where it is and its runner registering the deployments."""
     with Gateway(latency=0.2) as gateway:
-        settings = Settings(data_dir=tmp_path / "data", gateway={"url": gateway.url})
+        settings = settings_for(data_dir=tmp_path / "data", gateway={"url": gateway.url})
         server = PrefectServer(tmp_path / "prefect-server", free_port(), ui=False, reuse=False)
         log = tmp_path / "serve.log"
         serve = ServeProcess(
@@ -159,7 +159,7 @@ def test_consume_waits_for_a_gateway_slot_while_prefect_is_away_and_calls_once_i
     with Gateway(latency=0.2) as gateway:
         recorder = gateway.recorder
         assert recorder is not None
-        settings = Settings(
+        settings = settings_for(
             data_dir=tmp_path / "data",
             gap_seconds=GAP,
             lease_seconds=5.0,
@@ -175,7 +175,7 @@ def test_consume_waits_for_a_gateway_slot_while_prefect_is_away_and_calls_once_i
             with temporary_settings({PREFECT_API_URL: server.api_url}):
                 ensure_gateway_limit(1)
             with (
-                JobStore(settings.database_url, settings=settings) as store,
+                store_for(settings) as store,
                 running(cli("consume"), env, log) as consumer,
             ):
                 wait_for(lambda: bool(standing_by(store)), 60, "the consumer standing by")

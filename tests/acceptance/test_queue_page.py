@@ -25,8 +25,9 @@ from deployments.triggers import Triggers
 from devtools.stack import ApiServer
 from flows.registry import Messages, Registry
 from flows.runtime import Runtime
-from queue_store import INTERACTIVE, PREFETCH, Failure, JobStore, Redactor, Settings, job_id
+from queue_store import INTERACTIVE, PREFETCH, Failure, JobStore, Redactor, job_id
 from tests.support import browser
+from tests.support.factories import settings_for, store_for
 
 TOKEN = "page-token-for-tests"
 UI = "http://127.0.0.1:4200"
@@ -76,10 +77,9 @@ def fill(store: JobStore) -> None:
 
 @contextlib.contextmanager
 def served_page(database_url: str, tmp_path: Path) -> Iterator[str]:
-    settings = Settings(
+    settings = settings_for(
         database_url=database_url,
         data_dir=tmp_path / "data",
-        gap_seconds=0.0,
         max_attempts=1,
         api={"operator_token": SecretStr(TOKEN)},
     )
@@ -88,7 +88,7 @@ def served_page(database_url: str, tmp_path: Path) -> Iterator[str]:
         registry.register_generator(kind, _ask)
     runtime = Runtime(
         settings,
-        JobStore(database_url, settings=settings),
+        store_for(settings),
         registry,
         Redactor(settings.secrets()),
     )

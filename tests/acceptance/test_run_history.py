@@ -22,7 +22,8 @@ from deployments import table
 from deployments.prefect_api import PrefectApi
 from devtools.stack import ServeProcess
 from flows.registry import Registry
-from queue_store import JobStore, Settings, Status
+from queue_store import Status
+from tests.support.factories import settings_for, store_for
 from tests.support.faults import Gateway
 from tests.support.reads import job_of
 from tests.support.services import ROOT, PrefectServer
@@ -84,7 +85,7 @@ def test_the_history_tells_what_was_generated_for_whom_and_how_it_ended(
 ) -> None:
     history = History(prefect_server.api_url)
     with Gateway(latency=0.5) as gateway:
-        settings = Settings(
+        settings = settings_for(
             data_dir=tmp_path / "data",
             gap_seconds=0.2,
             max_attempts=2,
@@ -98,7 +99,7 @@ def test_the_history_tells_what_was_generated_for_whom_and_how_it_ended(
             log=tmp_path / "serve.log",
         ).start()
         api = PrefectApi(prefect_server.api_url)
-        store = JobStore(settings.database_url, settings=settings)
+        store = store_for(settings)
         try:
             # The post-sync hook: the scopes queued, one backfill run following them, which
             # knows the user by the pseudonym the store gave them (D4).

@@ -30,6 +30,7 @@ from devtools.simulator import HUNG, OK
 from flows.demo import demo_scopes
 from queue_store import JobStore
 from tests.support import waiting
+from tests.support.factories import store_for
 from tests.support.faults import Gateway
 from tests.support.reads import job_of, standing_by
 from tests.support.services import BIN, ROOT, PrefectServer, cli, client_env, run_cli, running
@@ -143,7 +144,7 @@ def test_a_worker_starts_the_screen_s_run_before_waiting_backfill_runs(
 
     log = tmp_path / "worker.log"
     with (
-        JobStore(store_url, settings=settings_from(env)) as store,
+        store_for(settings_from(env)) as store,
         running(worker(limit=1), env, log),
     ):
         wait_for(all_done(store, keys), DEADLINE, "every job done", log=log)
@@ -189,7 +190,7 @@ def test_with_a_warm_consumer_beside_the_workers_the_runs_follow_and_it_calls(
 
     consumer_log, worker_log = tmp_path / "consume.log", tmp_path / "worker.log"
     with (
-        JobStore(store_url, settings=settings_from(env)) as store,
+        store_for(settings_from(env)) as store,
         running(cli("consume"), env, consumer_log) as consumer,
         running(worker(), env, worker_log),
     ):

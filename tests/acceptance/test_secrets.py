@@ -42,10 +42,11 @@ from sqlalchemy import create_engine, text
 
 from devtools.simulator import GatewaySimulator
 from flows.gateway import EXCERPT_CHARS, JOB_HEADER
-from queue_store import INTERACTIVE, JobStore, Settings, StoreError, migrate
+from queue_store import INTERACTIVE, StoreError, migrate
 from queue_store.engine import normalise_url
 from queue_store.redact import REDACTED
 from tests.support.databases import POSTGRES_URL
+from tests.support.factories import settings_for, store_for
 from tests.support.race_worker import dump_tables
 from tests.support.reads import job_of, pending
 from tests.support.services import ROOT, PrefectServer, client_env, run_cli
@@ -274,10 +275,10 @@ def test_a_consumer_run_leaks_neither_the_token_nor_the_database_password(
     migrate.upgrade(role_url)
     marker = f"probe-{uuid.uuid4().hex[:12]}"
     user = f"secret-user-{marker}"
-    settings = Settings(database_url=role_url, gap_seconds=0)
+    settings = settings_for(database_url=role_url)
     outputs: dict[str, str] = {}
 
-    with JobStore(role_url, settings=settings) as store:
+    with store_for(settings) as store:
         # 1. The simulator, requiring the token: good answers and a failing generator.
         with GatewaySimulator(latency=0.1, token=TOKEN) as sim:
             env = consumer_env(prefect_server.api_url, tmp_path / "c1", role_url, sim.url, TOKEN)
@@ -406,7 +407,7 @@ def test_database_errors_never_quote_the_password(case: str, tmp_path: Path) -> 
     }[case]
 
     with pytest.raises(StoreError) as raised:
-        JobStore(url, settings=Settings(database_url=url))
+        store_for(settings_for(url))
     # The whole chain, as a log line with exc_info would print it.
     chain = "".join(traceback.format_exception(raised.value))
     assert "OperationalError" in chain or "ProgrammingError" in chain, chain

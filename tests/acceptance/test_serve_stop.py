@@ -25,7 +25,8 @@ import pytest
 
 from deployments import processes
 from devtools.stack import ServeProcess
-from queue_store import JobStore, Settings, Status
+from queue_store import Status
+from tests.support.factories import settings_for, store_for
 from tests.support.faults import Gateway
 from tests.support.reads import job_of
 from tests.support.services import PrefectServer
@@ -52,13 +53,13 @@ def test_stopping_serve_mid_call_hands_the_job_back_and_a_restart_finishes_it(
 ) -> None:
     with Gateway(latency=6.0) as gateway:
         assert gateway.recorder is not None
-        settings = Settings(
+        settings = settings_for(
             data_dir=tmp_path / "data",
             gap_seconds=0.2,
             plugins="tests.support.plugins",
             gateway={"url": gateway.url, "cut_hold_seconds": 0},
         )
-        store = JobStore(settings.database_url, settings=settings)
+        store = store_for(settings)
         subject = f"stop-{sig.name}"
         store.enqueue("stopper", "ok", subject)
         serve = ServeProcess(

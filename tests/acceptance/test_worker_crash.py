@@ -24,6 +24,7 @@ import pytest
 
 from devtools.simulator import OK, RequestRecord
 from queue_store import INTERACTIVE, Job, JobStore, Settings
+from tests.support.factories import settings_for, store_for
 from tests.support.faults import Gateway, Workers
 from tests.support.reads import engine_of, job_of
 from tests.support.waiting import wait_for
@@ -48,7 +49,7 @@ def gateway() -> Iterator[Gateway]:
 
 @pytest.fixture
 def settings(database_url: str, gateway: Gateway, tmp_path: Path) -> Settings:
-    return Settings(
+    return settings_for(
         database_url=database_url,
         data_dir=tmp_path / "data",
         gap_seconds=GAP,
@@ -66,7 +67,7 @@ def settings(database_url: str, gateway: Gateway, tmp_path: Path) -> Settings:
 
 @pytest.fixture
 def store(settings: Settings) -> Iterator[JobStore]:
-    with JobStore(settings.database_url, settings=settings) as opened:
+    with store_for(settings) as opened:
         yield opened
 
 

@@ -66,6 +66,7 @@ from tests.support.api import (
     serve,
 )
 from tests.support.databases import POSTGRES_URL, FakeClock
+from tests.support.factories import settings_for, store_for
 from tests.support.reads import engine_of, job_of
 from tests.support.services import ROOT
 
@@ -89,10 +90,9 @@ def closed_prefect() -> str:
 
 
 def make_settings(database_url: str, data_dir: Path, **api: Any) -> Settings:
-    return Settings(
+    return settings_for(
         database_url=database_url,
         data_dir=data_dir,
-        gap_seconds=0.0,
         max_attempts=1,
         api=api,
     )
@@ -114,7 +114,7 @@ def make_runtime(settings: Settings) -> Runtime:
     for kind in ("sleep", "hrv", "trends"):
         registry.register_generator(kind, _ask)
     registry.register_scopes(_scopes)
-    store = JobStore(settings.database_url, settings=settings)
+    store = store_for(settings)
     return Runtime(settings, store, registry, Redactor(settings.secrets()))
 
 
@@ -243,7 +243,7 @@ def test_retry_after_follows_the_eta_and_a_pause(api: Served) -> None:
 def test_the_etag_ignores_the_countdown_of_the_eta_and_of_a_pause(
     settings: Settings, clock: FakeClock
 ) -> None:
-    store = JobStore(settings.database_url, settings=settings, clock=clock)
+    store = store_for(settings, clock=clock)
     try:
         store.enqueue("before-1", "sleep", DAY, None, INTERACTIVE)
         store.enqueue("before-2", "sleep", DAY, None, INTERACTIVE)

@@ -46,7 +46,6 @@ from queue_store import (
     JobStore,
     Misconfigured,
     Redactor,
-    Settings,
     Status,
 )
 from tests.support.api import (
@@ -65,6 +64,7 @@ from tests.support.api import (
     screen_token,
     serve,
 )
+from tests.support.factories import settings_for, store_for
 from tests.support.reads import job_of
 
 ALICE, BOB = "alice", "bob"
@@ -107,16 +107,15 @@ def make_api(database_url: str, tmp_path: Path) -> Iterator[MakeApi]:
                 "service_token": SecretStr(SERVICE_TOKEN),
                 "screen_secret": SecretStr(SCREEN_SECRET),
             }
-            settings = Settings(
+            settings = settings_for(
                 database_url=database_url,
                 data_dir=tmp_path / f"data-{made}",
-                gap_seconds=0.0,
                 max_attempts=1,
                 api={**credentials, **(api or {})},
                 **overrides,
             )
             registry = Registry.from_plugins(["flows.demo"])
-            store = JobStore(database_url, settings=settings)
+            store = store_for(settings)
             runtime = Runtime(settings, store, registry, Redactor(settings.secrets()))
             stack.callback(runtime.close)
             prefect = f"http://127.0.0.1:{free_port()}/api"

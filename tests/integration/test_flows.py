@@ -43,10 +43,11 @@ from flows.flows import backfill, drain, generate, interactive
 from flows.history import PrefectLedger
 from flows.limits import ensure_gateway_limit
 from flows.runtime import Runtime
-from queue_store import INTERACTIVE, Job, JobStore, Redactor, Settings, Status
+from queue_store import INTERACTIVE, Job, Redactor, Settings, Status
 from tests.conftest import StoreFactory
 from tests.support import waiting
 from tests.support.databases import FakeClock
+from tests.support.factories import settings_for, store_for
 from tests.support.faults import Gateway, Workers
 from tests.support.reads import job_of, pending, standing_by
 from tests.support.services import ROOT, PrefectServer, cli, run_cli, running
@@ -65,7 +66,7 @@ def gateway() -> Iterator[Gateway]:
 
 @pytest.fixture
 def settings(tmp_path: Path, gateway: Gateway) -> Settings:
-    return Settings(
+    return settings_for(
         data_dir=tmp_path / "data",
         gap_seconds=GAP,
         lease_seconds=10.0,
@@ -286,7 +287,7 @@ def test_a_backfill_with_a_broken_scope_fails_naming_it_and_its_attempts_fail_ho
     # Users named `seven-and-one-*` have seven scopes that work and one that never can.
     user = f"seven-and-one-{user}"
     with Runtime.open(
-        Settings(**{**settings.model_dump(), "plugins": "tests.support.plugins"})
+        settings_for(**{**settings.model_dump(), "plugins": "tests.support.plugins"})
     ) as rt:
         state = run_flow(rt, backfilled(rt, user))
         broken = job_of(rt.store, user, "broken", "day-8")
@@ -437,7 +438,7 @@ def test_an_outage_spends_no_attempt_and_the_drain_recovers(
 def test_three_drains_at_once_never_overlap_at_the_gateway(
     settings: Settings, gateway: Gateway, prefect: PrefectReader, tmp_path: Path
 ) -> None:
-    with JobStore(settings.database_url, settings=settings) as store:
+    with store_for(settings) as store:
         for n in range(12):
             store.enqueue(f"user-{n % 4}", "ok", f"s{n:02d}")
         env = {

@@ -20,10 +20,11 @@ from typing import Any
 import pytest
 from sqlalchemy import text
 
-from queue_store import INTERACTIVE, Blocked, Failure, JobStore, Renewal, Settings, Status
+from queue_store import INTERACTIVE, Blocked, Failure, Renewal, Status
 from queue_store.engine import SQLITE_BEGIN, create_store_engine
 from tests.conftest import StoreFactory
 from tests.support.databases import FakeClock
+from tests.support.factories import settings_for, store_for
 from tests.support.race_worker import actor
 from tests.support.reads import state_of
 
@@ -100,8 +101,8 @@ def test_a_lapsed_claim_found_by_a_screen_is_taken_back_and_restarts_the_gap(
 @pytest.mark.timeout(120)
 def test_a_renewal_waits_for_a_claim_that_holds_the_gate(database_url: str) -> None:
     """The gate lock serialises them: a heartbeat cannot land between a count and a reap."""
-    settings = Settings(database_url=database_url, gap_seconds=0.0)
-    store = JobStore(database_url, settings=settings)
+    settings = settings_for(database_url=database_url)
+    store = store_for(settings)
     store.enqueue(U, "k", "a")
     held = store.claim_next("w1").job
     assert held is not None and held.holder

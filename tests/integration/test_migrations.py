@@ -24,7 +24,6 @@ from queue_store import (
     JobStore,
     SchemaConflict,
     SchemaOutdated,
-    Settings,
     Status,
     job_id,
     migrate,
@@ -34,6 +33,7 @@ from queue_store.engine import create_store_engine
 from queue_store.rules import WORKER_LOST
 from queue_store.schema import SCHEMA_REVISION
 from tests.support.databases import FakeClock
+from tests.support.factories import settings_for, store_for
 from tests.support.race_worker import dump_tables
 from tests.support.reads import listed_jobs, pending
 
@@ -158,8 +158,8 @@ def adopted(empty_database_url: str, engine: Engine, clock: FakeClock) -> Iterat
     """The original's table with its rows, upgraded, and a store on the fake clock."""
     _create_original(engine)
     assert migrate.upgrade(empty_database_url) == SCHEMA_REVISION
-    settings = Settings(database_url=empty_database_url, gap_seconds=0.0)
-    store = JobStore(empty_database_url, settings=settings, clock=clock)
+    settings = settings_for(database_url=empty_database_url)
+    store = store_for(settings, clock=clock)
     yield store
     store.close()
 
@@ -301,13 +301,13 @@ def test_failed_row_with_a_new_fingerprint_requeues_at_once(adopted: JobStore) -
 def test_a_store_on_an_empty_database_asks_for_the_upgrade(
     empty_database_url: str, engine: Engine
 ) -> None:
-    settings = Settings(database_url=empty_database_url)
+    settings = settings_for(database_url=empty_database_url)
     with pytest.raises(SchemaOutdated, match="insight-queue db upgrade"):
-        JobStore(empty_database_url, settings=settings, create=False)
+        store_for(settings, create=False)
     # The original's table alone is not this store's schema either.
     _create_original(engine)
     with pytest.raises(SchemaOutdated, match="insight-queue db upgrade"):
-        JobStore(empty_database_url, settings=settings, create=False)
+        store_for(settings, create=False)
     assert migrate.current_revision(engine) is None
 
 
@@ -320,7 +320,7 @@ def test_upgrade_is_idempotent(empty_database_url: str, engine: Engine) -> None:
     assert len(once["ai_job_gate"]) == 1
     assert migrate.upgrade(empty_database_url) == SCHEMA_REVISION
     assert dump_tables(engine) == once
-    with JobStore(empty_database_url, settings=Settings(database_url=empty_database_url)) as store:
+    with store_for(settings_for(empty_database_url)) as store:
         assert pending(store) == 5
 
 
@@ -329,7 +329,7 @@ def test_upgrade_of_an_empty_database_creates_the_store(
 ) -> None:
     assert migrate.upgrade(empty_database_url) == SCHEMA_REVISION
     assert migrate.upgrade(empty_database_url) == SCHEMA_REVISION
-    with JobStore(empty_database_url, settings=Settings(database_url=empty_database_url)) as store:
+    with store_for(settings_for(empty_database_url)) as store:
         assert store.enqueue(U, "sleep", "d1") == "pending"
         assert listed_jobs(store, U)[0]["subject"] == "d1"
 
@@ -359,7 +359,7 @@ def test_an_ai_jobs_table_that_is_not_the_originals_is_refused_untouched(
         assert [c["name"] for c in inspect(connection).get_columns("ai_jobs")] == columns_before
     # Opening a store never touches it either: SQLite's own upgrade refuses the same way.
     with pytest.raises((SchemaOutdated, SchemaConflict)):
-        JobStore(empty_database_url, settings=Settings(database_url=empty_database_url))
+        store_for(settings_for(empty_database_url))
     assert dump_tables(engine) == before
 
 
@@ -368,13 +368,11 @@ def test_a_database_one_revision_behind_is_refused_then_upgraded(
 ) -> None:
     assert migrate.upgrade(empty_database_url, "0001") == "0001"
     with pytest.raises(SchemaOutdated) as refused:
-        JobStore(
-            empty_database_url, settings=Settings(database_url=empty_database_url), create=False
-        )
+        store_for(settings_for(empty_database_url), create=False)
     assert "revision 0001" in str(refused.value)
     assert "insight-queue db upgrade" in str(refused.value)
     assert migrate.upgrade(empty_database_url) == SCHEMA_REVISION
-    store = JobStore(empty_database_url, settings=Settings(database_url=empty_database_url))
+    store = store_for(settings_for(empty_database_url))
     assert store.enqueue("u", "k", "s") == "pending"
     store.close()
 
@@ -384,19 +382,19 @@ def test_sqlite_creates_and_upgrades_itself_postgresql_asks(
 ) -> None:
     """The embedded default needs no `db upgrade`; PostgreSQL keeps the explicit step."""
     assert migrate.upgrade(empty_database_url, "0001") == "0001"
-    settings = Settings(database_url=empty_database_url)
+    settings = settings_for(database_url=empty_database_url)
     if backend == "sqlite":
-        with JobStore(empty_database_url, settings=settings) as store:
+        with store_for(settings) as store:
             assert store.enqueue("u", "k", "s") == "pending"
         assert migrate.current_revision(engine) == SCHEMA_REVISION
     else:
         with pytest.raises(SchemaOutdated, match="insight-queue db upgrade"):
-            JobStore(empty_database_url, settings=settings)
+            store_for(settings)
         assert migrate.current_revision(engine) == "0001"
 
 
 def test_a_read_only_store_creates_no_file(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'nowhere' / 'queue.db'}"
     with pytest.raises(SchemaOutdated, match="no queue at"):
-        JobStore(url, settings=Settings(database_url=url), create=False)
+        store_for(settings_for(url), create=False)
     assert not (tmp_path / "nowhere").exists()

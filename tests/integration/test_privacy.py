@@ -25,7 +25,6 @@ from queue_store import (
     ClaimLost,
     Failure,
     JobStore,
-    Settings,
     Status,
     Usage,
     job_id,
@@ -34,6 +33,7 @@ from queue_store import (
 from queue_store.privacy import NO_ONE, PRUNE_CHUNK
 from tests.conftest import StoreFactory
 from tests.support.databases import FakeClock
+from tests.support.factories import settings_for, store_for
 from tests.support.race_worker import dump_tables
 from tests.support.reads import engine_of, job_of, result_of
 
@@ -113,8 +113,8 @@ def test_d1_the_embedded_store_is_readable_by_the_service_account_alone(
     data = tmp_path / "data"
     data.mkdir(mode=0o755)
     os.chmod(data, 0o755)  # made by someone else, wide open
-    settings = Settings(data_dir=data)
-    with JobStore(settings=settings) as store:
+    settings = settings_for(data_dir=data)
+    with store_for(settings) as store:
         done(store, ALICE, "sleep", "2026-11-30")
         files = sorted(data.glob("queue.db*"))
         names = {f.name for f in files}
@@ -132,7 +132,7 @@ def test_d1_a_shared_sticky_folder_named_as_the_data_directory_is_left_open_to_i
     shared = tmp_path / "shared"
     shared.mkdir()
     os.chmod(shared, 0o1777)
-    with JobStore(settings=Settings(data_dir=shared)) as store:
+    with store_for(settings_for(data_dir=shared)) as store:
         done(store, ALICE, "sleep", "2026-11-30")
         modes = {f.name: stat.S_IMODE(f.stat().st_mode) for f in shared.glob("queue.db*")}
         assert modes and set(modes.values()) == {0o600}, modes
@@ -246,7 +246,7 @@ def _old_finished_rows(store: JobStore, count: int, finished: dt.datetime) -> li
 
 def _prune_in_a_process(url: str, started: Any, go: Any, out: Any) -> None:
     try:
-        with JobStore(url, settings=Settings(database_url=url, retention_days=90)) as store:
+        with store_for(settings_for(url, retention_days=90)) as store:
             started.set()
             go.wait(30)
             out.put(store.prune().as_dict())
@@ -260,7 +260,7 @@ def test_d2_pruners_in_other_processes_work_in_chunks_beside_a_claiming_consumer
     """Two pruners in processes of their own and a consumer in this one, at once: every old
     job is deleted exactly once between them, in many short transactions, and every claim
     the consumer makes meanwhile goes through and keeps its job. Everyone on the real clock."""
-    store = JobStore(database_url, settings=Settings(database_url=database_url, gap_seconds=0))
+    store = store_for(settings_for(database_url))
     request.addfinalizer(store.close)
     old = _old_finished_rows(store, PRUNE_CHUNK * 4 + 17, dt.datetime(2025, 1, 1, tzinfo=dt.UTC))
     for n in range(40):

@@ -18,9 +18,10 @@ from typing import Any, Literal
 import pytest
 from sqlalchemy import Engine, event, insert, text
 
-from queue_store import EnqueueRequest, JobStore, Settings, job_id, migrate
+from queue_store import EnqueueRequest, JobStore, job_id, migrate
 from queue_store.places import PLACE_BOUND
 from queue_store.schema import jobs
+from tests.support.factories import settings_for, store_for
 from tests.support.reads import engine_of, listed_jobs, state_of
 
 BACKLOG = 5000
@@ -118,8 +119,8 @@ def order(request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture
 def analysed_store(database_url: str, order: Literal["fair", "fifo"]) -> Iterator[JobStore]:
-    settings = Settings(database_url=database_url, gap_seconds=0, order=order)
-    store = JobStore(database_url, settings=settings)
+    settings = settings_for(database_url=database_url, order=order)
+    store = store_for(settings)
     _backlog(store)
     yield store
     store.close()
@@ -130,7 +131,7 @@ def test_liveness_and_claim_queries_use_indexes_on_a_large_analysed_backlog(
 ) -> None:
     url = f"sqlite:///{tmp_path / 'q.db'}"
     migrate.upgrade(url)
-    store = JobStore(url, settings=Settings(database_url=url, gap_seconds=0))
+    store = store_for(settings_for(url))
     _backlog(store)
 
     statements = _statements(engine_of(store), lambda: store.claim_next("w"))
@@ -205,8 +206,8 @@ def test_a_new_jobs_turn_is_read_from_its_users_entries_alone(
 ) -> None:
     """R8b: a backfill's turn is after its user's last waiting job. Before any ANALYZE (a
     bulk load into a new table) that read must not walk the fair index through the backlog."""
-    settings = Settings(database_url=database_url, gap_seconds=0, order="fair")
-    with JobStore(database_url, settings=settings) as store:
+    settings = settings_for(database_url=database_url, order="fair")
+    with store_for(settings) as store:
         _backlog(store, analyse=analyse)
         # A chunk's worth of users: the listed one, with jobs waiting, and new ones.
         users = [LISTED_USER, *(f"new-{n}" for n in range(60))]

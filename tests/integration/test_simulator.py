@@ -35,6 +35,7 @@ from devtools.simulator import (
     gateway_sim_command,
     parse_latency,
 )
+from tests.support.factories import settings_for
 
 WAIT_LIMIT = 5.0  # seconds a test waits for something that should take far less
 NOTICE_LIMIT = 0.1  # seconds within which a client's close must be noticed
@@ -1026,12 +1027,11 @@ def test_a_transport_lent_to_the_client_survives_its_calls(simulator: GatewaySim
     import asyncio
 
     from flows.gateway import Completion
-    from queue_store import Settings
     from tests.support.factories import gateway_client
 
     async def both() -> list[Completion]:
         transport = httpx.AsyncHTTPTransport()
-        client = gateway_client(Settings(gateway={"url": simulator.url}), transport=transport)
+        client = gateway_client(settings_for(gateway={"url": simulator.url}), transport=transport)
         messages = [{"role": "user", "content": "sleep for user 42"}]
         try:
             return list(

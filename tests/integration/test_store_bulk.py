@@ -20,7 +20,6 @@ from queue_store import (
     Failure,
     InvalidArgument,
     JobStore,
-    Settings,
     Status,
     bulk,
     job_id,
@@ -31,6 +30,7 @@ from queue_store.store import BULK_CHUNK
 from queue_store.views import RECENT_FAILURES
 from tests.conftest import StoreFactory
 from tests.support.databases import FakeClock, per_test_database
+from tests.support.factories import settings_for, store_for
 from tests.support.reads import engine_of, listed_jobs, result_of, state_of
 
 U, V, W = "user-u", "user-v", "user-w"
@@ -206,14 +206,12 @@ def test_enqueue_many_does_what_the_same_enqueue_calls_do(
     monkeypatch.setattr(store_module, "BULK_CHUNK", chunk)
     monkeypatch.setattr(store_module, "MAX_BULK_CHUNK", max(chunk, 6))
     twin_clock = FakeClock(clock.now)
-    bulk_store = JobStore(
-        database_url,
-        settings=Settings(database_url=database_url, **SETTINGS),
+    bulk_store = store_for(
+        settings_for(database_url, **SETTINGS),
         clock=clock,
     )
-    calls = JobStore(
-        twin_url,
-        settings=Settings(database_url=twin_url, **SETTINGS),
+    calls = store_for(
+        settings_for(twin_url, **SETTINGS),
         clock=twin_clock,
     )
     try:
@@ -559,11 +557,8 @@ def test_a_job_queued_at_a_moment_another_was_is_placed_by_its_id(
     # order a user's own jobs keep the order they were queued in).
     store = make_store(order="fifo")
     fixed = dt.datetime(2026, 1, 5, 9, 0, tzinfo=dt.UTC)
-    pinned = JobStore(
-        store._engine.url.render_as_string(hide_password=False),
-        settings=Settings(order="fifo", gap_seconds=0.0),
-        clock=lambda: fixed,
-    )
+    url = store._engine.url.render_as_string(hide_password=False)
+    pinned = store_for(settings_for(url, order="fifo"), clock=lambda: fixed)
     try:
         subjects = [f"s{n}" for n in range(6)]
         for subject in subjects:

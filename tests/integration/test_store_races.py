@@ -18,8 +18,9 @@ from typing import Any
 import pytest
 from sqlalchemy import text
 
-from queue_store import INTERACTIVE, PREFETCH, Failure, JobStore, Renewal, Settings, Status, job_id
+from queue_store import INTERACTIVE, PREFETCH, Failure, Renewal, Status, job_id
 from queue_store.engine import create_store_engine
+from tests.support.factories import settings_for, store_for
 from tests.support.race_worker import actor, claim_loop, dump_tables
 
 SPAWN = multiprocessing.get_context("spawn")
@@ -58,7 +59,7 @@ def test_claims_from_many_processes_respect_concurrency_and_take_each_job_once(
     database_url: str, concurrency: int
 ) -> None:
     settings: dict[str, Any] = {"concurrency": concurrency, "gap_seconds": 0.0}
-    with JobStore(database_url, settings=Settings(database_url=database_url, **settings)) as setup:
+    with store_for(settings_for(database_url, **settings)) as setup:
         for n in range(JOBS):
             setup.enqueue(USER, "race", f"s{n:02d}", priority=INTERACTIVE if n % 3 else PREFETCH)
     expected_ids = {job_id(USER, "race", f"s{n:02d}") for n in range(JOBS)}
@@ -188,7 +189,7 @@ class Remote:
 @pytest.mark.timeout(120)
 def test_a_worker_whose_claim_was_taken_over_cannot_touch_the_job(database_url: str) -> None:
     lease: dict[str, Any] = {"lease_seconds": 1.0, "heartbeat_seconds": 0.2, "gap_seconds": 0.0}
-    with JobStore(database_url, settings=Settings(database_url=database_url, **lease)) as setup:
+    with store_for(settings_for(database_url, **lease)) as setup:
         setup.enqueue(USER, "race", "only", "fp-1")
     jid = job_id(USER, "race", "only")
     engine = create_store_engine(database_url)

@@ -27,6 +27,7 @@ from queue_store import (
 from queue_store.rules import WORKER_LOST
 from tests.conftest import StoreFactory
 from tests.support.databases import FakeClock
+from tests.support.factories import settings_for, store_for
 from tests.support.reads import job_of, listed_jobs, pending, result_of, state_of
 
 U = "user-1"
@@ -663,6 +664,8 @@ def test_invalid_input_is_refused_before_the_database(
 
 
 def test_database_errors_surface_as_the_stores_own(tmp_path: object) -> None:
+    # The URL is handed to the store itself, not through settings whose redactor would hide
+    # the password too: what is tested is the store's own wrapping of a driver error.
     store = JobStore(
         "postgresql://nobody:secret-password@127.0.0.1:1/none",
         settings=Settings(database_url="sqlite://"),
@@ -867,11 +870,7 @@ def test_list_jobs_positions_count_the_users_own_earlier_jobs(
 def test_clock_must_be_aware(database_url: str) -> None:
     from queue_store import InvalidArgument
 
-    store = JobStore(
-        database_url,
-        settings=Settings(database_url=database_url),
-        clock=lambda: dt.datetime(2026, 1, 1),
-    )
+    store = store_for(settings_for(database_url), clock=lambda: dt.datetime(2026, 1, 1))
     with pytest.raises(InvalidArgument):
         store.enqueue(U, "a", "1")
     store.close()

@@ -14,7 +14,8 @@ from typing import Any
 
 from sqlalchemy import Engine, inspect, text
 
-from queue_store import Blocked, JobStore, Settings
+from queue_store import Blocked, JobStore
+from tests.support.factories import settings_for, store_for
 
 
 def dump_tables(engine: Engine) -> dict[str, list[tuple[Any, ...]]]:
@@ -54,7 +55,7 @@ def claim_loop(
     error: str | None = None
     store: JobStore | None = None
     try:
-        store = JobStore(url, settings=Settings(database_url=url, **settings))
+        store = store_for(settings_for(url, **settings))
         store.has_work()  # connect before the start line
         ready.put(name)
         if not start.wait(60):
@@ -123,7 +124,7 @@ def actor(
             return SHARED_EPOCH + dt.timedelta(seconds=shared_time.value)
 
     try:
-        store = JobStore(url, settings=Settings(database_url=url, **settings), clock=clock)
+        store = store_for(settings_for(url, **settings), clock=clock)
     except BaseException:  # noqa: BLE001 - the parent asserts on it
         outbox.put(("error", "startup", traceback.format_exc()))
         return

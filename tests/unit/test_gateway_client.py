@@ -39,7 +39,7 @@ from flows.gateway import (
 )
 from queue_store import Failure, Settings, SettingsError, Usage
 from tests.support.echo import echo_body, echo_forms
-from tests.support.factories import gateway_client
+from tests.support.factories import gateway_client, settings_for
 from tests.support.secrets import exposures
 
 # Every character that has an escape of its own somewhere: JSON, URLs, base64.
@@ -67,7 +67,7 @@ def settings(**overrides: Any) -> Settings:
     }
     for name in [n for n in overrides if n.startswith("gateway_")]:
         gateway[name.removeprefix("gateway_")] = overrides.pop(name)
-    return Settings(gateway=gateway, **overrides)
+    return settings_for(gateway=gateway, **overrides)
 
 
 def answer(content: Any = "an insight", **extra: Any) -> dict[str, Any]:

@@ -18,9 +18,9 @@ from collections.abc import Iterator
 import pytest
 from pydantic import SecretStr
 
-from queue_store import Settings
 from queue_store.redact import REDACTED, RedactingFilter, Redactor, install_log_redaction
 from tests.support.echo import echo_forms
+from tests.support.factories import settings_for
 from tests.support.secrets import exposures
 
 TOKEN = 'sk-live/Q7+x=y&z%w"q\\<t>~9'
@@ -117,7 +117,7 @@ def test_the_longest_secret_goes_whole() -> None:
 
 def test_the_secrets_of_the_settings_are_known() -> None:
     quoted = urllib.parse.quote(PASSWORD, safe="")
-    settings = Settings(
+    settings = settings_for(
         database_url=f"postgresql://db-role:{quoted}@127.0.0.1:5432/q",
         gateway={"token": SecretStr(TOKEN), "url": "http://gw-user:gw-p%40ss-word@gateway.test/"},
         api={"operator_token": SecretStr("api-token-0123456789")},
@@ -138,7 +138,7 @@ def test_the_secrets_of_the_settings_are_known() -> None:
 
 
 def test_a_password_given_as_a_url_query_parameter_is_known_too() -> None:
-    settings = Settings(
+    settings = settings_for(
         database_url="postgresql://db-role@127.0.0.1:5432/q?sslmode=disable&password=pw-in-query-42"
     )
     redact = Redactor(settings.secrets())

@@ -41,7 +41,7 @@ from queue_store import (
     WorkerStore,
 )
 from tests.support.databases import FakeClock
-from tests.support.factories import gateway_client, job_runner, store_for
+from tests.support.factories import gateway_client, job_runner, settings_for, store_for
 from tests.support.fake_store import Call, FakeWorkerStore
 from tests.support.reads import job_of
 from tests.support.secrets import exposures
@@ -156,7 +156,7 @@ def make_settings(**overrides: Any) -> Settings:
         "gateway": {"url": "http://gateway.test", "token": SecretStr(TOKEN), "read_timeout": 60.0},
     }
     values.update(overrides)
-    return Settings(**values)
+    return settings_for(**values)
 
 
 class Bench:
