@@ -54,7 +54,7 @@ def _claim_and_fail(store: JobStore, message: str = "boom") -> Status:
     return store.fail(claim.job.id, claim.job.holder or "", Failure.BUILD, message).status
 
 
-# -- R1, R2 -------------------------------------------------------------------
+# -- R1, R2: enqueue is idempotent; a new key waits with no attempts -----------
 
 
 def test_job_id_is_sha256_of_the_key() -> None:
@@ -78,7 +78,7 @@ def test_enqueue_is_idempotent(store: JobStore) -> None:
     assert pending(store) == 1
 
 
-# -- R3 -------------------------------------------------------------------------
+# -- R3: a running job with a live claim is left as it is ----------------------
 
 
 def test_running_job_with_live_claim_is_left_alone(store: JobStore) -> None:
@@ -90,7 +90,7 @@ def test_running_job_with_live_claim_is_left_alone(store: JobStore) -> None:
     assert _row(store, "sleep", "d1") == before
 
 
-# -- R4 -------------------------------------------------------------------------
+# -- R4: a done job stays done until its data changes --------------------------
 
 
 def test_done_job_is_done_until_its_fingerprint_changes(store: JobStore) -> None:
@@ -106,7 +106,7 @@ def test_done_job_is_done_until_its_fingerprint_changes(store: JobStore) -> None
     assert row["attempts"] == 0
 
 
-# -- R5 -------------------------------------------------------------------------
+# -- R5: a job given up cools down, then is queued again -----------------------
 
 
 def test_exhausted_job_stays_failed_for_the_cooldown_then_requeues_promoted(
@@ -135,7 +135,7 @@ def test_exhausted_job_with_new_fingerprint_requeues_at_once(make_store: StoreFa
     assert _row(store, "sleep", "d1")["attempts"] == 0
 
 
-# -- R6 -------------------------------------------------------------------------
+# -- R6: queued again, promoted, never demoted ---------------------------------
 
 
 def test_priority_is_promoted_never_demoted(store: JobStore) -> None:
@@ -161,7 +161,7 @@ def test_fingerprint_kept_when_none_given_and_attempts_reset_only_when_stale(
     assert (row["fingerprint"], row["attempts"]) == ("fp2", 0)
 
 
-# -- R7 -------------------------------------------------------------------------
+# -- R7: supersede drops the user's other waiting jobs of a kind ---------------
 
 
 def test_supersede_drops_only_pending_jobs_of_that_kind_for_other_subjects(
@@ -181,7 +181,7 @@ def test_supersede_drops_only_pending_jobs_of_that_kind_for_other_subjects(
     assert job_of(store, "other-user", "trends", "old-1") is not None
 
 
-# -- R8, R9 ---------------------------------------------------------------------
+# -- R8, R9: the claim order, and attempts per round ---------------------------
 
 
 def test_claim_order_is_priority_then_age(store: JobStore, clock: FakeClock) -> None:
@@ -289,7 +289,7 @@ def test_a_job_gets_at_most_max_attempts(make_store: StoreFactory) -> None:
     assert (row["status"], row["attempts"], row["error"]) == ("failed", 3, "attempt 3")
 
 
-# -- R10 ------------------------------------------------------------------------
+# -- R10: retry_failed puts a user's failed jobs back --------------------------
 
 
 def test_retry_failed_requeues_every_failed_job_of_the_user(make_store: StoreFactory) -> None:
@@ -306,7 +306,7 @@ def test_retry_failed_requeues_every_failed_job_of_the_user(make_store: StoreFac
         assert (row["status"], row["attempts"], row["error"]) == ("pending", 0, None)
 
 
-# -- R11 ------------------------------------------------------------------------
+# -- R11: a user's queue in worker order ---------------------------------------
 
 
 def test_list_jobs_is_in_worker_order_with_the_original_fields(
@@ -364,7 +364,7 @@ def test_a_jobs_state_and_the_count_of_waiting_jobs(store: JobStore) -> None:
     assert pending(store, U) == 1
 
 
-# -- R12 ------------------------------------------------------------------------
+# -- R12: AI_JOBS=false stops the consumer, never the store --------------------
 
 
 def test_disabled_consumer_does_not_disable_the_store(make_store: StoreFactory) -> None:
@@ -373,7 +373,7 @@ def test_disabled_consumer_does_not_disable_the_store(make_store: StoreFactory) 
     assert store.claim_next("w").job is not None
 
 
-# -- FIX1 -----------------------------------------------------------------------
+# -- FIX1: counting calls in flight and claiming are one step ------------------
 
 
 def test_concurrency_limit_holds_across_stores(make_store: StoreFactory) -> None:
@@ -395,7 +395,7 @@ def test_concurrency_two_allows_two(make_store: StoreFactory) -> None:
     assert store.claim_next("w3").blocked == Blocked.CONCURRENCY
 
 
-# -- FIX2 -----------------------------------------------------------------------
+# -- FIX2: a worker's writes are fenced by its claim's token -------------------
 
 
 def test_taken_over_worker_changes_nothing(make_store: StoreFactory, clock: FakeClock) -> None:
@@ -433,7 +433,7 @@ def test_a_new_claim_by_the_same_worker_name_gets_a_new_token(
     assert store.heartbeat(first.id, first.holder or "") is Renewal.LOST
 
 
-# -- FIX3 -----------------------------------------------------------------------
+# -- FIX3: a claim lives by its heartbeat --------------------------------------
 
 
 def test_heartbeat_keeps_a_long_call_alive(make_store: StoreFactory, clock: FakeClock) -> None:
@@ -477,7 +477,7 @@ def test_claim_timeout_bounds_an_attempt_even_with_heartbeats(
     assert store.enqueue(U, "sleep", "d1") == "pending"
 
 
-# -- FIX4 -----------------------------------------------------------------------
+# -- FIX4: a last attempt lost with its worker fails the job -------------------
 
 
 def test_last_attempt_dying_with_its_worker_fails_the_job(
@@ -535,7 +535,7 @@ def test_enqueue_of_a_dead_last_attempt_reports_failed_not_pending(
     assert _row(store, "sleep", "d1")["error"] == WORKER_LOST
 
 
-# -- FIX5 -----------------------------------------------------------------------
+# -- FIX5: recovery takes back dead claims only --------------------------------
 
 
 def test_recover_releases_dead_and_own_claims_never_a_live_one(
@@ -579,7 +579,7 @@ def test_recover_matches_the_worker_exactly_never_a_prefix_or_another_case(
         assert refused.value.argument == "worker"
 
 
-# -- FIX6 -----------------------------------------------------------------------
+# -- FIX6: the gap after a call is deployment-wide -----------------------------
 
 
 def test_gap_is_global_across_stores(make_store: StoreFactory, clock: FakeClock) -> None:
@@ -604,7 +604,7 @@ def test_gap_follows_failures_too(make_store: StoreFactory, clock: FakeClock) ->
     assert store.claim_next("w").blocked == Blocked.GAP
 
 
-# -- FIX7 -----------------------------------------------------------------------
+# -- FIX7: a poll that changes nothing writes nothing --------------------------
 
 
 def test_a_poll_that_changes_nothing_writes_nothing(store: JobStore, clock: FakeClock) -> None:
@@ -627,7 +627,7 @@ def test_a_poll_on_a_done_job_writes_nothing(store: JobStore) -> None:
     assert _row(store, "sleep", "d1") == before
 
 
-# -- FIX8 -----------------------------------------------------------------------
+# -- FIX8: bad input is refused before the database ----------------------------
 
 
 @pytest.mark.parametrize(
@@ -687,7 +687,7 @@ def test_finish_refuses_a_result_it_cannot_store(store: JobStore) -> None:
     assert _row(store, "sleep", "d1")["status"] == "running"
 
 
-# -- N1 -------------------------------------------------------------------------
+# -- N1: results, readable while a newer one is made ---------------------------
 
 
 def test_previous_result_stays_readable_while_regenerating(
@@ -719,7 +719,7 @@ def test_previous_result_stays_readable_while_regenerating(
     assert second.produced_at > first.produced_at
 
 
-# -- N2 (store side) ------------------------------------------------------------
+# -- N2: an unreachable gateway spends no attempt (the store's side) -----------
 
 
 def test_a_stop_hands_back_without_spending_the_attempt(store: JobStore, clock: FakeClock) -> None:
@@ -806,7 +806,7 @@ def test_pause_and_resume(store: JobStore) -> None:
     assert store.claim_next("w").job is not None
 
 
-# -- N3 -------------------------------------------------------------------------
+# -- N3: a place in line and an ETA --------------------------------------------
 
 
 def _position(store: JobStore, user_id: str, kind: str, subject: str) -> Position | None:
@@ -876,7 +876,7 @@ def test_clock_must_be_aware(database_url: str) -> None:
     store.close()
 
 
-# -- N4 -------------------------------------------------------------------------
+# -- N4: each attempt's run in the history -------------------------------------
 
 
 def test_an_attempts_run_reaching_the_store_after_the_attempt_is_still_linked(
