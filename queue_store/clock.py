@@ -123,7 +123,7 @@ class HostClock:
                 value = getattr(previous, name)
                 if value is not None and value > wall:
                     changes[name] = wall
-        connection.execute(update(gate).where(gate.c.id == schema.GATE_ROW_ID).values(**changes))
+        schema.update_gate(connection, **changes)
         # A hold of the old boot keeps its length from now at most: a wall clock set back
         # across the reboot must not stretch it (the gateway is on another host's time).
         holds = schema.holds

@@ -1,18 +1,7 @@
 """The SQL of the gateway lease: claim, renew, reap and settle (FIX1-FIX6, L1-L3, G1-G4, H1, H2).
 
-Every function here runs inside a write transaction that already holds the
-gate lock (PostgreSQL: `SELECT ... FOR UPDATE` on the one `ai_job_gate` row;
-SQLite: `BEGIN IMMEDIATE`), with `now` read from the store's clock after the
-lock was taken: counting, reaping, claiming and renewing never interleave.
-
-A claim is live while `now - heartbeat_at <= AI_JOB_LEASE_SECONDS` and
-`now - claimed_at <= AI_JOB_CLAIM_TIMEOUT`. A lapsed claim is never renewed;
-it counts as in flight until it is reaped, and reaping ends a call for the
-gap. (The worker stops its call a margin before, see `flows.runner`.)
-
-A call cut on our side (its worker lost, stopped, or past our deadline) may go on at the gateway,
-which finishes what it started: it leaves a hold (`ai_job_holds`) that counts as a call in flight
-until its start plus the hold (`cut_hold`), and the gap counts from the hold's end (H1).
+Every function runs in a write transaction that already holds the gate lock, with `now` read from
+the store's clock after the lock was taken (`StoreBase._gated`): these steps never interleave.
 """
 
 from __future__ import annotations
@@ -60,10 +49,8 @@ RUNNING_COLUMNS = (
     "claimed_at",
     "call_started_at",
 )
-# A job whose claims keep being lost with their worker fails after this many in a row
-# (H2 spends no attempt on a lost claim; this keeps a job that kills its worker from looping).
+# H2 spends no attempt on a lost claim: a job that kills its worker fails this way instead.
 WORKER_LOST_AGAIN = "worker lost {n} times in a row: the job may be what stops its worker"
-
 
 RUNNING = select(*(jobs.c[name] for name in RUNNING_COLUMNS)).where(jobs.c.status == Status.RUNNING)
 GATE_ROW = select(gate).where(gate.c.id == schema.GATE_ROW_ID)
@@ -85,9 +72,7 @@ def running_rows(connection: Connection) -> list[Row[Any]]:
 def reap(
     connection: Connection, settings: StoreConfig, now: dt.datetime, dead: list[Row[Any]]
 ) -> int:
-    """Take back the jobs of these dead claims (FIX3, FIX5). A lost claim spends no attempt (H2),
-    but a last allowed attempt fails (FIX4), and so does a job lost too often in a row; a call in
-    flight leaves a hold (H1). A takeover counts as the end of a call for the gap (L3)."""
+    """Take back the jobs of these dead claims (FIX3-FIX5, H1, H2); the gap counts from now (L3)."""
     if not dead:
         return 0
     for row in dead:
@@ -130,9 +115,8 @@ def cut(
     *,
     job_gone: bool = False,
 ) -> None:
-    """The call of this claim, if one started, was cut on our side: it holds the gateway until
-    its start plus the hold (H1). A hold already over by now holds nothing. `job_gone`: the job
-    is being deleted, so the hold names none."""
+    """The call of this claim, if one started, was cut on our side: it holds the gateway until its
+    start plus the hold (H1). `job_gone`: the job is being deleted, so the hold names none."""
     started = row.call_started_at
     if started is None:
         return
@@ -144,7 +128,6 @@ def cut(
 
 
 def held(connection: Connection, now: dt.datetime) -> list[Row[Any]]:
-    """The holds still in force, earliest end first."""
     query = select(holds).where(holds.c.until > now).order_by(holds.c.until)
     return list(connection.execute(query).all())
 
@@ -160,18 +143,14 @@ def _release_holds(
         return last
     connection.execute(delete(holds).where(holds.c.until <= now))
     if last is None or latest > last:
-        connection.execute(
-            update(gate).where(gate.c.id == schema.GATE_ROW_ID).values(last_finished_at=latest)
-        )
+        schema.update_gate(connection, last_finished_at=latest)
         return latest
     return last
 
 
 def _ended_call(connection: Connection, now: dt.datetime, **more: Any) -> None:
-    """A call ended (settled, or taken over): the gap counts from now."""
-    connection.execute(
-        update(gate).where(gate.c.id == schema.GATE_ROW_ID).values(last_finished_at=now, **more)
-    )
+    """A call ended (settled, or taken over): the gap counts from now (FIX6)."""
+    schema.update_gate(connection, last_finished_at=now, **more)
 
 
 def claim(
@@ -241,9 +220,7 @@ def claim(
         # The turn being served in the job's class moves on (R8b, A3).
         served = "interactive_turn" if candidate.priority <= INTERACTIVE else "turn"
         if candidate.turn > getattr(state, served):
-            connection.execute(
-                update(gate).where(gate.c.id == schema.GATE_ROW_ID).values({served: candidate.turn})
-            )
+            schema.update_gate(connection, **{served: candidate.turn})
         job = schema.from_row(Job, candidate)
         # What the run history will know the user as: made now if the user has none yet.
         people.pseudonymize(connection, [job.user_id], now)
@@ -291,9 +268,8 @@ def renew(
     calling: bool = False,
     flow_run_id: str | None = None,
 ) -> Renewal:
-    """Extend a live claim; a lapsed one stays dead, whoever reaches the database first (L3).
-    `calling`: the call starts right after this renewal, so it starts now (H1). `flow_run_id`:
-    the attempt's run in the history (N4), kept even when it arrives after the attempt ended."""
+    """Extend a live claim; a lapsed one stays dead (L3). `calling`: the call starts now (H1);
+    `flow_run_id` (N4) is kept even when it arrives after the attempt ended."""
     row = held_row(connection, job_id, holder)
     if row is None:
         if flow_run_id is not None:
@@ -333,7 +309,6 @@ def _note_run_after(connection: Connection, job_id: str, holder: str, flow_run_i
 
 
 def _settle_row(connection: Connection, row: Row[Any], now: dt.datetime, **changes: Any) -> None:
-    """End the claim on the row: no holder, no heartbeat, and the given changes."""
     ended = {
         "holder": None,
         "last_holder": row.holder,
@@ -360,16 +335,8 @@ def pause(
     reason: str,
     **more: Any,
 ) -> None:
-    connection.execute(
-        update(gate)
-        .where(gate.c.id == schema.GATE_ROW_ID)
-        .values(
-            paused_until=now + dt.timedelta(seconds=seconds),
-            pause_kind=kind,
-            pause_reason=reason,
-            **more,
-        )
-    )
+    until = now + dt.timedelta(seconds=seconds)
+    schema.update_gate(connection, paused_until=until, pause_kind=kind, pause_reason=reason, **more)
 
 
 def settle_failure(
@@ -383,8 +350,7 @@ def settle_failure(
     retry_after: float | None,
 ) -> Settlement:
     """Apply the store's rule for an attempt that ended without a result (N2, G1-G4)."""
-    exhausted = row.attempts >= settings.max_attempts
-    spent_status = Status.FAILED if exhausted else Status.PENDING
+    spent_status = Status.FAILED if row.attempts >= settings.max_attempts else Status.PENDING
     streak = state.outages_in_a_row
 
     if failure in (Failure.BUILD, Failure.REJECTED, Failure.PARSE):
@@ -478,10 +444,8 @@ def late_stop(
     holder: str,
     error: str,
 ) -> Settlement | None:
-    """A worker that stopped its call reports it after a takeover got to the job first (H2).
-    The takeover spent no attempt, unless it gave the job up as lost (FIX4, or lost too often):
-    then the stop, which spends nothing, puts it back. Otherwise None: the report changes
-    nothing (FIX2)."""
+    """A worker reports its stop after a takeover got to the job first (H2): if the takeover gave
+    the job up as lost (FIX4), the stop, which spends nothing, puts it back; else None (FIX2)."""
     row = connection.execute(
         select(jobs)
         .where(jobs.c.id == job_id, jobs.c.last_holder == holder, jobs.c.status == Status.FAILED)

@@ -29,6 +29,7 @@ from sqlalchemy import (
     Text,
     TypeDecorator,
     text,
+    update,
 )
 from sqlalchemy.dialects import postgresql, sqlite
 
@@ -296,6 +297,11 @@ def from_row(cls: type[T], row: Row[Any], **values: Any) -> T:
     names = {field.name for field in dataclasses.fields(cls)}  # type: ignore[arg-type]
     found = {name: value for name, value in row._mapping.items() if name in names}
     return cls(**{**found, **values})
+
+
+def update_gate(connection: Connection, **values: Any) -> None:
+    """Write these columns of the one gate row."""
+    connection.execute(update(gate).where(gate.c.id == GATE_ROW_ID).values(**values))
 
 
 def upsert(connection: Connection, table: Table) -> Any:
