@@ -1,10 +1,9 @@
-"""The operator's verbs: the queue at a glance, pauses, retries, recovery (R10, R11, N3, FIX5).
-
-A mixin of `JobStore` over `StoreBase`'s transactions; callers name the role (`OperatorStore`).
-"""
+"""The operator's verbs (`OperatorStore`): the queue at a glance, pauses, retries, recovery,
+retention and forgetting; a mixin of `JobStore` over `StoreBase`'s transactions."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -34,12 +33,11 @@ gate = schema.gate
 
 
 class OperatorActions(StoreBase):
-    """What an operator reads and does; every action answers what it changed, in one
-    transaction."""
+    """Every action answers what it changed, in one transaction."""
 
     def list_jobs(self, user_id: str, limit: int = 60) -> list[ListedJob]:
-        """The user's queue in the order the worker will take it (R11): running, pending, failed,
-        done; within each, the claim order. Pending and running entries carry place and ETA."""
+        """The user's queue in worker order (R11): running, pending, failed, done; each in the
+        claim order, with places and ETAs."""
         user_id = validation.user_id(user_id)
         limit = validation.limit(limit)
         with self._read("list_jobs") as connection:
@@ -47,8 +45,7 @@ class OperatorActions(StoreBase):
             return views.user_jobs(connection, self._settings, now, user_id, limit)
 
     def retry_failed(self, user_id: str) -> Requeued:
-        """Every failed job of the user back in the queue now (R10), and the user's jobs pending
-        or running afterwards, in one transaction."""
+        """Every failed job of the user back in the queue now (R10)."""
         user_id = validation.user_id(user_id)
         with self._write("retry_failed") as connection:
             failed = and_(jobs.c.user_id == user_id, jobs.c.status == Status.FAILED)
@@ -61,9 +58,8 @@ class OperatorActions(StoreBase):
         return Requeued(user_id, retried, int(pending))
 
     def requeue(self, kinds: Sequence[str] | None = None) -> int:
-        """Queue every finished job again (of these kinds, or all), after a prompt change: at
-        prefetch priority (or their own, if more urgent), attempts 0; their results stay
-        readable but are no longer fresh. Returns how many were queued."""
+        """Queue every finished job (of these kinds) again after a prompt change, at prefetch
+        priority or their own if more urgent; their results are no longer fresh."""
         checked = [validation.kind(k) for k in kinds] if kinds is not None else None
         finished: ColumnElement[bool] = jobs.c.status.in_([Status.DONE, Status.FAILED])
         if checked is not None:
@@ -87,8 +83,7 @@ class OperatorActions(StoreBase):
 
     def _deal_turns(self, connection: Connection, where: Any, user_id: str | None) -> None:
         """Turns for the jobs `where` picks, about to be queued again together (R8b, A3): each
-        user's in their order, in their class (prefetch, interactive), after the turn being
-        served there (and, for one user, after their jobs waiting already)."""
+        user's in their order and class, after the turn served (for one user, their last)."""
         if self._settings.order != "fair":
             return
         for priority, of_class, served in (
@@ -142,19 +137,20 @@ class OperatorActions(StoreBase):
     def resume(self) -> GateState:
         """Lift any pause and forget the outage streak; returns the gate as it now stands."""
         with self._gated("resume") as (connection, now, _state):
-            connection.execute(
-                update(gate)
-                .where(gate.c.id == schema.GATE_ROW_ID)
-                .values(paused_until=None, pause_reason=None, pause_kind=None, outages_in_a_row=0)
+            schema.update_gate(
+                connection,
+                paused_until=None,
+                pause_reason=None,
+                pause_kind=None,
+                outages_in_a_row=0,
             )
             return views.gate_state(lease.gate_row(connection), now)
 
     # -- FIX5: recovery ------------------------------------------------------
 
     def recover(self, worker: str | None = None) -> list[Job]:
-        """Take back dead claims, and this worker's own; never another's live claim (FIX5).
-        `worker` is matched exactly (case-sensitive) against the worker part of each claim's
-        token. Returns the jobs taken back, as they were."""
+        """Take back dead claims, and this worker's own (matched exactly); never another's live
+        claim (FIX5). Returns the jobs taken back, as they were."""
         if worker is not None:
             worker = validation.worker(worker)
         with self._gated("recover") as (connection, now, _state):
@@ -170,8 +166,7 @@ class OperatorActions(StoreBase):
     # -- N3, M1: the whole queue -----------------------------------------------------
 
     def queue_view(self, limit: int = 50) -> QueueView:
-        """The whole queue: running calls, the first `limit` waiting jobs (0: none), recent
-        failures, consumers, tokens, and what /metrics shows; one read."""
+        """The whole queue with the first `limit` waiting jobs (0: none), in one read."""
         limit = validation.limit(limit, minimum=0)
         with self._read("queue_view") as connection:
             now = self._now(connection)
@@ -186,11 +181,8 @@ class OperatorActions(StoreBase):
         by_kind: Mapping[str, float] | None = None,
         dry_run: bool = False,
     ) -> Pruned:
-        """Delete what is past retention (D2): finished and failed jobs with their results,
-        results whose job is gone, users' token usage (folded into daily totals of no one),
-        and people with nothing left; `AI_JOB_RETENTION_DAYS` unless `retention_days`, and
-        `by_kind` for kinds of their own. In short transactions of at most `PRUNE_CHUNK` rows
-        each, safe beside claims and other pruners. `dry_run` counts, and changes nothing."""
+        """Delete what is past retention (D2), in chunks, safe beside claims and other pruners;
+        `by_kind`: kinds' own days. `dry_run` counts, and changes nothing."""
         days = self._settings.retention_days if retention_days is None else retention_days
         days = validation.seconds("retention_days", days)
         kinds = {
@@ -220,7 +212,6 @@ class OperatorActions(StoreBase):
         return Pruned(jobs_gone, results_gone + orphans, folded, people, days, dry_run)
 
     def _chunk(self, dry_run: bool) -> Any:
-        """One chunk's transaction: a read for a dry run (nothing written)."""
         return self._read("prune") if dry_run else self._write("prune")
 
     def _until_done(self, dry_run: bool, step: Callable[[Connection, dt.datetime], int]) -> int:
@@ -234,11 +225,8 @@ class OperatorActions(StoreBase):
                 return total
 
     def forget(self, user_id: str | None = None, *, erased: Iterable[str] = ()) -> Forgotten:
-        """Remove every row of the user from the store (D3): jobs, results, usage, the
-        pseudonym; a call in flight is cut (its answer is never written, and it holds the
-        gateway as any call cut on our side, H1). Idempotent. `erased`: pseudonyms whose runs
-        the run history no longer holds (the history's part of an earlier `forget`). Returns what
-        was removed, and the pseudonyms whose history part is still to do."""
+        """Remove every row of the user from the store (D3); idempotent. `erased`: pseudonyms whose
+        runs the run history no longer holds (an earlier `forget`'s part there)."""
         if user_id is not None:
             user_id = validation.user_id(user_id)
         done = [validation.text("erased", p, 40) for p in erased]
@@ -246,17 +234,9 @@ class OperatorActions(StoreBase):
             removed = (
                 privacy.forget(connection, self._settings, now, user_id)
                 if user_id is not None
-                else privacy.Erased(0, 0, 0, 0, None)
+                else Forgotten("", 0, 0, 0, 0, None)
             )
             privacy.erasures_done(connection, done)
             pending = tuple(p for p, _ in privacy.pending_erasures(connection))
         self._checkpoint()
-        return Forgotten(
-            user_id or "",
-            removed.jobs,
-            removed.results,
-            removed.usage_rows,
-            removed.calls_cut,
-            removed.pseudonym,
-            pending,
-        )
+        return dataclasses.replace(removed, history_pending=pending)

@@ -1,18 +1,7 @@
-"""What the store keeps of a person, for how long, and forgetting them (D2, D3, D4).
+"""What the store keeps of a person, for how long, and forgetting them (D2, D3).
 
-- Pseudonyms: the run history sees a user only as a random pseudonym kept in `ai_job_people`;
-  deleting that row (forgetting) leaves whatever the history kept unlinkable to anyone.
-- Retention (`prune`): finished and failed jobs past their kind's retention go, with their
-  results; results whose job is gone, past retention too; a user's token usage past it becomes
-  the day's totals, no one's; a person with nothing left is no longer known. In chunks of
-  `PRUNE_CHUNK` rows, one short transaction each, never the gate's lock: a claim waits for one
-  chunk at most. Each chunk re-checks what it deletes, and PostgreSQL's `SKIP LOCKED` gives two
-  pruners different rows, so any number may run at once.
-- Forgetting (`forget`): every row of the user in one transaction holding the gate lock (a call
-  in flight is cut: it keeps holding the gateway, H1, and its answer is never written, its job
-  being gone); the pseudonym is kept in `ai_job_erasures` until the run history's part is done.
-
-Nothing here reads or writes Prefect: the flows delete the history's part.
+Retention runs in chunks of `PRUNE_CHUNK` rows, one short transaction each and never under the gate
+lock, so a claim waits for one chunk at most. Nothing here reads or writes Prefect.
 """
 
 from __future__ import annotations
@@ -24,8 +13,8 @@ from typing import Any
 
 from sqlalchemy import Connection, and_, delete, exists, func, insert, select, tuple_, update
 
-from queue_store import lease, schema
-from queue_store.models import CutCause, Status
+from queue_store import lease, schema, tallies
+from queue_store.models import CutCause, Forgotten, Status
 from queue_store.people import pseudonym_of
 from queue_store.settings import StoreConfig
 
@@ -48,21 +37,14 @@ class Retention:
     days: float
     by_kind: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
-    def cutoffs(self, now: dt.datetime) -> list[tuple[Any, dt.datetime]]:
-        """(which jobs, before when) for the default and each kind of its own."""
+    def cutoffs(self, now: dt.datetime, kind: Any) -> list[tuple[Any, dt.datetime]]:
+        """(which rows, before when) for the default and each kind of its own, by the column
+        `kind`."""
         kinds = sorted(self.by_kind)
         found: list[tuple[Any, dt.datetime]] = [
-            (jobs.c.kind.not_in(kinds) if kinds else None, _before(now, self.days))
+            (kind.not_in(kinds) if kinds else None, _before(now, self.days))
         ]
-        found += [(jobs.c.kind == kind, _before(now, self.by_kind[kind])) for kind in kinds]
-        return found
-
-    def result_cutoffs(self, now: dt.datetime) -> list[tuple[Any, dt.datetime]]:
-        kinds = sorted(self.by_kind)
-        found: list[tuple[Any, dt.datetime]] = [
-            (results.c.kind.not_in(kinds) if kinds else None, _before(now, self.days))
-        ]
-        found += [(results.c.kind == kind, _before(now, self.by_kind[kind])) for kind in kinds]
+        found += [(kind == name, _before(now, self.by_kind[name])) for name in kinds]
         return found
 
 
@@ -76,7 +58,7 @@ def prune_jobs(
     """One chunk of finished jobs past retention, with their results: (jobs, results) deleted
     (or, `count_only`, that would be, counted in full)."""
     deleted_jobs = deleted_results = 0
-    for kinds, cutoff in retention.cutoffs(now):
+    for kinds, cutoff in retention.cutoffs(now, jobs.c.kind):
         past = [jobs.c.status.in_(FINISHED), jobs.c.finished_at < cutoff]
         if kinds is not None:
             past.append(kinds)
@@ -109,7 +91,7 @@ def prune_orphan_results(
     """Results past retention whose job is gone (superseded): a chunk of them."""
     no_job = ~exists().where(jobs.c.id == results.c.job_id)
     found = 0
-    for kinds, cutoff in retention.result_cutoffs(now):
+    for kinds, cutoff in retention.cutoffs(now, results.c.kind):
         past = [results.c.produced_at < cutoff, no_job]
         if kinds is not None:
             past.append(kinds)
@@ -141,24 +123,20 @@ def fold_usage(
     gone = connection.execute(
         delete(usage)
         .where(tuple_(*key).in_(keys), past)
-        .returning(usage.c.day, usage.c.kind, *SUMMED)
+        .returning(usage.c.day, usage.c.kind, *(usage.c[name] for name in tallies.SUMMED))
     ).all()
     totals: dict[tuple[Any, str], list[int]] = {}
     for row in gone:
-        summed = totals.setdefault((row.day, row.kind), [0] * len(SUMMED_NAMES))
-        for n, name in enumerate(SUMMED_NAMES):
+        summed = totals.setdefault((row.day, row.kind), [0] * len(tallies.SUMMED))
+        for n, name in enumerate(tallies.SUMMED):
             summed[n] += int(row._mapping[name])
     for (day, kind), summed in sorted(totals.items()):
         statement = schema.upsert(connection, usage).values(
-            day=day, user_id=NO_ONE, kind=kind, **dict(zip(SUMMED_NAMES, summed, strict=True))
+            day=day, user_id=NO_ONE, kind=kind, **dict(zip(tallies.SUMMED, summed, strict=True))
         )
-        added = {name: usage.c[name] + statement.excluded[name] for name in SUMMED_NAMES}
+        added = {name: usage.c[name] + statement.excluded[name] for name in tallies.SUMMED}
         connection.execute(statement.on_conflict_do_update(index_elements=list(key), set_=added))
     return len(gone)
-
-
-SUMMED_NAMES = ("answers", "unknown", "prompt_tokens", "completion_tokens")
-SUMMED = tuple(usage.c[name] for name in SUMMED_NAMES)
 
 
 def prune_people(connection: Connection, *, count_only: bool) -> int:
@@ -198,18 +176,9 @@ def _deleted(connection: Connection, statement: Any) -> int:
     return int(connection.execute(statement).rowcount or 0)
 
 
-@dataclasses.dataclass(frozen=True)
-class Erased:
-    """What forgetting a user removed from the store, by table, and what is left to do."""
-
-    jobs: int
-    results: int
-    usage_rows: int
-    calls_cut: int  # calls of the user in flight, cut: they hold the gateway (H1)
-    pseudonym: str | None  # what the run history knew the user as (None: never seen there)
-
-
-def forget(connection: Connection, settings: StoreConfig, now: dt.datetime, user_id: str) -> Erased:
+def forget(
+    connection: Connection, settings: StoreConfig, now: dt.datetime, user_id: str
+) -> Forgotten:
     """Every row of the user, in a transaction that holds the gate lock (D3)."""
     mine = jobs.c.user_id == user_id
     running = connection.execute(
@@ -221,7 +190,8 @@ def forget(connection: Connection, settings: StoreConfig, now: dt.datetime, user
         lease.cut(connection, settings, now, row, CutCause.CANCELLED, job_gone=True)
     ids = select(jobs.c.id).where(mine).scalar_subquery()
     connection.execute(update(holds).where(holds.c.job_id.in_(ids)).values(job_id=None))
-    erased = Erased(
+    erased = Forgotten(
+        user_id,
         jobs=_deleted(connection, delete(jobs).where(mine)),
         results=_deleted(connection, delete(results).where(results.c.user_id == user_id)),
         usage_rows=_deleted(connection, delete(usage).where(usage.c.user_id == user_id)),
