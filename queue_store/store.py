@@ -1,16 +1,6 @@
-"""JobStore: every rule of the queue, one method per verb.
-
-The store alone decides what the gateway works on next and guards it for the whole deployment;
-flows call these methods and never see SQL. It must not import Prefect, httpx or anything from
-`flows`. Arguments are checked in `validation` before the database is touched (FIX8), enqueue
-decisions are pure (`rules`), the lease's SQL is in `lease`, places and ETAs in `places`, the
-reads for people in `views`: this module holds the transactions that tie them together. Its
-callers name the role they use (`ports`).
-
-Concurrency: lease decisions (claim, renew, reap, settle, pause, recover) lock the one
-`ai_job_gate` row first, then read the clock: one order, one clock. A worker's every write names
-its claim's token in `holder` (FIX2). `enqueue` reads first and writes only when something
-changes (FIX7), as a compare-and-swap on `revision`, which every write bumps (a heartbeat too).
+"""JobStore: the screens' and workers' verbs, as transactions over `rules`, `lease`, `places`,
+`bulk` and `views`. Flows call these and never see SQL; it must not import Prefect, httpx or
+`flows`. Lease decisions lock the gate row, then read the clock (`StoreBase._gated`).
 """
 
 from __future__ import annotations
@@ -21,14 +11,7 @@ import socket
 from collections.abc import Iterable, Sequence
 from typing import Any, Literal, overload
 
-from sqlalchemy import (
-    Connection,
-    Row,
-    delete,
-    insert,
-    select,
-    update,
-)
+from sqlalchemy import Connection, Row, delete, insert, select, update
 from sqlalchemy.exc import IntegrityError
 
 from queue_store import bulk, lease, people, places, schema, validation, views
@@ -58,11 +41,9 @@ results = schema.results
 gate = schema.gate
 workers = schema.workers
 
-# An enqueue that keeps losing its compare-and-swap is being raced by writers
-# on the same key; a few rounds always settle it.
+# An enqueue that keeps losing its compare-and-swap (FIX7) is raced on its key; a few rounds do.
 MAX_ENQUEUE_ROUNDS = 8
-# Requests per transaction of `enqueue_many`; a user's run of requests may
-# stretch a chunk up to the most.
+# Requests per transaction of `enqueue_many`; a user's run of requests may stretch it to the most.
 BULK_CHUNK = 500
 MAX_BULK_CHUNK = 2000
 # A worker not seen for this many leases is forgotten.
@@ -70,9 +51,8 @@ FORGET_WORKERS_AFTER_LEASES = 60
 
 
 class JobStore(OperatorActions):
-    """The queue. Thread-safe; one instance per process is enough. It satisfies every role of
-    `ports`: the screens' and workers' verbs are here, the operator's in `operations`, the
-    database and its transactions in `base` (`JobStore(url, settings=..., create=...)`)."""
+    """The queue, thread-safe: one per process. It plays every role of `ports`; the operator's verbs
+    are in `operations`, the database and its transactions in `base`."""
 
     # -- R1-R6: enqueue ------------------------------------------------------
 
@@ -84,8 +64,7 @@ class JobStore(OperatorActions):
         fingerprint: str | None = None,
         priority: int = PREFETCH,
     ) -> Status:
-        """Queue one generation, or promote it; returns the job's status after the call. A screen
-        calls this on every poll: a call that changes nothing writes nothing."""
+        """Queue one generation, or promote it (R1-R6); returns the job's status after the call."""
         user_id, kind, subject = validation.key(user_id, kind, subject)
         fingerprint = validation.fingerprint(fingerprint)
         priority = validation.priority(priority)
@@ -152,11 +131,8 @@ class JobStore(OperatorActions):
                 lease.reap(connection, self._settings, now, [row])
 
     def enqueue_many(self, requests: Iterable[EnqueueRequest]) -> list[Status]:
-        """`enqueue` (and `supersede` where asked) for many keys, for backfills (see `bulk`).
-
-        Returns each request's status, in order, as the same `enqueue` calls would. Every
-        request is checked before anything is written (FIX8); then one transaction per chunk
-        of about `BULK_CHUNK`, a user's requests given together in one chunk."""
+        """`enqueue` (and `supersede`, R7) for many keys: each one's status, in order (`bulk`).
+        Every request is checked before anything is written; then a transaction per chunk."""
         checked = [_checked_request(r) for r in requests]
         statuses: list[Status] = []
         last: dt.datetime | None = None
@@ -207,7 +183,7 @@ class JobStore(OperatorActions):
     # -- reads: jobs, a screen's poll, a user's queue -----------------------------
 
     def jobs(self, ids: Iterable[str]) -> dict[str, Job]:
-        """The jobs with these ids, by id, in one read (ids with no job are left out)."""
+        """The jobs with these ids, by id (ids with no job are left out)."""
         wanted = sorted({validation.job_id(i) for i in ids})
         with self._read("jobs") as connection:
             rows = connection.execute(views.WITH_PSEUDONYM.where(jobs.c.id.in_(wanted))).all()
@@ -253,11 +229,8 @@ class JobStore(OperatorActions):
         known: str | None = None,
         queue: bool = True,
     ) -> JobState | None:
-        """A screen's poll: queue the job at the front (R1-R6), then its state (P1); one read
-        transaction when nothing changes. While `known`, the version the screen has, still
-        holds (and no run is needed), the result is not loaded: `unchanged`.
-
-        `queue=False` only reads (the CLI's `status` and `result`): None if there is no job,
+        """A screen's poll (P1): queue the job at the front (R1-R6), then its state; `unchanged`
+        while the screen's version `known` holds. `queue=False` only reads: None without a job,
         and `fresh` is judged against `fingerprint`, or the job's own without one."""
         user_id, kind, subject = validation.key(user_id, kind, subject)
         fingerprint = validation.fingerprint(fingerprint)
@@ -281,9 +254,8 @@ class JobStore(OperatorActions):
         raise DatabaseError(f"poll: job {jid[:12]}… kept changing under this call; retry")
 
     def has_work(self, *, or_running: bool = False) -> bool:
-        """Whether a claim could find something: a queued job, or a lapsed claim (only a claim
-        takes one back). Two indexed reads, never a write. `or_running`: any claim counts, for
-        a drain that stays until every call is over (a live claim may be a dead worker's)."""
+        """Whether a claim could find a queued job or a lapsed claim; never writes. `or_running`:
+        any claim counts, for a drain that stays until every call is over (W2)."""
         with self._read("has_work") as connection:
             queued = select(jobs.c.id).where(jobs.c.status == Status.PENDING).limit(1)
             if connection.execute(queued).first() is not None:
@@ -297,8 +269,7 @@ class JobStore(OperatorActions):
     # -- R8, R9, FIX1, FIX6: claim -------------------------------------------
 
     def claim_next(self, worker: str) -> Claim:
-        """Take the highest-priority runnable job, if the gateway guard allows a call now; its
-        `holder` is a fresh token `<worker>/<nonce>`, for every later write about it."""
+        """The next job, if the gate allows a call now; its `holder` names every later write."""
         worker = validation.worker(worker)
         with self._gated("claim_next") as (connection, now, state):
             return lease.claim(connection, self._settings, now, state, worker)
@@ -308,14 +279,11 @@ class JobStore(OperatorActions):
     def heartbeat(
         self, jid: str, holder: str, *, calling: bool = False, flow_run_id: str | None = None
     ) -> Renewal:
-        """Renew the claim. Anything but RENEWED means: stop the call now. `calling`: the
-        gateway call starts right after this renewal (a cut call holds the gateway from then).
-        `flow_run_id`: the attempt's entry in the run history (N4), recorded on the job, also
-        once the attempt has ended (then on the result it produced too)."""
+        """Renew the claim; anything but RENEWED means: stop the call now. `calling`: the call
+        starts right after (H1); `flow_run_id`: the attempt's run (N4), kept even after it ended."""
         jid = validation.job_id(jid)
         holder = validation.holder(holder)
-        if flow_run_id is not None:
-            flow_run_id = validation.run_id(flow_run_id)
+        flow_run_id = None if flow_run_id is None else validation.run_id(flow_run_id)
         with self._gated("heartbeat") as (connection, now, _state):
             return lease.renew(
                 connection,
@@ -337,9 +305,8 @@ class JobStore(OperatorActions):
         flow_run_id: str | None = None,
         usage: Usage | None = None,
     ) -> Status:
-        """Record the attempt's result: the job is done, and the result becomes the key's latest
-        (N1), with the tokens the answer said it used (`usage`; None: unknown, M2). Raises
-        `ClaimLost`, having changed nothing, if the claim was taken over."""
+        """The job is done and its result the key's latest (N1), with its `usage` (None: unknown).
+        Raises `ClaimLost`, having changed nothing, if the claim was taken over."""
         jid = validation.job_id(jid)
         holder = validation.holder(holder)
         output, _ = validation.result(result, self._settings.max_result_bytes)
@@ -349,8 +316,7 @@ class JobStore(OperatorActions):
         )
         if duration_seconds is not None:
             duration_seconds = validation.seconds("duration_seconds", duration_seconds)
-        if flow_run_id is not None:
-            flow_run_id = validation.run_id(flow_run_id)
+        flow_run_id = None if flow_run_id is None else validation.run_id(flow_run_id)
 
         with self._gated("finish") as (connection, now, _state):
             row = lease.held_row(connection, jid, holder)
@@ -394,11 +360,8 @@ class JobStore(OperatorActions):
         duration_seconds: float | None = None,
         answer: Usage | bool = False,
     ) -> Settlement:
-        """Settle an attempt that ended without a result, by the rule for `failure`.
-
-        The rules are in docs/rules.md (N2, G1-G4). Raises `ClaimLost`, having changed nothing,
-        if the claim was taken over. `duration_seconds`: how long the call took, if one was
-        made; `answer`: the tokens an answer said it used, True if one came that did not say."""
+        """Settle an attempt that ended without a result by the rule for `failure` (N2, G1-G4), or
+        raise `ClaimLost`. `answer`: the tokens an answer said it used, True if it did not say."""
         jid = validation.job_id(jid)
         holder = validation.holder(holder)
         if not isinstance(failure, Failure):
@@ -406,8 +369,7 @@ class JobStore(OperatorActions):
         error = self._error(error)
         if retry_after is not None:
             retry_after = validation.seconds("retry_after", retry_after)
-        if flow_run_id is not None:
-            flow_run_id = validation.run_id(flow_run_id)
+        flow_run_id = None if flow_run_id is None else validation.run_id(flow_run_id)
         if duration_seconds is not None:
             duration_seconds = validation.seconds("duration_seconds", duration_seconds)
         with self._gated("fail") as (connection, now, state):
@@ -433,7 +395,7 @@ class JobStore(OperatorActions):
     def presence(
         self, name: str, role: str, info: dict[str, Any] | None = None, *, leaving: bool = False
     ) -> None:
-        """Say that this consumer is alive (every few seconds), or, `leaving`, that it stops."""
+        """Say that this consumer is alive (W1), or, `leaving`, that it stops."""
         name = validation.worker(name)
         role = validation.text("role", role, 32)
         if leaving:
