@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -37,15 +38,11 @@ class Retention:
     days: float
     by_kind: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
-    def cutoffs(self, now: dt.datetime, kind: Any) -> list[tuple[Any, dt.datetime]]:
-        """(which rows, before when) for the default and each kind of its own, by the column
-        `kind`."""
+    def cutoffs(self, now: dt.datetime, kind: Any) -> list[tuple[list[Any], dt.datetime]]:
+        """(conditions on the column `kind`, before when): the default, and each kind's own."""
         kinds = sorted(self.by_kind)
-        found: list[tuple[Any, dt.datetime]] = [
-            (kind.not_in(kinds) if kinds else None, _before(now, self.days))
-        ]
-        found += [(kind == name, _before(now, self.by_kind[name])) for name in kinds]
-        return found
+        found = [([kind.not_in(kinds)] if kinds else [], _before(now, self.days))]
+        return found + [([kind == name], _before(now, self.by_kind[name])) for name in kinds]
 
 
 def _before(now: dt.datetime, days: float) -> dt.datetime:
@@ -55,13 +52,11 @@ def _before(now: dt.datetime, days: float) -> dt.datetime:
 def prune_jobs(
     connection: Connection, retention: Retention, now: dt.datetime, *, count_only: bool
 ) -> tuple[int, int]:
-    """One chunk of finished jobs past retention, with their results: (jobs, results) deleted
-    (or, `count_only`, that would be, counted in full)."""
+    """A chunk of finished jobs past retention with their results: (jobs, results) deleted, or with
+    `count_only`, all of them counted."""
     deleted_jobs = deleted_results = 0
     for kinds, cutoff in retention.cutoffs(now, jobs.c.kind):
-        past = [jobs.c.status.in_(FINISHED), jobs.c.finished_at < cutoff]
-        if kinds is not None:
-            past.append(kinds)
+        past = [jobs.c.status.in_(FINISHED), jobs.c.finished_at < cutoff, *kinds]
         if count_only:
             deleted_jobs += _count(connection, select(jobs.c.id).where(*past))
             deleted_results += _count(
@@ -88,28 +83,20 @@ def prune_jobs(
 def prune_orphan_results(
     connection: Connection, retention: Retention, now: dt.datetime, *, count_only: bool
 ) -> int:
-    """Results past retention whose job is gone (superseded): a chunk of them."""
+    """Results past retention whose job is gone (superseded)."""
     no_job = ~exists().where(jobs.c.id == results.c.job_id)
     found = 0
     for kinds, cutoff in retention.cutoffs(now, results.c.kind):
-        past = [results.c.produced_at < cutoff, no_job]
-        if kinds is not None:
-            past.append(kinds)
-        if count_only:
-            found += _count(connection, select(results.c.job_id).where(*past))
-            continue
-        chosen = _chunk(connection, select(results.c.job_id).where(*past))
-        if chosen:
-            statement = delete(results).where(results.c.job_id.in_(chosen), *past)
-            found += _deleted(connection, statement)
+        past = [results.c.produced_at < cutoff, no_job, *kinds]
+        found += _prune(connection, results.c.job_id, past, count_only)
     return found
 
 
 def fold_usage(
     connection: Connection, retention: Retention, now: dt.datetime, *, count_only: bool
 ) -> int:
-    """A chunk of users' daily token usage past retention, folded into the day's totals of no
-    one (M2 counts stay right; who used them is gone). Returns the user rows folded."""
+    """Users' daily token usage past retention, folded into the day's totals of no one (M2 sums
+    stay right); returns the user rows folded."""
     cutoff = _before(now, retention.days).date()
     past = and_(usage.c.day < cutoff, usage.c.user_id != NO_ONE)
     if count_only:
@@ -125,14 +112,12 @@ def fold_usage(
         .where(tuple_(*key).in_(keys), past)
         .returning(usage.c.day, usage.c.kind, *(usage.c[name] for name in tallies.SUMMED))
     ).all()
-    totals: dict[tuple[Any, str], list[int]] = {}
+    totals: dict[tuple[Any, str], Counter[str]] = defaultdict(Counter)
     for row in gone:
-        summed = totals.setdefault((row.day, row.kind), [0] * len(tallies.SUMMED))
-        for n, name in enumerate(tallies.SUMMED):
-            summed[n] += int(row._mapping[name])
+        totals[row.day, row.kind].update({name: int(row._mapping[name]) for name in tallies.SUMMED})
     for (day, kind), summed in sorted(totals.items()):
         statement = schema.upsert(connection, usage).values(
-            day=day, user_id=NO_ONE, kind=kind, **dict(zip(tallies.SUMMED, summed, strict=True))
+            day=day, user_id=NO_ONE, kind=kind, **{name: summed[name] for name in tallies.SUMMED}
         )
         added = {name: usage.c[name] + statement.excluded[name] for name in tallies.SUMMED}
         connection.execute(statement.on_conflict_do_update(index_elements=list(key), set_=added))
@@ -140,19 +125,25 @@ def fold_usage(
 
 
 def prune_people(connection: Connection, *, count_only: bool) -> int:
-    """People with nothing left in the store: a chunk of them, no longer known (their old runs
-    in the history can no longer be tied to them)."""
+    """People with nothing left in the store, no longer known (D2)."""
     nothing_left = and_(
         ~exists().where(jobs.c.user_id == people.c.user_id),
         ~exists().where(results.c.user_id == people.c.user_id),
         ~exists().where(usage.c.user_id == people.c.user_id),
     )
+    return _prune(connection, people.c.user_id, [nothing_left], count_only)
+
+
+def _prune(connection: Connection, key: Any, past: list[Any], count_only: bool) -> int:
+    """A chunk of the rows `past` picks, deleted by `key` and re-checked as they go; or, with
+    `count_only`, all of them counted."""
+    query = select(key).where(*past)
     if count_only:
-        return _count(connection, select(people.c.user_id).where(nothing_left))
-    chosen = _chunk(connection, select(people.c.user_id).where(nothing_left))
+        return _count(connection, query)
+    chosen = _chunk(connection, query)
     if not chosen:
         return 0
-    return _deleted(connection, delete(people).where(people.c.user_id.in_(chosen), nothing_left))
+    return _deleted(connection, delete(key.table).where(key.in_(chosen), *past))
 
 
 def _chunk(connection: Connection, query: Any) -> list[Any]:
@@ -161,8 +152,8 @@ def _chunk(connection: Connection, query: Any) -> list[Any]:
 
 
 def _skip_locked(connection: Connection, query: Any) -> Any:
-    """`query` locking what it reads, past rows another pruner holds (PostgreSQL; SQLite's
-    write lock already serialises pruners)."""
+    """`query` locking what it reads, past rows another pruner holds (on PostgreSQL: SQLite's
+    write lock serialises pruners already)."""
     if connection.dialect.name == "postgresql":
         return query.with_for_update(skip_locked=True)
     return query
