@@ -1,9 +1,5 @@
-"""The one clock every lease decision reads (L1), never a worker's own wall clock.
-
-PostgreSQL's `clock_timestamp()`, read after the gate lock; on SQLite (one host) the
-host's monotonic clock, which every process shares and no NTP step or `date -s` moves,
-anchored to UTC in the database once per boot (README, "The clock"). Tests may inject a
-clock (`JobStore(clock=...)`) returning aware UTC times.
+"""The one clock every lease decision reads (L1): PostgreSQL's, or on SQLite the host's monotonic
+clock anchored to UTC in the database once per boot; never a worker's own wall clock.
 """
 
 from __future__ import annotations
@@ -26,25 +22,22 @@ ClockFunction = Callable[[], dt.datetime]
 
 
 class Clock(Protocol):
-    """The store's time source; `connection` is the transaction asking."""
-
     def now(self, connection: Connection) -> dt.datetime: ...
 
     def prepare(self, connection: Connection) -> None:
         """Called inside every write transaction that makes a lease decision."""
+        return None
 
 
 def boot_id() -> str:
     """This host's boot identity: it changes when the monotonic clock restarts."""
     try:
         return BOOT_ID_FILE.read_text().strip()
-    except OSError:
-        # No /proc (macOS, BSD): the wall time at which the monotonic clock
-        # started, to the minute, identifies the boot well enough.
+    except OSError:  # no /proc: when the monotonic clock started, to the minute, will do
         return f"booted@{int((time.time() - time.monotonic()) // 60)}"
 
 
-class DatabaseClock:
+class DatabaseClock(Clock):
     """PostgreSQL's `clock_timestamp()`, read inside the asking transaction."""
 
     def now(self, connection: Connection) -> dt.datetime:
@@ -53,11 +46,8 @@ class DatabaseClock:
         ).scalar_one()
         return _aware(value)
 
-    def prepare(self, connection: Connection) -> None:
-        return None
 
-
-class HostClock:
+class HostClock(Clock):
     """The host's monotonic clock as UTC, through an anchor kept in the SQLite database."""
 
     def __init__(
@@ -74,9 +64,7 @@ class HostClock:
 
     def now(self, connection: Connection) -> dt.datetime:
         anchor = self._anchor or self._read_anchor(connection)
-        if anchor is None:
-            # Not yet anchored on this boot: only read paths get here (ETAs,
-            # displays), and the next write transaction lays the anchor.
+        if anchor is None:  # not yet on this boot: only reads get here, the next write lays it
             return self._wall()
         wall, mono = anchor
         return wall + dt.timedelta(seconds=self._monotonic() - mono)
@@ -117,8 +105,7 @@ class HostClock:
             "clock_anchor_mono": mono,
         }
         if previous is not None:
-            # Times of the old boot may be ahead of the new anchor if the wall
-            # clock was set back across the reboot; never let them hold the gate.
+            # A wall clock set back across the reboot: the old boot's times must not hold the gate.
             for name in ("last_finished_at", "last_answer_at"):
                 value = getattr(previous, name)
                 if value is not None and value > wall:
@@ -136,8 +123,8 @@ class HostClock:
         self._anchor = (wall, mono)
 
 
-class InjectedClock:
-    """A clock handed in by the caller (tests): used for every decision."""
+class InjectedClock(Clock):
+    """A clock handed in by the caller (tests)."""
 
     def __init__(self, clock: ClockFunction) -> None:
         self._clock = clock
@@ -147,9 +134,6 @@ class InjectedClock:
         if value.tzinfo is None:
             raise InvalidArgument("clock", "must return timezone-aware UTC times")
         return value.astimezone(dt.UTC)
-
-    def prepare(self, connection: Connection) -> None:
-        return None
 
 
 def _aware(value: dt.datetime) -> dt.datetime:
