@@ -1,8 +1,5 @@
-"""One settings object, read from the environment by pydantic-settings.
-
-`Settings` reads `AI_JOBS` and `AI_JOB_*`, its `gateway` `AI_GATEWAY_*`, its `api`
-`AI_API_*`; unset or empty means the default, and a bad value is one line naming
-its variable. No Prefect or httpx: `flows` reads the gateway settings as data.
+"""One settings object, read from the environment by pydantic-settings: `AI_JOB_*`, `AI_GATEWAY_*`
+and `AI_API_*`; unset or empty means the default, and a bad value is one line naming its variable.
 """
 
 from __future__ import annotations
@@ -26,32 +23,27 @@ _MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 
 
 def default_data_dir() -> Path:
-    """Where the embedded default keeps its SQLite file and Prefect home."""
     return Path(platformdirs.user_data_dir("insight-queue", appauthor=False))
 
 
-_COMMON = SettingsConfigDict(
-    frozen=True,
-    extra="forbid",
-    env_ignore_empty=True,
-    populate_by_name=True,
-    validate_default=True,
-    allow_inf_nan=False,
-)
-
-
-def _config(prefix: str) -> SettingsConfigDict:
-    return {**_COMMON, "env_prefix": prefix}
-
-
 def _f(default: Any, help: str, variable: str | AliasChoices | None = None, **checks: Any) -> Any:
-    """A setting: its default, its help, and its variable where it does not follow the prefix
-    (the first of several names, the others still read)."""
+    """A setting, with its variable where it does not follow the prefix (the first is shown)."""
     alias = AliasChoices(variable) if isinstance(variable, str) else variable
     return Field(default=default, validation_alias=alias, description=help, **checks)
 
 
 class _Checked(BaseSettings):
+    """Settings whose errors are one line naming the variable; subclasses add their prefix."""
+
+    model_config = SettingsConfigDict(
+        frozen=True,
+        extra="forbid",
+        env_ignore_empty=True,
+        populate_by_name=True,
+        validate_default=True,
+        allow_inf_nan=False,
+    )
+
     def __init__(self, **values: Any) -> None:
         try:
             super().__init__(**values)
@@ -60,7 +52,7 @@ class _Checked(BaseSettings):
 
 
 class GatewaySettings(_Checked):
-    model_config = _config("AI_GATEWAY_")
+    model_config = SettingsConfigDict(env_prefix="AI_GATEWAY_")
 
     url: str = _f("http://127.0.0.1:8765", "base URL of the LLM gateway")
     path: str = _f("/v1/chat/completions", "path of the chat-completions endpoint")
@@ -96,10 +88,9 @@ MIN_SECRET_BYTES = 32  # of a screen token's HS256 secret (RFC 7518: at least th
 
 
 class ApiSettings(_Checked):
-    """The HTTP API's callers and edges. Unset credentials are made once and kept in the data
-    directory (`insight-queue api` says where); nothing is open without one."""
+    """The HTTP API's callers and edges; unset credentials are made once, in the data directory."""
 
-    model_config = _config("AI_API_")
+    model_config = SettingsConfigDict(env_prefix="AI_API_")
 
     operator_token: SecretStr = _f(
         SecretStr(""),
@@ -161,9 +152,9 @@ def _listed(text: str) -> list[str]:
 
 
 class Settings(_Checked):
-    """Every setting; `Settings()` reads the environment, keyword arguments (field names) win."""
+    """`Settings()` reads the environment; keyword arguments (field names) win."""
 
-    model_config = _config("AI_JOB_")
+    model_config = SettingsConfigDict(env_prefix="AI_JOB_")
 
     enabled: bool = _f(True, "false/0/no disables the consumer (never the store)", "AI_JOBS")
     database_url: str = _f("", "the store: sqlite:///... or postgresql://...")
@@ -231,37 +222,35 @@ class Settings(_Checked):
 
     @property
     def lease_margin(self) -> float:
-        """Seconds a worker stops before its claim could lapse (a sixth of the lease by default)."""
         if self.lease_margin_seconds is None:
             return self.lease_seconds / 6
         return self.lease_margin_seconds
 
     @property
     def call_timeout(self) -> float:
-        """Seconds one gateway call may take in all, never longer than one attempt may last."""
+        """Seconds one gateway call may take in all (G3)."""
         return min(self.gateway.read_timeout, self.claim_timeout_seconds - self.lease_margin)
 
     @property
     def cut_hold(self) -> float:
-        """Seconds from a call's start that a call cut on our side still holds the gateway (H1):
-        by default the read timeout, the longest the gateway is expected to work on one call."""
+        """Seconds from its start that a call cut on our side holds the gateway (H1)."""
         hold = self.gateway.cut_hold_seconds
         return self.gateway.read_timeout if hold is None else hold
 
     @property
     def store(self) -> StoreConfig:
-        """What the store decides with: its rules' numbers, and no secret."""
+        """What the store's rules read, and no secret."""
         return StoreConfig(
             **{f.name: getattr(self, f.name) for f in dataclasses.fields(StoreConfig)}
         )
 
     @property
     def plugin_modules(self) -> list[str]:
-        return [name.strip() for name in self.plugins.split(",") if name.strip()]
+        return _listed(self.plugins)
 
     def secrets(self) -> list[str]:
-        """Every secret these settings hold, as text may echo it: the tokens, and the user, the
-        password and `user:password` of each URL (libpq also takes `?password=`)."""
+        """Every secret these settings hold, as text may echo it: the tokens, and each URL's user,
+        password and `user:password` (libpq also takes `?password=`)."""
         api = self.api
         found = [
             self.gateway.token.get_secret_value(),
@@ -284,7 +273,7 @@ class Settings(_Checked):
         return [secret for secret in found if secret]
 
     def public(self) -> dict[str, Any]:
-        """Every setting by its variable, as shown to people: secrets and URL credentials masked."""
+        """Every setting by its variable, secrets and URL credentials masked."""
         shown: dict[str, Any] = {}
         for variable, _, value in _entries(self):
             if isinstance(value, SecretStr):
@@ -314,7 +303,7 @@ class Settings(_Checked):
 
 @dataclasses.dataclass(frozen=True)
 class StoreConfig:
-    """The settings the store's rules read (`Settings.store`), under the same names: no secret."""
+    """The settings the store's rules read (`Settings.store`), under the same names."""
 
     concurrency: int
     gap_seconds: float
@@ -353,7 +342,7 @@ def _entries(settings: BaseSettings | None = None) -> Iterator[tuple[str, str, A
 
 
 def variables() -> dict[str, str]:
-    """Every setting's variable and its help, in declaration order."""
+    """Every setting's variable and its help."""
     return {variable: help for variable, help, _ in _entries()}
 
 
