@@ -1,10 +1,5 @@
-"""The store's ground floor: its engine, its clock, and the transactions every verb runs in.
-
-`StoreBase` opens the database, checks (on SQLite, creates or upgrades) its schema, and hands
-its verbs three kinds of transaction: a read, a write, and a write that holds the gate lock
-with the clock read after it (every lease decision). The verbs themselves are in `store`
-(screens and workers) and `operations` (the operator's).
-"""
+"""The store's ground floor: its engine, its clock, its schema check, and the transactions every
+verb runs in: a read, a write, and a write holding the gate lock (every lease decision)."""
 
 from __future__ import annotations
 
@@ -30,13 +25,9 @@ logger = logging.getLogger(__name__)
 
 
 class StoreBase:
-    """The database, the clock and the transactions of one store (see `JobStore`).
-
-    `settings` (default: the environment) is read once: the store keeps the numbers its rules
-    use (`Settings.store`) and a redactor of the secrets, nothing else. `create`: a SQLite store
-    whose file or schema is missing or behind is created or upgraded on first use (PostgreSQL
-    needs `insight-queue db upgrade`); with `create=False` a missing SQLite file is an error and
-    nothing is created (read-only commands)."""
+    """The database, the clock and the transactions of one store (see `JobStore`). It keeps of
+    `settings` only its rules' numbers and a redactor. `create`: a SQLite store is created or
+    upgraded on first use; with `create=False` a missing SQLite file is an error (read-only)."""
 
     def __init__(
         self,
@@ -71,8 +62,6 @@ class StoreBase:
                 self._engine.dispose()
                 raise
 
-    # -- lifecycle ---------------------------------------------------------
-
     def close(self) -> None:
         self._engine.dispose()
 
@@ -99,8 +88,6 @@ class StoreBase:
                 f"the database at {shown_url(self._engine.url)} has {found}; this version needs "
                 f"revision {schema.SCHEMA_REVISION}. Run `insight-queue db upgrade` to upgrade it."
             )
-
-    # -- plumbing ------------------------------------------------------------
 
     @contextmanager
     def _transaction(self, operation: str, *, write: bool) -> Iterator[Connection]:
@@ -133,8 +120,7 @@ class StoreBase:
             yield connection, now, state
 
     def _checkpoint(self) -> None:
-        """On SQLite, what was deleted leaves the write-ahead log too: the log is copied into
-        the database (where `secure_delete` zeroed the rows) and truncated."""
+        """On SQLite, what was deleted leaves the write-ahead log too (D3)."""
         if not self._is_sqlite:
             return
         raw = self._engine.raw_connection()
@@ -149,7 +135,7 @@ class StoreBase:
         return self._clock.now(connection)
 
     def _error(self, value: object, name: str = "error") -> str:
-        """An error text as stored: checked, cut, and with every secret removed (G5)."""
+        """An error text as stored: checked, cut, and without secrets (G5)."""
         return validation.error_text(self._redact(validation.error_text(value, name)), name)
 
 

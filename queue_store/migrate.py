@@ -1,8 +1,7 @@
 """Schema migrations: upgrade a database to what this code needs, or say how.
 
-Alembic runs on a connection we open, with its own version table so the store can share a
-database with an application that uses Alembic too. It is imported only to upgrade: reading the
-revision is one query, and every command that opens a store reads it.
+Alembic has its own version table (a database may be shared with an app's Alembic), and is
+imported only to upgrade: every command that opens a store reads the revision with one query.
 """
 
 from __future__ import annotations

@@ -1,14 +1,7 @@
-"""The queue's order (R8, R8b), and place in line and ETA (N3, P2), bounded at any backlog.
+"""The queue's order (R8, R8b, A3), and place in line and ETA (N3, P2).
 
-Pending jobs are taken by priority, age, id (`AI_JOB_ORDER=fifo`), or by priority, turn, age, id
-(`fair`, the default): a job's turn is the one being served in its class (interactive or
-prefetch) for a user with nothing waiting there, else the one after its user's last waiting
-job's, so users who sync together alternate, and so do users whose screens ask together (A3).
-Each order is an index. A place counts the pending jobs before a
-job from the index's head, stopping after `PLACE_BOUND + 1` entries, so it costs the same at any
-backlog; beyond that it says "more than `PLACE_BOUND`" and its ETA is a lower bound. An ETA adds
-what is left of the calls in flight, the mean duration per kind of every job ahead, a gap after
-each call, any pause or gap still running, and the job's own call.
+Each order is an index; a place counts its entries from the head, at most `PLACE_BOUND + 1`, so it
+costs the same at any backlog.
 """
 
 from __future__ import annotations
@@ -30,8 +23,7 @@ gate = schema.gate
 durations = schema.kind_durations
 holds = schema.holds
 
-# Jobs counted ahead of one before its place becomes "more than".
-PLACE_BOUND = 1000
+PLACE_BOUND = 1000  # jobs counted ahead of one before its place becomes "more than"
 # Weight of the newest sample in a kind's moving mean, once it has this many.
 DURATION_WINDOW = 20
 FIFO = (jobs.c.priority, jobs.c.queued_at, jobs.c.id)  # ix_ai_jobs_queue
@@ -41,7 +33,6 @@ HOLD_ENDS = select(holds.c.until)
 
 
 def order(settings: StoreConfig) -> tuple[Any, ...]:
-    """The claim order's columns: the order of one of the queue's indexes."""
     return FAIR if settings.order == "fair" else FIFO
 
 
@@ -50,10 +41,9 @@ def order_key(job: Job, settings: StoreConfig) -> tuple[Any, ...]:
 
 
 def _last_turn(interactive: bool) -> Any:
-    """A user's last turn among their waiting jobs of one class. The filter sits inside the
-    aggregate so that the user is the only condition an index can serve: with the status and
-    priority in the WHERE, a planner without statistics walks the fair index through every
-    waiting job."""
+    """A user's last turn among their waiting jobs of one class."""
+    # The filter sits inside the aggregate so that the user is the only condition an index can
+    # serve: with them in the WHERE, a planner without statistics walks the fair index.
     of_class = jobs.c.priority <= INTERACTIVE if interactive else jobs.c.priority > INTERACTIVE
     return func.max(case((and_(jobs.c.status == Status.PENDING, of_class), jobs.c.turn)))
 
@@ -65,9 +55,7 @@ SERVED_INTERACTIVE_TURN = select(gate.c.interactive_turn).where(gate.c.id == sch
 
 
 def next_turn(connection: Connection, settings: StoreConfig, user_id: str, priority: int) -> int:
-    """The turn of a job entering the queue now (R8b, A3): the turn being served in its class
-    (interactive or prefetch) for a user with nothing waiting in it, else the one after the
-    user's last waiting job's; 0 under fifo."""
+    """The turn of a job entering the queue now (R8b, A3); 0 under fifo."""
     if settings.order != "fair":
         return 0
     interactive = priority <= INTERACTIVE
@@ -81,9 +69,8 @@ def next_turn(connection: Connection, settings: StoreConfig, user_id: str, prior
 def cap_interactive(
     connection: Connection, settings: StoreConfig, user_id: str, now: dt.datetime
 ) -> int:
-    """At most `max_interactive` waiting interactive jobs per user (A3): those asked for longest
-    ago fall back to prefetch priority, in a prefetch turn (a person looks at one screen at a
-    time). Returns how many fell back."""
+    """At most `max_interactive` waiting interactive jobs per user: those asked for longest ago
+    fall back to prefetch priority (A3). Returns how many fell back."""
     waiting = connection.execute(
         select(jobs.c.id, jobs.c.revision)
         .where(
@@ -110,7 +97,6 @@ def cap_interactive(
 
 
 def turn_after(served: int, last: int | None) -> int:
-    """A job's turn, after the turn being served and its user's last waiting job's."""
     return served if last is None else max(served, int(last) + 1)
 
 
@@ -139,7 +125,6 @@ class Outlook:
         return Position(Status.RUNNING, 0, self.in_flight, left)
 
     def waiting(self, ahead: int, kinds_ahead: dict[str, int], kind: str) -> Position:
-        """The position of a pending job with these jobs (by kind) ahead, up to the bound."""
         exact = ahead <= PLACE_BOUND
         counted = min(ahead, PLACE_BOUND)
         work = sum(self.duration(k) * n for k, n in kinds_ahead.items())
@@ -172,8 +157,7 @@ def outlook(
     gate: Row[Any],
     running: Sequence[Row[Any]],
 ) -> Outlook:
-    """The outlook from the gate row and the running rows (kind, claimed_at, heartbeat_at), with
-    the holds of cut calls (H1): each is a call in flight until its end, known to the second."""
+    """What ETAs start from; a hold of a cut call is a call in flight until its end (H1)."""
     kept = connection.execute(MEANS)
     means = {k: float(m) for k, m in kept}
     default = settings.default_duration_seconds
@@ -196,12 +180,8 @@ def outlook(
     return Outlook(len(live) + len(holding), remaining, held_back, means, default, settings)
 
 
-def _pending_before(settings: StoreConfig, key: tuple[Any, ...]) -> Any:
-    """The pending jobs before `key` in claim order, head first."""
-    return _pending_before_columns(order(settings), key)
-
-
-def _pending_before_columns(columns: tuple[Any, ...], key: tuple[Any, ...]) -> Any:
+def _pending_before(columns: tuple[Any, ...], key: tuple[Any, ...]) -> Any:
+    """The pending jobs before `key` in the order of `columns`, head first."""
     # The plain comparison on the priority adds nothing to the row comparison
     # but a row estimate that keeps PostgreSQL on the index.
     return (
@@ -215,7 +195,7 @@ def _pending_before_columns(columns: tuple[Any, ...], key: tuple[Any, ...]) -> A
 def _kinds_ahead(columns: tuple[Any, ...]) -> Any:
     """The kinds of the pending jobs before a key given as `k0`, `k1`, ... (bounded)."""
     key = tuple(bindparam(f"k{n}", type_=c.type) for n, c in enumerate(columns))
-    ahead = _pending_before_columns(columns, key).limit(PLACE_BOUND + 1).subquery()
+    ahead = _pending_before(columns, key).limit(PLACE_BOUND + 1).subquery()
     return select(ahead.c.kind, func.count()).group_by(ahead.c.kind)
 
 
@@ -224,7 +204,7 @@ KINDS_AHEAD = {"fifo": _kinds_ahead(FIFO), "fair": _kinds_ahead(FAIR)}
 
 
 def ahead_of(connection: Connection, settings: StoreConfig, job: Job) -> tuple[int, dict[str, int]]:
-    """How many pending jobs are before `job` (up to the bound plus one), and their kinds."""
+    """How many pending jobs are before `job` (at most the bound plus one), and their kinds."""
     key = {f"k{n}": value for n, value in enumerate(order_key(job, settings))}
     counted = connection.execute(KINDS_AHEAD[settings.order], key)
     kinds = {str(kind): int(count) for kind, count in counted}
@@ -234,7 +214,7 @@ def ahead_of(connection: Connection, settings: StoreConfig, job: Job) -> tuple[i
 def positions(
     connection: Connection, view: Outlook, now: dt.datetime, listed: Sequence[Job]
 ) -> dict[str, Position]:
-    """Positions of the listed jobs that are pending or running, by job id: one bounded read."""
+    """Positions of the listed jobs that wait or run, by id: one bounded read."""
     found = {j.id: view.running(j, now) for j in listed if j.status == Status.RUNNING}
     settings = view.settings
     pending = [j for j in listed if j.status == Status.PENDING]
@@ -243,7 +223,7 @@ def positions(
         return found
     # The head of the queue up to the last job asked about, at most the bound and one.
     last = order_key(waiting[-1], settings)
-    head = connection.execute(_pending_before(settings, last).limit(PLACE_BOUND + 1)).all()
+    head = connection.execute(_pending_before(order(settings), last).limit(PLACE_BOUND + 1)).all()
     index = {row.id: n for n, row in enumerate(head)}
     kinds: dict[str, int] = {}
     counted = 0
@@ -260,7 +240,7 @@ def positions(
 def queue_entries(
     view: Outlook, now: dt.datetime, running: Sequence[Job], waiting: Sequence[Job]
 ) -> tuple[list[QueueEntry], list[QueueEntry]]:
-    """Running and the first waiting jobs (already in worker order) with place and ETA."""
+    """Running and the first waiting jobs (in worker order) with place and ETA."""
     running_entries = []
     for j in running:
         elapsed = (now - j.claimed_at).total_seconds() if j.claimed_at else None

@@ -1,13 +1,6 @@
-"""The store by role: what each kind of caller may ask of it.
+"""The store by role: `WorkerStore` (a consumer), `ScreenStore` (the app's side), `OperatorStore`.
 
-`JobStore` is the one implementation and satisfies every role; a caller names the role it uses,
-so a reader sees at a glance what a component can do to the queue, and a test can stand in a
-small fake for one role. The rules behind each verb are in docs/rules.md.
-
-- `WorkerStore`: a consumer and the runner of one attempt: claim, renew, settle, say alive.
-- `ScreenStore`: the app's side: a screen's poll, the post-sync hook's backfill, the jobs a run
-  follows, and who a pseudonym in the run history stands for.
-- `OperatorStore`: the queue at a glance and the operator's actions on it.
+`JobStore` plays every role; a caller names the one it uses, and a test may fake just that one.
 """
 
 from __future__ import annotations

@@ -1,13 +1,6 @@
-"""Redaction of secrets in every form they can be echoed in (G5).
-
-A gateway may echo our bearer token in an error body: plainly, JSON-escaped (`sk-abc\\/def=`, or
-every character as `\\u0073...`), URL-encoded, in a bytes repr, escaped twice, any mixture of
-these, or inside the base64 of `user:token` of a basic-auth header. A URL setting may carry
-`user:password@` or `?password=`. `Redactor` is given the secrets (`Settings.secrets()`) and
-removes every such form from a text; the store applies it to every error it stores, the flows
-to every message, log line and run-history entry they write.
-
-Pure Python: no Prefect, no httpx.
+"""Redaction of secrets in every form a gateway may echo them in (G5): plain, JSON-escaped,
+URL-encoded, in a bytes repr, escaped twice, any mixture of these, or inside base64; and URL
+credentials. Pure Python: no Prefect, no httpx.
 """
 
 from __future__ import annotations
@@ -48,25 +41,17 @@ _SHORT_ESCAPES = {
 
 
 def _hex(value: int, width: int) -> str:
-    """A pattern for `value` in hexadecimal, either case."""
+    """`value` in hexadecimal, either case."""
     digits = f"{value:0{width}x}"
     return "".join(f"[{d}{d.upper()}]" if d.isalpha() else d for d in digits)
 
 
 def _character(c: str) -> str:
-    """A pattern for one character of a secret, in every escape a text can give it.
-
-    As it is; JSON's `\\uXXXX` (a surrogate pair beyond the BMP), a Python bytes repr's `\\xNN`
-    per UTF-8 byte, or a short escape such as `\\/` and `\\"`, each behind up to
-    `MAX_ESCAPE_BACKSLASHES` backslashes (a JSON string inside a JSON string, and so on);
-    percent-encoded per UTF-8 byte, either case; `+` for a space. Characters are matched one by
-    one, so any mixture of these is found: an encoder that escapes only some characters, or a
-    log that escaped it twice.
-
-    The runs of backslashes are bounded, and taken whole except for a backslash of the secret
-    itself (which may share its run with the escape of the next character, `\\\\\\u003c`), so
-    the time to search a text stays linear in its length whatever the text holds.
-    """
+    """A pattern for one character of a secret in every escape a text can give it: JSON's
+    `\\uXXXX`, a bytes repr's `\\xNN`, a short escape, each behind up to `MAX_ESCAPE_BACKSLASHES`;
+    percent-encoding; `+` for a space. Matched one by one, so any mixture is found."""
+    # Runs of backslashes are bounded, and taken whole but for a backslash of the secret itself
+    # (which may share its run with the next character's escape): search time stays linear.
     units = c.encode("utf-16-be")
     raw = c.encode("utf-8")
     escape = rf"\\{{1,{MAX_ESCAPE_BACKSLASHES}}}+"
@@ -89,7 +74,6 @@ def _character(c: str) -> str:
 
 
 def _spelled(text: str) -> str:
-    """A pattern for `text` with each character in any of its escapes."""
     return "".join(_character(c) for c in text)
 
 
@@ -110,12 +94,7 @@ def _base64_cores(secret: bytes) -> set[str]:
 
 
 def forms_of(secret: str) -> set[str]:
-    """The renderings of `secret` that `Redactor` searches for, before escaping.
-
-    The secret itself and the base64 stretches that encode only it; each is
-    then matched with every character in any escape (`_character`), which
-    covers JSON, URL and repr encodings and their mixtures.
-    """
+    """The secret and the base64 stretches that encode only it, before escaping (`_character`)."""
     if len(secret) < MIN_SECRET_LENGTH:
         return set()
     return {secret} | _base64_cores(secret.encode())
@@ -132,8 +111,8 @@ def _masked(found: re.Match[str]) -> str:
 
 
 def mask_url(url: str) -> str:
-    """A URL (or a text holding URLs) with its credentials masked: a database's
-    `user:***@`, a gateway's `***@`, and `password=***`."""
+    """A URL (or a text holding URLs) with its credentials masked: a database's `user:***@`, a
+    gateway's `***@`, and `password=***`."""
     return _PASSWORD_IN_QUERY.sub(r"\1***", _USERINFO.sub(_masked, url))
 
 
@@ -156,7 +135,7 @@ class Redactor:
 
 
 class RedactingFilter(logging.Filter):
-    """A logging filter that redacts every record's message (its arguments included)."""
+    """Redacts every record's message, its arguments included."""
 
     def __init__(self, redactor: Redactor) -> None:
         super().__init__()
@@ -170,9 +149,7 @@ class RedactingFilter(logging.Filter):
         redacted = self._redact(message)
         if redacted != message or record.args:
             record.msg, record.args = redacted, None
-        if record.exc_text:
-            # Another handler formatted the traceback first and cached it in
-            # the record: formatters print that cache as it is.
+        if record.exc_text:  # a traceback another handler cached: formatters print it as it is
             record.exc_text = self._redact(record.exc_text)
         elif record.exc_info and record.exc_info[1] is not None:
             record.exc_text = self._redact(logging.Formatter().formatException(record.exc_info))

@@ -1,10 +1,5 @@
-"""The enqueue rules (R1-R6, FIX4, FIX7) as a pure decision over one row.
-
-`decide` looks at a job's row and what a caller asks for, and says what the
-job's status is after the call and which columns must change (None: nothing,
-and nothing is written). It never touches the database, so every rule can be
-read, and tested, as a table. The rule codes are explained in docs/rules.md.
-"""
+"""The enqueue rules (R1-R6, FIX4, FIX7) as a pure decision over one row: no database, so every
+rule can be read, and tested, as a table."""
 
 from __future__ import annotations
 
@@ -21,7 +16,6 @@ WORKER_LOST = (
 )
 
 
-# No claim on a job: what every way back into the queue writes.
 UNCLAIMED: dict[str, Any] = {
     "holder": None,
     "worker": None,
@@ -32,7 +26,7 @@ UNCLAIMED: dict[str, Any] = {
 
 
 def queued_anew(now: dt.datetime, **more: Any) -> dict[str, Any]:
-    """A finished job back in the queue as if new: no claim, no attempts, no error (R5, R10)."""
+    """A finished job back in the queue as if new (R5, R10)."""
     return {
         "status": Status.PENDING,
         **UNCLAIMED,
@@ -54,8 +48,7 @@ class Decision:
 
 
 def lapsed(row: Any, now: dt.datetime, settings: StoreConfig) -> bool:
-    """A running row whose claim is dead: not renewed within the lease, or past the claim timeout
-    (a missing `heartbeat_at` or `claimed_at` is not live)."""
+    """A running row whose claim is dead (FIX3); a missing `heartbeat_at` or `claimed_at` is."""
     if row.heartbeat_at is None or row.claimed_at is None:
         return True
     renewed: dt.datetime = row.heartbeat_at
@@ -68,7 +61,7 @@ def lapsed(row: Any, now: dt.datetime, settings: StoreConfig) -> bool:
 def decide(
     row: Any, fingerprint: str | None, priority: int, now: dt.datetime, settings: StoreConfig
 ) -> Decision:
-    """What an enqueue of an existing job does (R3-R6)."""
+    """What an enqueue of an existing job does (R3-R6): its status, and the changes to write."""
     stale = fingerprint is not None and fingerprint != row.fingerprint
     # Given up: its attempts spent, or its claims lost with their worker too often (H2).
     exhausted = row.attempts >= settings.max_attempts or row.losses >= settings.max_attempts

@@ -1,9 +1,6 @@
-"""What the store counts for operators: attempts, call and wait times, tokens (M1, M2).
+"""What the store counts for operators (M1, M2), in the transactions that settle and claim.
 
-Kept by the writes that settle an attempt or claim a screen's job, inside their transaction
-(which holds the gate lock), so every API process reads the same figures and a scrape reads
-small tables, whatever the backlog. A histogram is kept as Prometheus keeps one: a count, a sum,
-and a count per upper bound, cumulative.
+A histogram is kept as Prometheus keeps one: a count, a sum, and cumulative counts per bound.
 """
 
 from __future__ import annotations
@@ -29,7 +26,6 @@ BOUNDS = {
     CALL_SECONDS: (1.0, 5.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1020.0, 1800.0),
     SCREEN_WAIT_SECONDS: (1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0),
 }
-# What `usage_by` sums of the answers' usage.
 SUMMED = ("answers", "unknown", "prompt_tokens", "completion_tokens")
 
 
@@ -53,8 +49,7 @@ def count(connection: Connection, name: str, kind: str, outcome: str, value: flo
 def spent_tokens(
     connection: Connection, day: dt.date, user_id: str, kind: str, used: Usage | None
 ) -> None:
-    """Add an answer's usage to its day's, user's and kind's; an answer that did not say is
-    unknown."""
+    """Add an answer's usage to its day's, user's and kind's (None: unknown)."""
     key = (usage.c.day == day, usage.c.user_id == user_id, usage.c.kind == kind)
     row = connection.execute(select(usage).where(*key)).one_or_none()
     values = {
@@ -78,8 +73,7 @@ def tally_attempt(
     seconds: float | None,
     answer: Usage | bool,
 ) -> None:
-    """Count a settled attempt of the job `row`, its call's time and its answer's tokens (M1,
-    M2). `answer`: the tokens the answer said it used, True if one came that did not say."""
+    """Count a settled attempt, its call's time and its answer's tokens (True: it did not say)."""
     count(connection, ATTEMPTS, row.kind, str(outcome))
     if seconds is not None:
         count(connection, CALL_SECONDS, row.kind, str(outcome), seconds)

@@ -1,7 +1,6 @@
 """The store's reads for people: a job's state for its screen, a user's queue, the whole queue.
 
-Each function runs inside a transaction the store opened, with `now` read from the store's
-clock, and returns the typed data of `models`. Nothing here writes.
+Each runs in a transaction the store opened and returns `models`' data; nothing here writes.
 """
 
 from __future__ import annotations
@@ -44,7 +43,6 @@ RESULT_META = (
     results.c.fingerprint.label("result_fingerprint"),
     results.c.produced_at.label("result_produced_at"),
 )
-# A job with what the run history knows its user as (D4).
 WITH_PSEUDONYM = select(jobs, people.c.pseudonym).outerjoin(
     people, people.c.user_id == jobs.c.user_id
 )
@@ -81,13 +79,8 @@ HELD = (
     .where(holds.c.until > bindparam("now"))
     .order_by(holds.c.until)
 )
-# Failed jobs shown by the queue view, and rows of tokens by user and kind.
-RECENT_FAILURES = 20
-USAGE_SHOWN = 20
-
-
-def gate_row(connection: Connection) -> Row[Any]:
-    return lease.gate_row(connection)
+RECENT_FAILURES = 20  # failed jobs the queue view shows
+USAGE_SHOWN = 20  # rows of tokens by user and kind
 
 
 def gate_state(row: Row[Any], now: dt.datetime, alive: dict[str, str] | None = None) -> GateState:
@@ -95,10 +88,15 @@ def gate_state(row: Row[Any], now: dt.datetime, alive: dict[str, str] | None = N
     return from_row(GateState, row, now=now, pause_kind=kind, workers=alive or {})
 
 
+def _alive_after(settings: StoreConfig, now: dt.datetime) -> dt.datetime:
+    """A worker seen since is alive: it says so every lease period (W1)."""
+    return now - dt.timedelta(seconds=settings.lease_seconds)
+
+
 def workers_alive(
     connection: Connection, settings: StoreConfig, now: dt.datetime
 ) -> dict[str, str]:
-    after = now - dt.timedelta(seconds=settings.lease_seconds)
+    after = _alive_after(settings, now)
     return {name: role for name, role in connection.execute(WORKERS_ALIVE, {"after": after})}
 
 
@@ -120,10 +118,9 @@ def job_state(
     fingerprint: str | None,
     known: str | None = None,
 ) -> JobState:
-    """A job as its screen sees it (P1): place and ETA, the latest result unless the screen's
-    version `known` still holds, whether it is fresh, the gate, and whether a run is needed."""
+    """A job as its screen sees it (P1); its result is not loaded while `known` still holds."""
     job = from_row(Job, row)
-    state_row = gate_row(connection)
+    state_row = lease.gate_row(connection)
     position: Position | None = None
     run_needed = False
     if job.status in (Status.RUNNING, Status.PENDING):  # a finished job has no place
@@ -148,15 +145,13 @@ def job_state(
 
 
 def _consumer_alive(connection: Connection, settings: StoreConfig, now: dt.datetime) -> bool:
-    alive_after = now - dt.timedelta(seconds=settings.lease_seconds)
-    return connection.execute(CONSUMER_SEEN, {"after": alive_after}).first() is not None
+    after = _alive_after(settings, now)
+    return connection.execute(CONSUMER_SEEN, {"after": after}).first() is not None
 
 
 def user_jobs(
     connection: Connection, settings: StoreConfig, now: dt.datetime, user_id: str, limit: int
 ) -> list[ListedJob]:
-    """The user's queue in the order the worker will take it (R11): running, pending, failed,
-    done; within each, the claim order. Pending and running entries carry place and ETA."""
     by_status = case(
         (jobs.c.status == Status.RUNNING, 0),
         (jobs.c.status == Status.PENDING, 1),
@@ -166,7 +161,7 @@ def user_jobs(
     query = WITH_PSEUDONYM.where(jobs.c.user_id == user_id)
     query = query.order_by(by_status, *places.order(settings)).limit(limit)
     listed = [from_row(Job, r) for r in connection.execute(query)]
-    view = outlook(connection, settings, now, gate_row(connection))
+    view = outlook(connection, settings, now, lease.gate_row(connection))
     found = places.positions(connection, view, now, listed)
     return [ListedJob(j, found.get(j.id)) for j in listed]
 
@@ -175,7 +170,7 @@ def queue_view(
     connection: Connection, settings: StoreConfig, now: dt.datetime, limit: int
 ) -> QueueView:
     """The whole queue (N3) and what /metrics shows (M1), in one read."""
-    state = gate_row(connection)
+    state = lease.gate_row(connection)
     running = _listed(connection, Status.RUNNING, jobs.c.claimed_at)
     waiting = _listed(connection, Status.PENDING, *places.order(settings), limit=limit)
     failed_total = connection.execute(
@@ -210,8 +205,7 @@ def queue_view(
 
 
 def _waiting_by_class(connection: Connection) -> dict[str, tuple[int, dt.datetime | None]]:
-    """Pending jobs by class and the oldest's time: one pass over the queue index's entries,
-    by priority as the index is ordered."""
+    """Pending jobs by class and the oldest's time, in one pass over the queue index."""
     waiting: dict[str, tuple[int, dt.datetime | None]]
     waiting = dict.fromkeys(("interactive", "prefetch"), (0, None))
     for priority, count, oldest in connection.execute(WAITING_BY_PRIORITY):
@@ -223,10 +217,10 @@ def _waiting_by_class(connection: Connection) -> dict[str, tuple[int, dt.datetim
 
 
 def _workers(connection: Connection, settings: StoreConfig, now: dt.datetime) -> list[Worker]:
-    """Consumers that said they are alive, newest first; `alive` within one lease."""
-    alive_after = now - dt.timedelta(seconds=settings.lease_seconds)
+    """Consumers that said they are alive, newest first."""
+    after = _alive_after(settings, now)
     return [
-        from_row(Worker, row, alive=row.seen_at >= alive_after, info=row.info or {})
+        from_row(Worker, row, alive=row.seen_at >= after, info=row.info or {})
         for row in connection.execute(select(workers).order_by(workers.c.seen_at.desc()))
     ]
 
@@ -234,13 +228,12 @@ def _workers(connection: Connection, settings: StoreConfig, now: dt.datetime) ->
 def _listed(
     connection: Connection, status: Status, *order: Any, limit: int | None = None
 ) -> list[Job]:
-    """The jobs of one status in this order (the first `limit`)."""
     query = WITH_PSEUDONYM.where(jobs.c.status == status).order_by(*order).limit(limit)
     return [from_row(Job, row) for row in connection.execute(query)]
 
 
 def held(connection: Connection, now: dt.datetime) -> list[Hold]:
-    """The holds of cut calls in force (H1), earliest end first, with their jobs."""
+    """The holds of cut calls in force (H1), with their jobs."""
     return [
         Hold(
             CutCause(row.hold_cause),
