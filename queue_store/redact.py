@@ -11,14 +11,10 @@ import re
 from collections.abc import Iterable
 
 REDACTED = "[redacted]"
-# Secrets shorter than this are not searched for: redacting "ab" would mangle
-# ordinary text, and such a token protects nothing anyway.
+# Shorter secrets are not searched for: redacting "ab" would mangle text and protect nothing.
 MIN_SECRET_LENGTH = 4
-# The part of a base64 rendering that depends on the secret alone must be at
-# least this long to be searched for.
-MIN_BASE64_CORE = 6
-# Backslashes an escape may stand behind: JSON inside JSON inside JSON needs 7.
-MAX_ESCAPE_BACKSLASHES = 8
+MIN_BASE64_CORE = 6  # the shortest base64 stretch of the secret alone that is searched for
+MAX_ESCAPE_BACKSLASHES = 8  # an escape may stand behind: JSON in JSON in JSON needs 7
 
 _CREDENTIALS_IN_URL = re.compile(r"(?<=://)[^/@\s\"']*@")
 # URL query parameters that carry a password (libpq reads `password`).
@@ -26,18 +22,9 @@ PASSWORD_PARAMETERS = frozenset({"password", "passwd", "pwd", "sslpassword"})
 _PASSWORD_IN_QUERY = re.compile(
     r"(?i)([?&](?:" + "|".join(sorted(PASSWORD_PARAMETERS)) + r")=)[^&\s\"']*"
 )
-# Characters with a short escape of their own in JSON or a Python repr.
-_SHORT_ESCAPES = {
-    '"': '"',
-    "'": "'",
-    "\\": "\\",
-    "/": "/",
-    "\b": "b",
-    "\f": "f",
-    "\n": "n",
-    "\r": "r",
-    "\t": "t",
-}
+# Characters with a short escape of their own in JSON or a Python repr, and the letter after
+# its backslash.
+_SHORT_ESCAPES = dict(zip("\"'\\/\b\f\n\r\t", "\"'\\/bfnrt", strict=True))
 
 
 def _hex(value: int, width: int) -> str:
@@ -73,10 +60,6 @@ def _character(c: str) -> str:
     return "(?:" + "|".join(options) + ")"
 
 
-def _spelled(text: str) -> str:
-    return "".join(_character(c) for c in text)
-
-
 def _base64_cores(secret: bytes) -> set[str]:
     """The stretch of base64 text that depends only on `secret`, at each of the 3 alignments."""
     cores: set[str] = set()
@@ -91,13 +74,6 @@ def _base64_cores(secret: bytes) -> set[str]:
             if len(core) >= MIN_BASE64_CORE:
                 cores.add(core)
     return cores
-
-
-def forms_of(secret: str) -> set[str]:
-    """The secret and the base64 stretches that encode only it, before escaping (`_character`)."""
-    if len(secret) < MIN_SECRET_LENGTH:
-        return set()
-    return {secret} | _base64_cores(secret.encode())
 
 
 _USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*)://([^/@\s\"':]*)(:[^/@\s\"']*)?@")
@@ -120,13 +96,15 @@ class Redactor:
     """Removes given secrets, in all their forms, and URL credentials from text."""
 
     def __init__(self, secrets: Iterable[str] = ()) -> None:
-        forms: set[str] = set()
+        forms: set[str] = set()  # each secret and the base64 stretches that encode only it
         for secret in secrets:
-            if secret:
-                forms |= forms_of(secret)
-        # Longest first, so a form that contains another is removed whole.
+            if len(secret) >= MIN_SECRET_LENGTH:
+                forms |= {secret} | _base64_cores(secret.encode())
+        # Longest first, so a form that contains another is removed whole; every character of a
+        # form in any of its escapes.
         ordered = sorted(forms, key=lambda form: (-len(form), form))
-        self._pattern = re.compile("|".join(map(_spelled, ordered))) if ordered else None
+        spelled = ("".join(map(_character, form)) for form in ordered)
+        self._pattern = re.compile("|".join(spelled)) if ordered else None
 
     def __call__(self, text: str) -> str:
         if self._pattern is not None:
