@@ -29,18 +29,14 @@ MAX_RUN_ID_LENGTH = 64
 
 
 class Status(enum.StrEnum):
-    """`UNKNOWN` is only ever reported, never stored: the store was down."""
-
     PENDING = "pending"
     RUNNING = "running"
     DONE = "done"
     FAILED = "failed"
-    UNKNOWN = "unknown"
+    UNKNOWN = "unknown"  # only ever reported, never stored: the store was down
 
 
-class Blocked(enum.StrEnum):
-    """Why `claim_next` handed out nothing."""
-
+class Blocked(enum.StrEnum):  # why `claim_next` handed out nothing
     EMPTY = "empty"  # nothing is runnable
     CONCURRENCY = "concurrency"  # AI_JOB_CONCURRENCY calls are already in flight
     GAP = "gap"  # the global quiet period after the last call has not passed
@@ -55,9 +51,7 @@ class PauseKind(enum.StrEnum):
     REFUSED = "refused"  # the gateway refused our credentials or redirected us (G4)
 
 
-class Failure(enum.StrEnum):
-    """How an attempt ended without a result (the rule for each: docs/rules.md)."""
-
+class Failure(enum.StrEnum):  # how an attempt ended without a result
     BUILD = "build"  # the prompt could not be built; no call was made (spends the attempt)
     REJECTED = "rejected"  # the gateway answered with something unusable (spends)
     PARSE = "parse"  # the answer could not be turned into a result (spends)
@@ -86,9 +80,7 @@ class CutCause(enum.StrEnum):
         }[self]
 
 
-class Renewal(enum.StrEnum):
-    """What a heartbeat found."""
-
+class Renewal(enum.StrEnum):  # what a heartbeat found
     RENEWED = "renewed"
     LAPSED = "lapsed"  # not renewed in time: the claim is dead and cannot be revived
     LOST = "lost"  # another worker took the job over, or it was settled
@@ -236,12 +228,10 @@ class Usage(Record):
 
 @dataclasses.dataclass(frozen=True)
 class UsageRow(Record):
-    """Tokens the answers for one user and kind used; `unknown` answers did not say."""
-
     user_id: str
     kind: str
     answers: int
-    unknown: int
+    unknown: int  # answers that did not say
     prompt_tokens: int
     completion_tokens: int
 
@@ -308,9 +298,7 @@ POSITION_FIELDS = ("ahead", "ahead_exact", "in_flight", "eta_seconds")
 
 
 @dataclasses.dataclass(frozen=True)
-class Result:
-    """The latest finished generation for a key (N1)."""
-
+class Result:  # the latest finished generation for a key (N1)
     job_id: str
     user_id: str
     kind: str
@@ -339,8 +327,7 @@ class Result:
 
 @dataclasses.dataclass(frozen=True)
 class JobState:
-    """One job as a screen, the CLI and the API see it. `version` changes with anything shown but
-    the ETA's countdown; `unchanged`: the caller's version still holds, `result` was not loaded."""
+    """One job as a screen, the CLI and the API see it."""
 
     job: Job
     position: Position | None  # for a pending or running job
@@ -348,8 +335,8 @@ class JobState:
     fresh: bool  # the latest result answers the fingerprint asked about
     gate: GateState
     run_needed: bool  # queued, with no consumer standing by and no call in flight
-    version: str
-    unchanged: bool = False
+    version: str  # changes with anything shown but the ETA's countdown
+    unchanged: bool = False  # the caller's version still holds: `result` was not loaded
 
     @property
     def status(self) -> Status:
@@ -477,9 +464,7 @@ class QueueEntry:
 
 
 @dataclasses.dataclass(frozen=True)
-class ListedJob:
-    """One job of a user's queue (R11), with its place and ETA while it waits or runs."""
-
+class ListedJob:  # one job of a user's queue (R11)
     job: Job
     position: Position | None
 
@@ -489,12 +474,10 @@ class ListedJob:
 
 
 @dataclasses.dataclass(frozen=True)
-class Requeued(Record):
-    """What `retry_failed` did (R10); `pending`: the user's jobs waiting or running afterwards."""
-
+class Requeued(Record):  # what `retry_failed` did (R10)
     user_id: str
     retried: int
-    pending: int
+    pending: int  # the user's jobs waiting or running afterwards
 
 
 @dataclasses.dataclass(frozen=True)
