@@ -30,12 +30,11 @@ from sqlalchemy import (
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import Dialect
 
-from queue_store import people, places, schema
+from queue_store import people, places
 from queue_store.models import INTERACTIVE, EnqueueRequest, Status, job_id
 from queue_store.rules import decide
+from queue_store.schema import jobs
 from queue_store.settings import StoreConfig
-
-jobs = schema.jobs
 
 # What an enqueue never changes on an existing row: its key, its creation, a settlement's columns.
 KEPT_COLUMNS = ("id", "user_id", "kind", "subject", "created_at", "finished_at", "flow_run_id")

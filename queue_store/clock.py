@@ -41,10 +41,10 @@ class DatabaseClock(Clock):
     """PostgreSQL's `clock_timestamp()`, read inside the asking transaction."""
 
     def now(self, connection: Connection) -> dt.datetime:
-        value = connection.execute(
+        value: dt.datetime = connection.execute(
             select(func.timezone("UTC", func.clock_timestamp()))
         ).scalar_one()
-        return _aware(value)
+        return value.replace(tzinfo=dt.UTC) if value.tzinfo is None else value.astimezone(dt.UTC)
 
 
 class HostClock(Clock):
@@ -134,7 +134,3 @@ class InjectedClock(Clock):
         if value.tzinfo is None:
             raise InvalidArgument("clock", "must return timezone-aware UTC times")
         return value.astimezone(dt.UTC)
-
-
-def _aware(value: dt.datetime) -> dt.datetime:
-    return value.replace(tzinfo=dt.UTC) if value.tzinfo is None else value.astimezone(dt.UTC)

@@ -29,12 +29,8 @@ from queue_store.models import (
     Status,
 )
 from queue_store.rules import WORKER_LOST, lapsed
+from queue_store.schema import gate, holds, jobs, results
 from queue_store.settings import StoreConfig
-
-jobs = schema.jobs
-results = schema.results
-gate = schema.gate
-holds = schema.holds
 
 MAX_BACKOFF_DOUBLINGS = 30
 # What liveness checks and ETAs read of the running jobs.
@@ -92,7 +88,7 @@ def reap(
             error: str | None = WORKER_LOST
         else:
             changes["attempts"] = max(row.attempts - 1, 0)
-            error = _lost_again(losses) if losses >= settings.max_attempts else None
+            error = WORKER_LOST_AGAIN.format(n=losses) if losses >= settings.max_attempts else None
         if error is None:
             changes |= {"status": Status.PENDING, "claimed_at": None}
         else:
@@ -185,18 +181,16 @@ def claim(
         if candidate is None:
             return Claim(None, Blocked.EMPTY, None)
         if candidate.attempts >= settings.max_attempts:
-            # Only reachable if AI_JOB_MAX_ATTEMPTS was lowered: give up on it
-            # rather than let it block the head of the queue.
-            connection.execute(
-                update(jobs)
-                .where(jobs.c.id == candidate.id)
-                .values(
-                    status=Status.FAILED,
-                    error=f"attempts exhausted: AI_JOB_MAX_ATTEMPTS is {settings.max_attempts}",
-                    finished_at=now,
-                    updated_at=now,
-                    revision=jobs.c.revision + 1,
-                )
+            # Only reachable if AI_JOB_MAX_ATTEMPTS was lowered: give up on it rather than let it
+            # block the head of the queue.
+            schema.update_job(
+                connection,
+                candidate.id,
+                status=Status.FAILED,
+                error=f"attempts exhausted: AI_JOB_MAX_ATTEMPTS is {settings.max_attempts}",
+                finished_at=now,
+                updated_at=now,
+                revision=jobs.c.revision + 1,
             )
             continue
         claimed = {
@@ -209,11 +203,7 @@ def claim(
             "attempts": candidate.attempts + 1,
             "updated_at": now,
         }
-        connection.execute(
-            update(jobs)
-            .where(jobs.c.id == candidate.id)
-            .values(**claimed, revision=candidate.revision + 1)
-        )
+        schema.update_job(connection, candidate.id, **claimed, revision=candidate.revision + 1)
         if candidate.requested_at is not None:  # a screen asked: how long it waited
             waited = (now - candidate.requested_at).total_seconds()
             tallies.count(connection, tallies.SCREEN_WAIT_SECONDS, candidate.kind, "", waited)
@@ -231,22 +221,15 @@ def claim(
 def _first_pending(
     connection: Connection, settings: StoreConfig, *, avoid_suspects: bool
 ) -> Row[Any] | None:
-    # The id breaks ties of age: the claim takes jobs in the very order that
-    # places in line are counted in (`places`), a queue index's order.
-    query = select(jobs).where(jobs.c.status == Status.PENDING)
-    order = places.order(settings)
-    if avoid_suspects:
-        probe = connection.execute(
-            query.where(jobs.c.unavailable_since.is_(None))
-            .order_by(*order)
-            .limit(1)
-            .with_for_update(skip_locked=True)
-        ).one_or_none()
-        if probe is not None:
-            return probe
-    return connection.execute(
-        query.order_by(*order).limit(1).with_for_update(skip_locked=True)
-    ).one_or_none()
+    """The head of the queue, in the order places are counted in (`places`)."""
+    pending = select(jobs).where(jobs.c.status == Status.PENDING)
+    probes = [pending.where(jobs.c.unavailable_since.is_(None))] if avoid_suspects else []
+    for query in (*probes, pending):
+        head = query.order_by(*places.order(settings)).limit(1).with_for_update(skip_locked=True)
+        row = connection.execute(head).one_or_none()
+        if row is not None:
+            return row
+    return None
 
 
 def held_row(connection: Connection, job_id: str, holder: str) -> Row[Any] | None:
@@ -280,11 +263,7 @@ def renew(
     more: dict[str, Any] = {"call_started_at": now} if calling else {}
     if flow_run_id is not None:
         more["flow_run_id"] = flow_run_id
-    connection.execute(
-        update(jobs)
-        .where(jobs.c.id == job_id)
-        .values(heartbeat_at=now, revision=row.revision + 1, **more)
-    )
+    schema.update_job(connection, job_id, heartbeat_at=now, revision=row.revision + 1, **more)
     return Renewal.RENEWED
 
 
@@ -318,7 +297,7 @@ def _settle_row(connection: Connection, row: Row[Any], now: dt.datetime, **chang
         "finished_at": now,
     }
     values = {**ended, "updated_at": now, "revision": row.revision + 1, **changes}
-    connection.execute(update(jobs).where(jobs.c.id == row.id).values(**values))
+    schema.update_job(connection, row.id, **values)
 
 
 def _backoff(settings: StoreConfig, streak: int) -> float:
@@ -350,84 +329,64 @@ def settle_failure(
     retry_after: float | None,
 ) -> Settlement:
     """Apply the store's rule for an attempt that ended without a result (N2, G1-G4)."""
-    spent_status = Status.FAILED if row.attempts >= settings.max_attempts else Status.PENDING
-    streak = state.outages_in_a_row
+    spent = Status.FAILED if row.attempts >= settings.max_attempts else Status.PENDING
+    streak = state.outages_in_a_row + 1  # if this failure is one more trouble in a row
+    backoff = _backoff(settings, streak)
 
     if failure in (Failure.BUILD, Failure.REJECTED, Failure.PARSE):
-        _settle_row(connection, row, now, status=spent_status, error=error, unavailable_since=None)
+        _settle_row(connection, row, now, status=spent, error=error, unavailable_since=None)
         more: dict[str, Any] = {}
         if failure is not Failure.BUILD:  # the gateway answered: it is up
             more = {"last_answer_at": now, "outages_in_a_row": 0}
         _ended_call(connection, now, **more)
-        return Settlement(spent_status, True, None, f"attempt {row.attempts} spent")
+        return Settlement(spent, True, None, f"attempt {row.attempts} spent")
 
     if failure is Failure.TIMEOUT:
         cut(connection, settings, now, row, CutCause.TIMEOUT)
-        _settle_row(connection, row, now, status=spent_status, error=error)
-        seconds = _backoff(settings, streak + 1)
+        _settle_row(connection, row, now, status=spent, error=error)
         _ended_call(connection, now)
-        pause(connection, now, seconds, PauseKind.TIMEOUT, error, outages_in_a_row=streak + 1)
-        why = f"claiming paused {seconds:g} s in case the gateway is still working on it"
-        return Settlement(spent_status, True, seconds, f"attempt {row.attempts} spent; {why}")
+        pause(connection, now, backoff, PauseKind.TIMEOUT, error, outages_in_a_row=streak)
+        why = f"claiming paused {backoff:g} s in case the gateway is still working on it"
+        return Settlement(spent, True, backoff, f"attempt {row.attempts} spent; {why}")
 
     if failure is Failure.UNAVAILABLE:
         since = row.unavailable_since
-        answered_since = (
-            since is not None and state.last_answer_at is not None and state.last_answer_at > since
-        )
-        if answered_since:
-            # The gateway has answered other calls since this job started
-            # failing "unavailable": the job is the problem, not the gateway.
+        behind = _behind(connection, settings, row, now)
+        if since is not None and state.last_answer_at is not None and state.last_answer_at > since:
+            # The gateway has answered other calls since this job started failing
+            # "unavailable": the job is the problem, not the gateway.
             text = f"the gateway answers other calls but keeps failing this one: {error}"
-            behind = _behind(connection, settings, row, now)
-            _settle_row(connection, row, now, status=spent_status, error=text, **behind)
+            _settle_row(connection, row, now, status=spent, error=text, **behind)
             _ended_call(connection, now)
-            return Settlement(
-                spent_status, True, None, f"attempt {row.attempts} spent: not an outage, this job"
-            )
-        # Looks like an outage: keep the attempt, go behind the jobs of the same
-        # priority (the next probe is another job), pause with a growing backoff.
-        _settle_row(
-            connection,
-            row,
-            now,
-            status=Status.PENDING,
-            attempts=max(row.attempts - 1, 0),
-            error=error,
-            claimed_at=None,
-            unavailable_since=since or now,
-            **_behind(connection, settings, row, now),
-        )
-        seconds = _backoff(settings, streak + 1)
+            why = "not an outage, this job"
+            return Settlement(spent, True, None, f"attempt {row.attempts} spent: {why}")
+        # Looks like an outage: keep the attempt, go behind the jobs of the same priority (the
+        # next probe is another job), pause with a growing backoff.
+        kept = {"attempts": max(row.attempts - 1, 0), "claimed_at": None}
+        outage = {"status": Status.PENDING, "error": error, "unavailable_since": since or now}
+        _settle_row(connection, row, now, **outage, **kept, **behind)
         _ended_call(connection, now)
-        pause(connection, now, seconds, PauseKind.OUTAGE, error, outages_in_a_row=streak + 1)
-        return Settlement(
-            Status.PENDING, False, seconds, f"gateway unavailable; claiming paused {seconds:g} s"
-        )
+        pause(connection, now, backoff, PauseKind.OUTAGE, error, outages_in_a_row=streak)
+        why = f"gateway unavailable; claiming paused {backoff:g} s"
+        return Settlement(Status.PENDING, False, backoff, why)
 
     if failure is Failure.RATE_LIMITED:
-        seconds = (
-            min(retry_after, settings.backoff_max_seconds)
-            if retry_after is not None
-            else _backoff(settings, streak + 1)
-        )
+        seconds = backoff if retry_after is None else min(retry_after, settings.backoff_max_seconds)
         _refund(connection, row, now, error)
         _ended_call(connection, now)
-        # Asked to slow down again and again without a time to wait: each
-        # pause is longer than the last. A named wait is the gateway's answer.
-        more = {"outages_in_a_row": streak + 1} if retry_after is None else {}
+        # Asked to slow down again and again without a time to wait: each pause is longer than
+        # the last. A named wait is the gateway's answer.
+        more = {"outages_in_a_row": streak} if retry_after is None else {}
         pause(connection, now, seconds, PauseKind.RATE_LIMIT, error, **more)
-        return Settlement(
-            Status.PENDING, False, seconds, f"rate limited; claiming paused {seconds:g} s"
-        )
+        why = f"rate limited; claiming paused {seconds:g} s"
+        return Settlement(Status.PENDING, False, seconds, why)
 
     if failure is Failure.REFUSED:
-        seconds = _backoff(settings, streak + 1)
         _refund(connection, row, now, error)
         _ended_call(connection, now)
-        pause(connection, now, seconds, PauseKind.REFUSED, error, outages_in_a_row=streak + 1)
-        why = f"the gateway refused us; claiming stopped for {seconds:g} s until it is fixed"
-        return Settlement(Status.PENDING, False, seconds, why)
+        pause(connection, now, backoff, PauseKind.REFUSED, error, outages_in_a_row=streak)
+        why = f"the gateway refused us; claiming stopped for {backoff:g} s until it is fixed"
+        return Settlement(Status.PENDING, False, backoff, why)
 
     # STOPPED: this side stopped the call (shutdown, or its lease was at risk).
     cut(connection, settings, now, row, CutCause.STOPPED)
@@ -451,29 +410,23 @@ def late_stop(
         .where(jobs.c.id == job_id, jobs.c.last_holder == holder, jobs.c.status == Status.FAILED)
         .with_for_update()
     ).one_or_none()
-    if row is None or row.error not in (WORKER_LOST, _lost_again(row.losses)):
+    if row is None or row.error not in (WORKER_LOST, WORKER_LOST_AGAIN.format(n=row.losses)):
         return None
     attempts = row.attempts - 1 if row.attempts >= settings.max_attempts else row.attempts
-    connection.execute(
-        update(jobs)
-        .where(jobs.c.id == job_id)
-        .values(
-            status=Status.PENDING,
-            error=error,
-            attempts=attempts,
-            losses=max(row.losses - 1, 0),
-            last_holder=None,
-            finished_at=None,
-            claimed_at=None,
-            updated_at=now,
-            revision=row.revision + 1,
-        )
+    schema.update_job(
+        connection,
+        job_id,
+        status=Status.PENDING,
+        error=error,
+        attempts=attempts,
+        losses=max(row.losses - 1, 0),
+        last_holder=None,
+        finished_at=None,
+        claimed_at=None,
+        updated_at=now,
+        revision=row.revision + 1,
     )
     return Settlement(Status.PENDING, False, None, "stopped, and taken over first: kept")
-
-
-def _lost_again(losses: int) -> str:
-    return WORKER_LOST_AGAIN.format(n=losses)
 
 
 def _behind(
@@ -499,15 +452,6 @@ def settle_done(
 ) -> None:
     """The attempt produced a result; the run that made it, if named, goes on the row (N4)."""
     more: dict[str, Any] = {} if flow_run_id is None else {"flow_run_id": flow_run_id}
-    _settle_row(
-        connection,
-        row,
-        now,
-        status=Status.DONE,
-        error=None,
-        unavailable_since=None,
-        requested_at=None,
-        losses=0,
-        **more,
-    )
+    done = {"status": Status.DONE, "error": None, "unavailable_since": None, "requested_at": None}
+    _settle_row(connection, row, now, **done, losses=0, **more)
     _ended_call(connection, now, last_answer_at=now, outages_in_a_row=0)

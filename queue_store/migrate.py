@@ -7,7 +7,6 @@ imported only to upgrade: every command that opens a store reads the revision wi
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from sqlalchemy import Engine, inspect, text
 from sqlalchemy.exc import SQLAlchemyError
@@ -15,28 +14,19 @@ from sqlalchemy.exc import SQLAlchemyError
 from queue_store.engine import create_store_engine, wrap_database_error
 from queue_store.schema import VERSION_TABLE
 
-if TYPE_CHECKING:
-    from alembic.config import Config
-
 MIGRATIONS = Path(__file__).parent / "migrations"
-
-
-def _config() -> Config:
-    from alembic.config import Config
-
-    config = Config()
-    config.set_main_option("script_location", str(MIGRATIONS))
-    return config
 
 
 def upgrade(url_or_engine: str | Engine, revision: str = "head") -> str | None:
     """Bring the database to `revision`; returns the revision it is at afterwards."""
     from alembic import command
+    from alembic.config import Config
 
     engine = create_store_engine(url_or_engine) if isinstance(url_or_engine, str) else url_or_engine
     try:
         with engine.begin() as connection:
-            config = _config()
+            config = Config()
+            config.set_main_option("script_location", str(MIGRATIONS))
             config.attributes["connection"] = connection
             command.upgrade(config, revision)
         return current_revision(engine)

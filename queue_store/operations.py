@@ -26,10 +26,7 @@ from queue_store.models import (
     Status,
 )
 from queue_store.rules import lapsed, queued_anew
-from queue_store.schema import from_row
-
-jobs = schema.jobs
-gate = schema.gate
+from queue_store.schema import from_row, gate, jobs
 
 
 class OperatorActions(StoreBase):

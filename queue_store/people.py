@@ -9,8 +9,7 @@ from collections.abc import Iterable
 from sqlalchemy import Connection, select
 
 from queue_store import schema
-
-people = schema.people
+from queue_store.schema import people
 
 PSEUDONYM_BYTES = 12
 MAX_PSEUDONYM_LENGTH = 40

@@ -11,17 +11,14 @@ import datetime as dt
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import Connection, Row, and_, bindparam, case, func, select, tuple_, update
+from sqlalchemy import Connection, Row, and_, bindparam, case, func, select, tuple_
 
 from queue_store import schema
 from queue_store.models import INTERACTIVE, PREFETCH, Job, Position, QueueEntry, Status
 from queue_store.rules import lapsed
+from queue_store.schema import gate, holds, jobs
+from queue_store.schema import kind_durations as durations
 from queue_store.settings import StoreConfig
-
-jobs = schema.jobs
-gate = schema.gate
-durations = schema.kind_durations
-holds = schema.holds
 
 PLACE_BOUND = 1000  # jobs counted ahead of one before its place becomes "more than"
 # Weight of the newest sample in a kind's moving mean, once it has this many.
@@ -82,17 +79,9 @@ def cap_interactive(
     ).all()
     older = waiting[settings.max_interactive :]
     for row in older:
-        connection.execute(
-            update(jobs)
-            .where(jobs.c.id == row.id)
-            .values(
-                priority=PREFETCH,
-                turn=next_turn(connection, settings, user_id, PREFETCH),
-                requested_at=None,
-                updated_at=now,
-                revision=row.revision + 1,
-            )
-        )
+        turn = next_turn(connection, settings, user_id, PREFETCH)
+        fallen = {"priority": PREFETCH, "turn": turn, "requested_at": None, "updated_at": now}
+        schema.update_job(connection, row.id, **fallen, revision=row.revision + 1)
     return len(older)
 
 

@@ -17,14 +17,8 @@ from sqlalchemy import Connection, and_, delete, exists, func, insert, select, t
 from queue_store import lease, schema, tallies
 from queue_store.models import CutCause, Forgotten, Status
 from queue_store.people import pseudonym_of
+from queue_store.schema import erasures, holds, jobs, people, results, usage
 from queue_store.settings import StoreConfig
-
-jobs = schema.jobs
-results = schema.results
-usage = schema.usage
-people = schema.people
-erasures = schema.erasures
-holds = schema.holds
 
 PRUNE_CHUNK = 500  # rows a prune transaction deletes at most
 FINISHED = (Status.DONE, Status.FAILED)

@@ -259,8 +259,11 @@ def from_row(cls: type[T], row: Row[Any], **values: Any) -> T:
 
 
 def update_gate(connection: Connection, **values: Any) -> None:
-    """Write these columns of the one gate row."""
     connection.execute(update(gate).where(gate.c.id == GATE_ROW_ID).values(**values))
+
+
+def update_job(connection: Connection, job_id: str, **values: Any) -> None:
+    connection.execute(update(jobs).where(jobs.c.id == job_id).values(**values))
 
 
 def upsert(connection: Connection, table: Table) -> Any:

@@ -22,10 +22,6 @@ KIB, MIB = 1 << 10, 1 << 20
 _MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 
 
-def default_data_dir() -> Path:
-    return Path(platformdirs.user_data_dir("insight-queue", appauthor=False))
-
-
 def _f(default: Any, help: str, variable: str | AliasChoices | None = None, **checks: Any) -> Any:
     """A setting, with its variable where it does not follow the prefix (the first is shown)."""
     alias = AliasChoices(variable) if isinstance(variable, str) else variable
@@ -192,7 +188,9 @@ class Settings(_Checked):
     @field_validator("data_dir", mode="before")
     @classmethod
     def _expand(cls, value: Path | str | None) -> Path:
-        return default_data_dir() if value is None else Path(value).expanduser()
+        if value is None:
+            return Path(platformdirs.user_data_dir("insight-queue", appauthor=False))
+        return Path(value).expanduser()
 
     @field_validator("plugins")
     @classmethod

@@ -33,13 +33,8 @@ from queue_store.models import (
 from queue_store.operations import OperatorActions
 from queue_store.redact import Redactor
 from queue_store.rules import decide, lapsed
-from queue_store.schema import from_row
+from queue_store.schema import from_row, jobs, results, workers
 from queue_store.tallies import tally_attempt
-
-jobs = schema.jobs
-results = schema.results
-gate = schema.gate
-workers = schema.workers
 
 # An enqueue that keeps losing its compare-and-swap (FIX7) is raced on its key; a few rounds do.
 MAX_ENQUEUE_ROUNDS = 8
@@ -237,7 +232,7 @@ class JobStore(OperatorActions):
         jid = job_id(user_id, kind, subject)
         for _ in range(MAX_ENQUEUE_ROUNDS):
             with self._read("poll") as connection:
-                row = views.job_and_result(connection, jid)
+                row = connection.execute(views.JOB_AND_RESULT, {"jid": jid}).one_or_none()
                 now = self._now(connection)
                 if row is None and not queue:
                     return None
@@ -381,9 +376,7 @@ class JobStore(OperatorActions):
             if row is None:
                 raise ClaimLost(jid, holder)
             if flow_run_id is not None:
-                connection.execute(
-                    update(jobs).where(jobs.c.id == jid).values(flow_run_id=flow_run_id)
-                )
+                schema.update_job(connection, jid, flow_run_id=flow_run_id)
             settled = lease.settle_failure(
                 connection, self._settings, now, state, row, failure, error, retry_after
             )

@@ -12,11 +12,8 @@ from typing import Any
 
 from sqlalchemy import Connection, func, insert, select, update
 
-from queue_store import schema
 from queue_store.models import Tally, Usage, UsageRow
-
-tallies = schema.tallies
-usage = schema.usage
+from queue_store.schema import tallies, usage
 
 ATTEMPTS = "attempts"  # every settled attempt, by kind and outcome
 CALL_SECONDS = "call_seconds"  # attempts that called the gateway: how long the call took

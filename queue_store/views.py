@@ -28,15 +28,8 @@ from queue_store.models import (
     Status,
     Worker,
 )
-from queue_store.schema import from_row
+from queue_store.schema import from_row, holds, jobs, people, results, workers
 from queue_store.settings import StoreConfig
-
-jobs = schema.jobs
-results = schema.results
-gate = schema.gate
-workers = schema.workers
-holds = schema.holds
-people = schema.people
 
 # What a poll reads of the latest result before it knows whether to load it.
 RESULT_META = (
@@ -104,10 +97,6 @@ def outlook(
     connection: Connection, settings: StoreConfig, now: dt.datetime, row: Row[Any]
 ) -> places.Outlook:
     return places.outlook(connection, settings, now, row, lease.running_rows(connection))
-
-
-def job_and_result(connection: Connection, jid: str) -> Row[Any] | None:
-    return connection.execute(JOB_AND_RESULT, {"jid": jid}).one_or_none()
 
 
 def job_state(
