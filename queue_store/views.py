@@ -1,7 +1,5 @@
 """The store's reads for people: a job's state for its screen, a user's queue, the whole queue.
-
-Each runs in a transaction the store opened and returns `models`' data; nothing here writes.
-"""
+Each runs in a transaction the store opened; nothing here writes."""
 
 from __future__ import annotations
 
@@ -121,9 +119,18 @@ def job_state(
             position = view.waiting(*ahead, job.kind)
             run_needed = view.in_flight == 0 and not _consumer_alive(connection, settings, now)
     produced = row.result_produced_at
-    fresh = produced is not None and _fresh(row.result_fingerprint, produced, fingerprint, job)
+    # Fresh: it answers the data asked about, and no newer request came since (N1).
+    fresh = (
+        produced is not None
+        and fingerprint in (None, row.result_fingerprint)
+        and (job.status == Status.DONE or produced >= job.queued_at)
+    )
     gate_now = gate_state(state_row, now)
-    version = _version(job.status, position, fresh, produced, gate_now)
+    # The version: what the screen is shown, but for the ETA's countdown.
+    place = (position.ahead, position.ahead_exact, position.in_flight) if position else None
+    pause = (gate_now.pause_kind, gate_now.pause_reason) if gate_now.paused else None
+    shown = repr((str(job.status), place, fresh, produced and produced.isoformat(), pause))
+    version = hashlib.sha256(shown.encode()).hexdigest()[:20]
     if known == version and not run_needed:
         return JobState(job, position, None, fresh, gate_now, run_needed, version, True)
     result = None
@@ -206,7 +213,6 @@ def _waiting_by_class(connection: Connection) -> dict[str, tuple[int, dt.datetim
 
 
 def _workers(connection: Connection, settings: StoreConfig, now: dt.datetime) -> list[Worker]:
-    """Consumers that said they are alive, newest first."""
     after = _alive_after(settings, now)
     return [
         from_row(Worker, row, alive=row.seen_at >= after, info=row.info or {})
@@ -222,7 +228,6 @@ def _listed(
 
 
 def held(connection: Connection, now: dt.datetime) -> list[Hold]:
-    """The holds of cut calls in force (H1), with their jobs."""
     return [
         Hold(
             CutCause(row.hold_cause),
@@ -233,26 +238,3 @@ def held(connection: Connection, now: dt.datetime) -> list[Hold]:
         )
         for row in connection.execute(HELD, {"now": now})
     ]
-
-
-def _fresh(
-    result_fingerprint: str | None, produced: dt.datetime, asked: str | None, job: Job
-) -> bool:
-    """Whether a result answers the data `asked` describes, with no newer request since."""
-    if asked is not None and asked != result_fingerprint:
-        return False
-    return job.status == Status.DONE or produced >= job.queued_at
-
-
-def _version(
-    status: Status,
-    position: Position | None,
-    fresh: bool,
-    produced: dt.datetime | None,
-    gate_now: GateState,
-) -> str:
-    """A short tag of what a screen is shown, but for the ETA's countdown."""
-    place = (position.ahead, position.ahead_exact, position.in_flight) if position else None
-    pause = (gate_now.pause_kind, gate_now.pause_reason) if gate_now.paused else None
-    shown = repr((str(status), place, fresh, produced and produced.isoformat(), pause))
-    return hashlib.sha256(shown.encode()).hexdigest()[:20]
