@@ -66,8 +66,7 @@ def next_turn(connection: Connection, settings: StoreConfig, user_id: str, prior
 def cap_interactive(
     connection: Connection, settings: StoreConfig, user_id: str, now: dt.datetime
 ) -> int:
-    """At most `max_interactive` waiting interactive jobs per user: those asked for longest ago
-    fall back to prefetch priority (A3). Returns how many fell back."""
+    """At most `max_interactive` waiting screens per user (A3); returns how many fell back."""
     waiting = connection.execute(
         select(jobs.c.id, jobs.c.revision)
         .where(
@@ -97,11 +96,10 @@ class Outlook:
     remaining_seconds: float  # of the calls in flight, summed
     held_back_seconds: float  # pause or gap still running before the next claim
     means: dict[str, float]  # mean call seconds per kind
-    default_seconds: float
     settings: StoreConfig
 
     def duration(self, kind: str) -> float:
-        return self.means.get(kind, self.default_seconds)
+        return self.means.get(kind, self.settings.default_duration_seconds)
 
     def eta(self, ahead: int, work_ahead: float, kind: str) -> float:
         gaps = self.settings.gap_seconds * (ahead + self.in_flight)
@@ -146,7 +144,7 @@ def outlook(
     gate: Row[Any],
     running: Sequence[Row[Any]],
 ) -> Outlook:
-    """What ETAs start from; a hold of a cut call is a call in flight until its end (H1)."""
+    """A hold of a cut call counts as a call in flight until its end (H1)."""
     kept = connection.execute(MEANS)
     means = {k: float(m) for k, m in kept}
     default = settings.default_duration_seconds
@@ -166,7 +164,7 @@ def outlook(
     if not live and not holding and ended:
         quiet_until = max(ended) + dt.timedelta(seconds=settings.gap_seconds)
         held_back = max(held_back, (quiet_until - now).total_seconds())
-    return Outlook(len(live) + len(holding), remaining, held_back, means, default, settings)
+    return Outlook(len(live) + len(holding), remaining, held_back, means, settings)
 
 
 def _pending_before(columns: tuple[Any, ...], key: tuple[Any, ...]) -> Any:
@@ -182,7 +180,7 @@ def _pending_before(columns: tuple[Any, ...], key: tuple[Any, ...]) -> Any:
 
 
 def _kinds_ahead(columns: tuple[Any, ...]) -> Any:
-    """The kinds of the pending jobs before a key given as `k0`, `k1`, ... (bounded)."""
+    """The kinds of the pending jobs before a key given as `k0`, `k1`, ..., bounded."""
     key = tuple(bindparam(f"k{n}", type_=c.type) for n, c in enumerate(columns))
     ahead = _pending_before(columns, key).limit(PLACE_BOUND + 1).subquery()
     return select(ahead.c.kind, func.count()).group_by(ahead.c.kind)
@@ -193,7 +191,7 @@ KINDS_AHEAD = {"fifo": _kinds_ahead(FIFO), "fair": _kinds_ahead(FAIR)}
 
 
 def ahead_of(connection: Connection, settings: StoreConfig, job: Job) -> tuple[int, dict[str, int]]:
-    """How many pending jobs are before `job` (at most the bound plus one), and their kinds."""
+    """How many pending jobs are before `job` (up to the bound plus one), and their kinds."""
     key = {f"k{n}": value for n, value in enumerate(order_key(job, settings))}
     counted = connection.execute(KINDS_AHEAD[settings.order], key)
     kinds = {str(kind): int(count) for kind, count in counted}

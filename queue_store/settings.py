@@ -58,9 +58,7 @@ class GatewaySettings(_Checked):
     read_timeout: float = _f(1080.0, "seconds for the whole call (capped by the claim)", gt=0)
     max_answer_bytes: int = _f(MIB, "largest answer read; a longer one is cut off", ge=KIB)
     cut_hold_seconds: float | None = _f(
-        None,
-        "a call cut on our side holds the gateway this long from its start",
-        ge=0,
+        None, "a call cut on our side holds the gateway this long from its start", ge=0
     )
 
     @field_validator("path")
@@ -238,24 +236,18 @@ class Settings(_Checked):
     @property
     def store(self) -> StoreConfig:
         """What the store's rules read, and no secret."""
-        return StoreConfig(
-            **{f.name: getattr(self, f.name) for f in dataclasses.fields(StoreConfig)}
-        )
+        names = (field.name for field in dataclasses.fields(StoreConfig))
+        return StoreConfig(**{name: getattr(self, name) for name in names})
 
     @property
     def plugin_modules(self) -> list[str]:
         return _listed(self.plugins)
 
     def secrets(self) -> list[str]:
-        """Every secret these settings hold, as text may echo it: the tokens, and each URL's user,
-        password and `user:password` (libpq also takes `?password=`)."""
+        """Every secret held, as text may echo it: tokens, and URLs' users and passwords."""
         api = self.api
-        found = [
-            self.gateway.token.get_secret_value(),
-            api.operator_token.get_secret_value(),
-            api.service_token.get_secret_value(),
-            api.screen_secret.get_secret_value(),
-        ]
+        tokens = (self.gateway.token, api.operator_token, api.service_token, api.screen_secret)
+        found = [token.get_secret_value() for token in tokens]
         for url in (self.gateway.url, self.database_url):
             parts = urllib.parse.urlsplit(url) if "://" in url else None
             if parts is None:
@@ -327,7 +319,7 @@ def _variable(model: type[BaseSettings], name: str) -> str:
 
 
 def _entries(settings: BaseSettings | None = None) -> Iterator[tuple[str, str, Any]]:
-    """(variable, help, value) of every setting, nested ones included, in declaration order."""
+    """(variable, help, value) of every setting, nested ones included."""
     for model, instance in (
         (Settings, settings),
         (GatewaySettings, getattr(settings, "gateway", None)),

@@ -49,13 +49,10 @@ def spent_tokens(
     """Add an answer's usage to its day's, user's and kind's (None: unknown)."""
     key = (usage.c.day == day, usage.c.user_id == user_id, usage.c.kind == kind)
     row = connection.execute(select(usage).where(*key)).one_or_none()
-    values = {
-        "answers": (row.answers if row else 0) + 1,
-        "unknown": (row.unknown if row else 0) + (used is None),
-        "prompt_tokens": (row.prompt_tokens if row else 0) + (used.prompt_tokens if used else 0),
-        "completion_tokens": (row.completion_tokens if row else 0)
-        + (used.completion_tokens if used else 0),
-    }
+    before = row._mapping if row is not None else dict.fromkeys(SUMMED, 0)
+    spent = used or Usage(0, 0)
+    added = (1, used is None, spent.prompt_tokens, spent.completion_tokens)  # SUMMED's order
+    values = {name: before[name] + n for name, n in zip(SUMMED, added, strict=True)}
     if row is None:
         connection.execute(insert(usage).values(day=day, user_id=user_id, kind=kind, **values))
     else:
