@@ -1,5 +1,5 @@
-"""The store's ground floor: its engine, its clock, its schema check, and the transactions every
-verb runs in: a read, a write, and a write holding the gate lock (every lease decision)."""
+"""The store's ground floor: its engine, its clock, its schema, and the transactions every verb runs
+in: a read, a write, and a write holding the gate lock (every lease decision)."""
 
 from __future__ import annotations
 
@@ -25,9 +25,8 @@ logger = logging.getLogger(__name__)
 
 
 class StoreBase:
-    """The database, the clock and the transactions of one store (see `JobStore`). It keeps of
-    `settings` only its rules' numbers and a redactor. `create`: a SQLite store is created or
-    upgraded on first use; with `create=False` a missing SQLite file is an error (read-only)."""
+    """It keeps of `settings` only its rules' numbers and a redactor. `create`: a SQLite store is
+    created or upgraded on first use; else a missing SQLite file is an error (read-only)."""
 
     def __init__(
         self,

@@ -213,8 +213,7 @@ def plan(
     settings: StoreConfig,
     turns: Turns,
 ) -> Plan:
-    """Decide every request in order, on the rows as the earlier ones left them, each at `start`
-    plus its index in microseconds."""
+    """Decide every request in order, on the rows as the earlier ones left them."""
     # Every job as it stands after the requests so far; None once deleted.
     current: dict[str, types.SimpleNamespace | None] = {
         jid: types.SimpleNamespace(**row) for jid, row in rows.items()
@@ -323,8 +322,7 @@ def _pg_lock() -> Any:
 
 @functools.cache
 def _sqlite_insert() -> Any:
-    """One row per execution, many executions. Text: SQLAlchemy does not cache INSERT ... ON
-    CONFLICT."""
+    """One row per execution. Text: SQLAlchemy does not cache its INSERT ... ON CONFLICT."""
     return text(
         f"INSERT INTO ai_jobs ({', '.join(INSERTED)}) "
         f"VALUES ({', '.join(f':{name}' for name in INSERTED)}) ON CONFLICT (id) DO NOTHING"
@@ -333,8 +331,7 @@ def _sqlite_insert() -> Any:
 
 @functools.cache
 def _pg_insert(dialect: Dialect) -> Any:
-    """INSERT ... SELECT FROM unnest(one array per column): one statement, one plan. Text, or
-    SQLAlchemy would compile its INSERT ... ON CONFLICT again for every chunk."""
+    """INSERT ... SELECT FROM unnest(one array per column): one statement, one plan."""
     arrays = ", ".join(
         f"CAST(:{name} AS {jobs.c[name].type.compile(dialect=dialect)}[])" for name in INSERTED
     )

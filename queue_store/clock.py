@@ -124,8 +124,6 @@ class HostClock(Clock):
 
 
 class InjectedClock(Clock):
-    """A clock handed in by the caller (tests)."""
-
     def __init__(self, clock: ClockFunction) -> None:
         self._clock = clock
 

@@ -14,8 +14,7 @@ SQLITE_COMPANIONS = ("-wal", "-shm", "-journal")
 
 
 def private_directory(path: Path, *, narrow: bool = True) -> Path:
-    """Make `path` for this account alone. `narrow`: an existing directory is narrowed too (the
-    data directory, ours); else only one made here is (a database's folder may be shared)."""
+    """`path` for this account alone; `narrow`: an existing one too (else it may be shared)."""
     made = not path.exists()
     path.mkdir(parents=True, exist_ok=True)
     mode = path.stat().st_mode
@@ -27,8 +26,7 @@ def private_directory(path: Path, *, narrow: bool = True) -> Path:
 
 
 def private_sqlite(database: Path) -> None:
-    """A SQLite database file this account's alone before SQLite opens it (which gives its `-wal`
-    and `-shm` the file's mode); the folder is narrowed only if it is made here."""
+    """The database file made before SQLite opens it, which gives `-wal` and `-shm` its mode."""
     private_directory(database.parent, narrow=False)
     with contextlib.suppress(FileExistsError):
         os.close(os.open(database, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE))

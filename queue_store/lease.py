@@ -111,8 +111,7 @@ def cut(
     *,
     job_gone: bool = False,
 ) -> None:
-    """The call of this claim, if one started, was cut on our side: it holds the gateway until its
-    start plus the hold (H1). `job_gone`: the job is being deleted, so the hold names none."""
+    """The claim's call, if it started, was cut on our side: it holds the gateway a while (H1)."""
     started = row.call_started_at
     if started is None:
         return
@@ -131,8 +130,7 @@ def held(connection: Connection, now: dt.datetime) -> list[Row[Any]]:
 def _release_holds(
     connection: Connection, now: dt.datetime, last: dt.datetime | None
 ) -> dt.datetime | None:
-    """Holds that are over become what they stand for, calls that ended at their end (for the
-    gap); returns the last call's end, theirs included."""
+    """Holds that are over become calls that ended at their end; returns the last call's end."""
     ended = connection.execute(select(func.max(holds.c.until)).where(holds.c.until <= now))
     latest: dt.datetime | None = ended.scalar_one_or_none()
     if latest is None:
@@ -221,7 +219,6 @@ def claim(
 def _first_pending(
     connection: Connection, settings: StoreConfig, *, avoid_suspects: bool
 ) -> Row[Any] | None:
-    """The head of the queue, in the order places are counted in (`places`)."""
     pending = select(jobs).where(jobs.c.status == Status.PENDING)
     probes = [pending.where(jobs.c.unavailable_since.is_(None))] if avoid_suspects else []
     for query in (*probes, pending):
@@ -251,8 +248,7 @@ def renew(
     calling: bool = False,
     flow_run_id: str | None = None,
 ) -> Renewal:
-    """Extend a live claim; a lapsed one stays dead (L3). `calling`: the call starts now (H1);
-    `flow_run_id` (N4) is kept even when it arrives after the attempt ended."""
+    """Extend a live claim; a lapsed one stays dead (L3). A run id is kept even after it ended."""
     row = held_row(connection, job_id, holder)
     if row is None:
         if flow_run_id is not None:
@@ -268,8 +264,7 @@ def renew(
 
 
 def _note_run_after(connection: Connection, job_id: str, holder: str, flow_run_id: str) -> None:
-    """The run of a claim that has ended goes on its job, and on the result it produced, unless
-    a newer claim holds the job (FIX2: the token of the claim that ended must match)."""
+    """The run of an ended claim goes on its job and the result it produced, not a newer claim's."""
     ended = and_(jobs.c.id == job_id, jobs.c.last_holder == holder, jobs.c.status != Status.RUNNING)
     row = connection.execute(select(jobs.c.claimed_at).where(ended)).one_or_none()
     if row is None:
@@ -403,8 +398,7 @@ def late_stop(
     holder: str,
     error: str,
 ) -> Settlement | None:
-    """A worker reports its stop after a takeover got to the job first (H2): if the takeover gave
-    the job up as lost (FIX4), the stop, which spends nothing, puts it back; else None (FIX2)."""
+    """A stop reported after a takeover gave the job up as lost (FIX4) puts it back (H2)."""
     row = connection.execute(
         select(jobs)
         .where(jobs.c.id == job_id, jobs.c.last_holder == holder, jobs.c.status == Status.FAILED)
@@ -432,7 +426,7 @@ def late_stop(
 def _behind(
     connection: Connection, settings: StoreConfig, row: Row[Any], now: dt.datetime
 ) -> dict[str, Any]:
-    """Back in the queue behind the jobs of its priority: queued now, in a new turn (R8b)."""
+    """Back in the queue behind the jobs of its priority (R8b)."""
     turn = places.next_turn(connection, settings, row.user_id, row.priority)
     return {"queued_at": now, "turn": turn}
 
@@ -450,7 +444,7 @@ def _refund(connection: Connection, row: Row[Any], now: dt.datetime, error: str)
 def settle_done(
     connection: Connection, now: dt.datetime, row: Row[Any], flow_run_id: str | None = None
 ) -> None:
-    """The attempt produced a result; the run that made it, if named, goes on the row (N4)."""
+    """The attempt produced a result (N1, N4)."""
     more: dict[str, Any] = {} if flow_run_id is None else {"flow_run_id": flow_run_id}
     done = {"status": Status.DONE, "error": None, "unavailable_since": None, "requested_at": None}
     _settle_row(connection, row, now, **done, losses=0, **more)

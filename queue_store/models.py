@@ -12,8 +12,7 @@ import hashlib
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
-# Lower runs first.
-INTERACTIVE = 0  # a screen the user has open right now
+INTERACTIVE = 0  # a screen the user has open right now; lower runs first
 PREFETCH = 10  # backfill after a sync
 
 MAX_ID_LENGTH = 200  # characters, for user_id
@@ -85,8 +84,7 @@ class Renewal(enum.StrEnum):  # what a heartbeat found
     LAPSED = "lapsed"  # not renewed in time: the claim is dead and cannot be revived
     LOST = "lost"  # another worker took the job over, or it was settled
 
-    def __bool__(self) -> bool:
-        # `if store.heartbeat(...)` reads as "still ours".
+    def __bool__(self) -> bool:  # `if store.heartbeat(...)` reads as "still ours"
         return self is Renewal.RENEWED
 
 
@@ -286,8 +284,7 @@ class Position:
     ahead: int  # queued jobs that will be taken before this one (at most the bound)
     in_flight: int  # calls running now (this job included when it is running)
     eta_seconds: float  # expected seconds until this job's result is ready
-    # False: more than `ahead` jobs are ahead, and the ETA counts only `ahead` of them.
-    ahead_exact: bool = True
+    ahead_exact: bool = True  # False: more are ahead, and the ETA counts only `ahead` (P2)
 
     def as_dict(self) -> dict[str, Any]:
         shown = {name: getattr(self, name) for name in POSITION_FIELDS}
@@ -490,8 +487,7 @@ class Forgotten(Record):
     usage_rows: int
     calls_cut: int  # calls of the user in flight that were cut (they hold the gateway, H1)
     pseudonym: str | None  # what the run history knew the user as; None: never seen there
-    # Pseudonyms of forgotten users whose runs are still in the run history (this one's too).
-    history_pending: tuple[str, ...] = ()
+    history_pending: tuple[str, ...] = ()  # forgotten users' pseudonyms the history still holds
 
     def as_dict(self) -> dict[str, Any]:
         return super().as_dict() | {"history_pending": len(self.history_pending)}
@@ -517,8 +513,7 @@ class QueueView:
     gate: GateState
     running: list[QueueEntry]
     waiting: list[QueueEntry]
-    # Pending jobs by class: how many, and the oldest's queued_at.
-    waiting_by_class: dict[str, tuple[int, dt.datetime | None]]
+    waiting_by_class: dict[str, tuple[int, dt.datetime | None]]  # count, oldest queued_at
     recent_failures: list[QueueEntry]
     failed_total: int
     workers: list[Worker]

@@ -33,8 +33,7 @@ class OperatorActions(StoreBase):
     """Every action answers what it changed, in one transaction."""
 
     def list_jobs(self, user_id: str, limit: int = 60) -> list[ListedJob]:
-        """The user's queue in worker order (R11): running, pending, failed, done; each in the
-        claim order, with places and ETAs."""
+        """The user's queue in worker order, with places and ETAs (R11)."""
         user_id = validation.user_id(user_id)
         limit = validation.limit(limit)
         with self._read("list_jobs") as connection:
@@ -55,8 +54,7 @@ class OperatorActions(StoreBase):
         return Requeued(user_id, retried, int(pending))
 
     def requeue(self, kinds: Sequence[str] | None = None) -> int:
-        """Queue every finished job (of these kinds) again after a prompt change, at prefetch
-        priority or their own if more urgent; their results are no longer fresh."""
+        """Queue every finished job (of these kinds) again, after a prompt change."""
         checked = [validation.kind(k) for k in kinds] if kinds is not None else None
         finished: ColumnElement[bool] = jobs.c.status.in_([Status.DONE, Status.FAILED])
         if checked is not None:
@@ -79,8 +77,7 @@ class OperatorActions(StoreBase):
         return int(connection.execute(update(jobs).where(where).values(**values)).rowcount)
 
     def _deal_turns(self, connection: Connection, where: Any, user_id: str | None) -> None:
-        """Turns for the jobs `where` picks, about to be queued again together (R8b, A3): each
-        user's in their order and class, after the turn served (for one user, their last)."""
+        """Turns for the jobs `where` picks, queued again together: each user's in order (R8b)."""
         if self._settings.order != "fair":
             return
         for priority, of_class, served in (
@@ -114,17 +111,15 @@ class OperatorActions(StoreBase):
         for user in list(over):
             places.cap_interactive(connection, self._settings, user, now)
 
-    # -- N2, G1, G4: pauses, shared by every worker ------------------------------
-
     def gate_state(self) -> GateState:
-        """The gate (any pause, the outage streak, the last call's end) and who is alive."""
+        """The gate and who is alive."""
         with self._read("gate_state") as connection:
             row = lease.gate_row(connection)
             now = self._now(connection)
             return views.gate_state(row, now, views.workers_alive(connection, self._settings, now))
 
     def pause(self, seconds: float, reason: str) -> GateState:
-        """Stop every worker from claiming for `seconds`; returns the gate as it now stands."""
+        """Stop every worker from claiming for `seconds`."""
         seconds = validation.seconds("seconds", seconds)
         reason = self._error(reason, "reason")
         with self._gated("pause") as (connection, now, _state):
@@ -132,7 +127,7 @@ class OperatorActions(StoreBase):
             return views.gate_state(lease.gate_row(connection), now)
 
     def resume(self) -> GateState:
-        """Lift any pause and forget the outage streak; returns the gate as it now stands."""
+        """Lift any pause and forget the outage streak."""
         with self._gated("resume") as (connection, now, _state):
             schema.update_gate(
                 connection,
@@ -143,11 +138,8 @@ class OperatorActions(StoreBase):
             )
             return views.gate_state(lease.gate_row(connection), now)
 
-    # -- FIX5: recovery ------------------------------------------------------
-
     def recover(self, worker: str | None = None) -> list[Job]:
-        """Take back dead claims, and this worker's own (matched exactly); never another's live
-        claim (FIX5). Returns the jobs taken back, as they were."""
+        """Take back dead claims and this worker's own, never another's live claim (FIX5)."""
         if worker is not None:
             worker = validation.worker(worker)
         with self._gated("recover") as (connection, now, _state):
@@ -160,16 +152,12 @@ class OperatorActions(StoreBase):
             lease.reap(connection, self._settings, now, taken)
         return [from_row(Job, row) for row in taken]
 
-    # -- N3, M1: the whole queue -----------------------------------------------------
-
     def queue_view(self, limit: int = 50) -> QueueView:
-        """The whole queue with the first `limit` waiting jobs (0: none), in one read."""
+        """The whole queue (N3, M1) with the first `limit` waiting jobs, in one read."""
         limit = validation.limit(limit, minimum=0)
         with self._read("queue_view") as connection:
             now = self._now(connection)
             return views.queue_view(connection, self._settings, now, limit)
-
-    # -- D2, D3: retention and forgetting ----------------------------------------------
 
     def prune(
         self,
@@ -178,8 +166,7 @@ class OperatorActions(StoreBase):
         by_kind: Mapping[str, float] | None = None,
         dry_run: bool = False,
     ) -> Pruned:
-        """Delete what is past retention (D2), in chunks, safe beside claims and other pruners;
-        `by_kind`: kinds' own days. `dry_run` counts, and changes nothing."""
+        """Delete what is past retention (D2); `dry_run` counts, and changes nothing."""
         days = self._settings.retention_days if retention_days is None else retention_days
         days = validation.seconds("retention_days", days)
         kinds = {
@@ -222,8 +209,7 @@ class OperatorActions(StoreBase):
                 return total
 
     def forget(self, user_id: str | None = None, *, erased: Iterable[str] = ()) -> Forgotten:
-        """Remove every row of the user from the store (D3); idempotent. `erased`: pseudonyms whose
-        runs the run history no longer holds (an earlier `forget`'s part there)."""
+        """Remove every row of the user (D3); `erased`: pseudonyms gone from the run history."""
         if user_id is not None:
             user_id = validation.user_id(user_id)
         done = [validation.text("erased", p, 40) for p in erased]

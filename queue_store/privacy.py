@@ -46,8 +46,7 @@ def _before(now: dt.datetime, days: float) -> dt.datetime:
 def prune_jobs(
     connection: Connection, retention: Retention, now: dt.datetime, *, count_only: bool
 ) -> tuple[int, int]:
-    """A chunk of finished jobs past retention with their results: (jobs, results) deleted, or with
-    `count_only`, all of them counted."""
+    """A chunk of finished jobs past retention, and their results: (jobs, results) deleted."""
     deleted_jobs = deleted_results = 0
     for kinds, cutoff in retention.cutoffs(now, jobs.c.kind):
         past = [jobs.c.status.in_(FINISHED), jobs.c.finished_at < cutoff, *kinds]
@@ -89,8 +88,7 @@ def prune_orphan_results(
 def fold_usage(
     connection: Connection, retention: Retention, now: dt.datetime, *, count_only: bool
 ) -> int:
-    """Users' daily token usage past retention, folded into the day's totals of no one (M2 sums
-    stay right); returns the user rows folded."""
+    """Users' daily token usage past retention, folded into the day's totals of no one (M2)."""
     cutoff = _before(now, retention.days).date()
     past = and_(usage.c.day < cutoff, usage.c.user_id != NO_ONE)
     if count_only:
@@ -129,8 +127,7 @@ def prune_people(connection: Connection, *, count_only: bool) -> int:
 
 
 def _prune(connection: Connection, key: Any, past: list[Any], count_only: bool) -> int:
-    """A chunk of the rows `past` picks, deleted by `key` and re-checked as they go; or, with
-    `count_only`, all of them counted."""
+    """A chunk of the rows `past` picks, deleted by `key` and re-checked as they go."""
     query = select(key).where(*past)
     if count_only:
         return _count(connection, query)
@@ -146,8 +143,7 @@ def _chunk(connection: Connection, query: Any) -> list[Any]:
 
 
 def _skip_locked(connection: Connection, query: Any) -> Any:
-    """`query` locking what it reads, past rows another pruner holds (on PostgreSQL: SQLite's
-    write lock serialises pruners already)."""
+    """`query` past rows another pruner holds (PostgreSQL: SQLite serialises its writers)."""
     if connection.dialect.name == "postgresql":
         return query.with_for_update(skip_locked=True)
     return query

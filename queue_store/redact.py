@@ -87,8 +87,7 @@ def _masked(found: re.Match[str]) -> str:
 
 
 def mask_url(url: str) -> str:
-    """A URL (or a text holding URLs) with its credentials masked: a database's `user:***@`, a
-    gateway's `***@`, and `password=***`."""
+    """A URL, or a text holding URLs, with its credentials masked."""
     return _PASSWORD_IN_QUERY.sub(r"\1***", _USERINFO.sub(_masked, url))
 
 

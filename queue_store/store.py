@@ -1,7 +1,5 @@
-"""JobStore: the screens' and workers' verbs, as transactions over `rules`, `lease`, `places`,
-`bulk` and `views`. Flows call these and never see SQL; it must not import Prefect, httpx or
-`flows`. Lease decisions lock the gate row, then read the clock (`StoreBase._gated`).
-"""
+"""JobStore: the screens' and workers' verbs, as transactions over `rules`, `lease`, `bulk` and
+`views`. Flows call these and never see SQL; it must not import Prefect, httpx or `flows`."""
 
 from __future__ import annotations
 
@@ -46,10 +44,7 @@ FORGET_WORKERS_AFTER_LEASES = 60
 
 
 class JobStore(OperatorActions):
-    """The queue, thread-safe: one per process. It plays every role of `ports`; the operator's verbs
-    are in `operations`, the database and its transactions in `base`."""
-
-    # -- R1-R6: enqueue ------------------------------------------------------
+    """The queue, thread-safe: one per process. It plays every role of `ports`."""
 
     def enqueue(
         self,
@@ -81,7 +76,7 @@ class JobStore(OperatorActions):
         row: Row[Any] | None,
         now: dt.datetime,
     ) -> Status | None:
-        """Act on the row as read: the job's status afterwards, or None to read it again."""
+        """The job's status after acting on the row as read, or None to read it again."""
         if row is None:
             try:
                 with self._write("enqueue") as connection:
@@ -102,23 +97,24 @@ class JobStore(OperatorActions):
         if decision.changes is None:
             return decision.status
         changes = dict(decision.changes)
+        promoted = changes.get("priority", row.priority)
         with self._write("enqueue") as connection:
-            if "queued_at" in changes or changes.get("priority", row.priority) != row.priority:
+            if "queued_at" in changes or promoted != row.priority:
                 # Into the queue again, or promoted: a turn of its own (R8b).
                 changes["turn"] = places.next_turn(
-                    connection, self._settings, row.user_id, changes.get("priority", row.priority)
+                    connection, self._settings, row.user_id, promoted
                 )
             written = connection.execute(
                 update(jobs)
                 .where(jobs.c.id == row.id, jobs.c.revision == row.revision)
                 .values(**changes, updated_at=now, revision=row.revision + 1)
             ).rowcount
-            if written == 1 and changes.get("priority", row.priority) <= INTERACTIVE:
+            if written == 1 and promoted <= INTERACTIVE:
                 places.cap_interactive(connection, self._settings, row.user_id, now)
         return decision.status if written == 1 else None
 
     def _take_back(self, jid: str) -> None:
-        """Reap one job whose claim looked lapsed, if it still is (a lease decision)."""
+        """Reap one job whose claim looked lapsed, if it still is."""
         with self._gated("enqueue") as (connection, now, _state):
             query = select(jobs).where(jobs.c.id == jid, jobs.c.status == Status.RUNNING)
             row = connection.execute(query).one_or_none()
@@ -126,8 +122,7 @@ class JobStore(OperatorActions):
                 lease.reap(connection, self._settings, now, [row])
 
     def enqueue_many(self, requests: Iterable[EnqueueRequest]) -> list[Status]:
-        """`enqueue` (and `supersede`, R7) for many keys: each one's status, in order (`bulk`).
-        Every request is checked before anything is written; then a transaction per chunk."""
+        """`enqueue` (and `supersede`, R7) for many keys, all checked before anything is written."""
         checked = [_checked_request(r) for r in requests]
         statuses: list[Status] = []
         last: dt.datetime | None = None
@@ -175,10 +170,8 @@ class JobStore(OperatorActions):
         for user in sorted({r.user_id for r in chunk if r.priority <= INTERACTIVE}):
             places.cap_interactive(connection, self._settings, user, now)
 
-    # -- reads: jobs, a screen's poll, a user's queue -----------------------------
-
     def jobs(self, ids: Iterable[str]) -> dict[str, Job]:
-        """The jobs with these ids, by id (ids with no job are left out)."""
+        """The jobs with these ids, by id."""
         wanted = sorted({validation.job_id(i) for i in ids})
         with self._read("jobs") as connection:
             rows = connection.execute(views.WITH_PSEUDONYM.where(jobs.c.id.in_(wanted))).all()
@@ -224,9 +217,8 @@ class JobStore(OperatorActions):
         known: str | None = None,
         queue: bool = True,
     ) -> JobState | None:
-        """A screen's poll (P1): queue the job at the front (R1-R6), then its state; `unchanged`
-        while the screen's version `known` holds. `queue=False` only reads: None without a job,
-        and `fresh` is judged against `fingerprint`, or the job's own without one."""
+        """A screen's poll (P1). `queue=False` only reads: None without a job, and `fresh` is judged
+        against `fingerprint`, or the job's own without one."""
         user_id, kind, subject = validation.key(user_id, kind, subject)
         fingerprint = validation.fingerprint(fingerprint)
         jid = job_id(user_id, kind, subject)
@@ -249,8 +241,7 @@ class JobStore(OperatorActions):
         raise DatabaseError(f"poll: job {jid[:12]}… kept changing under this call; retry")
 
     def has_work(self, *, or_running: bool = False) -> bool:
-        """Whether a claim could find a queued job or a lapsed claim; never writes. `or_running`:
-        any claim counts, for a drain that stays until every call is over (W2)."""
+        """Whether a claim could find work; `or_running`: any claim counts (W2)."""
         with self._read("has_work") as connection:
             queued = select(jobs.c.id).where(jobs.c.status == Status.PENDING).limit(1)
             if connection.execute(queued).first() is not None:
@@ -261,21 +252,16 @@ class JobStore(OperatorActions):
             now = self._now(connection)
             return any(lapsed(row, now, self._settings) for row in running)
 
-    # -- R8, R9, FIX1, FIX6: claim -------------------------------------------
-
     def claim_next(self, worker: str) -> Claim:
-        """The next job, if the gate allows a call now; its `holder` names every later write."""
+        """The next job, if the gate allows a call now (R8, R9, FIX1, FIX6)."""
         worker = validation.worker(worker)
         with self._gated("claim_next") as (connection, now, state):
             return lease.claim(connection, self._settings, now, state, worker)
 
-    # -- FIX2, FIX3, L3: the holder's writes ------------------------------------
-
     def heartbeat(
         self, jid: str, holder: str, *, calling: bool = False, flow_run_id: str | None = None
     ) -> Renewal:
-        """Renew the claim; anything but RENEWED means: stop the call now. `calling`: the call
-        starts right after (H1); `flow_run_id`: the attempt's run (N4), kept even after it ended."""
+        """Renew the claim (FIX3); anything but RENEWED means: stop the call now."""
         jid = validation.job_id(jid)
         holder = validation.holder(holder)
         flow_run_id = None if flow_run_id is None else validation.run_id(flow_run_id)
@@ -300,8 +286,7 @@ class JobStore(OperatorActions):
         flow_run_id: str | None = None,
         usage: Usage | None = None,
     ) -> Status:
-        """The job is done and its result the key's latest (N1), with its `usage` (None: unknown).
-        Raises `ClaimLost`, having changed nothing, if the claim was taken over."""
+        """The job is done and its result the key's latest (N1), or `ClaimLost` (FIX2)."""
         jid = validation.job_id(jid)
         holder = validation.holder(holder)
         output, _ = validation.result(result, self._settings.max_result_bytes)
@@ -355,8 +340,7 @@ class JobStore(OperatorActions):
         duration_seconds: float | None = None,
         answer: Usage | bool = False,
     ) -> Settlement:
-        """Settle an attempt that ended without a result by the rule for `failure` (N2, G1-G4), or
-        raise `ClaimLost`. `answer`: the tokens an answer said it used, True if it did not say."""
+        """Settle an attempt that ended without a result (N2, G1-G4), or raise `ClaimLost`."""
         jid = validation.job_id(jid)
         holder = validation.holder(holder)
         if not isinstance(failure, Failure):
@@ -383,8 +367,6 @@ class JobStore(OperatorActions):
             tally_attempt(connection, now, row, failure, duration_seconds, answer)
             return settled
 
-    # -- presence of consumers ----------------------------------------------------
-
     def presence(
         self, name: str, role: str, info: dict[str, Any] | None = None, *, leaving: bool = False
     ) -> None:
@@ -403,9 +385,7 @@ class JobStore(OperatorActions):
             values: dict[str, Any] = {"seen_at": now, "info": info or {}}
             process = {"host": host, "pid": pid, "role": role, "started_at": now}
             if row is not None:
-                if (row.host, row.pid) != (host, pid):
-                    # A stable name taken up by a new process (serve restarted
-                    # after a crash): the row describes the new one.
+                if (row.host, row.pid) != (host, pid):  # a new process took up the name
                     values |= process
                 connection.execute(update(workers).where(workers.c.name == name).values(**values))
             else:
@@ -435,6 +415,3 @@ def _checked_request(request: object) -> EnqueueRequest:
     fingerprint = validation.fingerprint(request.fingerprint)
     priority = validation.priority(request.priority)
     return EnqueueRequest(*key, fingerprint, priority, bool(request.supersede))
-
-
-__all__ = ["JobStore"]
