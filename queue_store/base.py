@@ -10,7 +10,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Connection, Row
+from sqlalchemy import Connection
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
@@ -110,13 +110,11 @@ class StoreBase:
         return self._transaction(operation, write=True)
 
     @contextmanager
-    def _gated(self, operation: str) -> Iterator[tuple[Connection, dt.datetime, Row[Any]]]:
-        """A write transaction holding the gate lock, with the clock read after it."""
+    def _gated(self, operation: str) -> Iterator[lease.Gated]:
         with self._write(operation) as connection:
             state = lease.gate_row(connection, lock=True)
             self._clock.prepare(connection)
-            now = self._clock.now(connection)
-            yield connection, now, state
+            yield lease.Gated(connection, self._clock.now(connection), state, self._settings)
 
     def _checkpoint(self) -> None:
         """On SQLite, what was deleted leaves the write-ahead log too (D3)."""

@@ -1,15 +1,12 @@
-"""The SQL of the gateway lease: claim, renew, reap and settle (FIX1-FIX6, L1-L3, G1-G4, H1, H2).
-
-Every function runs in a write transaction that already holds the gate lock, with `now` read from
-the store's clock after the lock was taken (`StoreBase._gated`): these steps never interleave.
-"""
+"""The SQL of the gateway lease: claim, renew, reap and settle (FIX1-FIX6, L1-L3, G1-G4, H1, H2),
+each in a `Gated` transaction."""
 
 from __future__ import annotations
 
 import dataclasses
 import datetime as dt
 import secrets
-from typing import Any
+from typing import Any, NamedTuple
 
 from sqlalchemy import Connection, Row, and_, delete, func, insert, select, update
 
@@ -53,6 +50,16 @@ GATE_ROW = select(gate).where(gate.c.id == schema.GATE_ROW_ID)
 GATE_ROW_LOCKED = GATE_ROW.with_for_update()
 
 
+class Gated(NamedTuple):
+    """A write transaction holding the gate lock, with the store's clock read after it was taken
+    (`StoreBase._gated`): the lease's steps never interleave."""
+
+    connection: Connection
+    now: dt.datetime
+    state: Row[Any]  # the gate row, as locked
+    settings: StoreConfig
+
+
 def gate_row(connection: Connection, *, lock: bool = False) -> Row[Any]:
     """The one gate row (locked for the transaction with `lock`: every lease decision)."""
     row = connection.execute(GATE_ROW_LOCKED if lock else GATE_ROW).one_or_none()
@@ -65,14 +72,13 @@ def running_rows(connection: Connection) -> list[Row[Any]]:
     return list(connection.execute(RUNNING).all())
 
 
-def reap(
-    connection: Connection, settings: StoreConfig, now: dt.datetime, dead: list[Row[Any]]
-) -> int:
+def reap(tx: Gated, dead: list[Row[Any]]) -> int:
     """Take back the jobs of these dead claims (FIX3-FIX5, H1, H2); the gap counts from now (L3)."""
     if not dead:
         return 0
+    connection, now, _, settings = tx
     for row in dead:
-        cut(connection, settings, now, row, CutCause.WORKER_LOST)
+        cut(tx, row, CutCause.WORKER_LOST)
         losses = row.losses + 1
         changes: dict[str, Any] = {
             "holder": None,
@@ -98,28 +104,20 @@ def reap(
             .where(jobs.c.id == row.id, jobs.c.holder.is_not_distinct_from(row.holder))
             .values(**changes)
         )
-    _ended_call(connection, now)
+    _ended_call(tx)
     return len(dead)
 
 
-def cut(
-    connection: Connection,
-    settings: StoreConfig,
-    now: dt.datetime,
-    row: Any,
-    cause: CutCause,
-    *,
-    job_gone: bool = False,
-) -> None:
+def cut(tx: Gated, row: Any, cause: CutCause, *, job_gone: bool = False) -> None:
     """The claim's call, if it started, was cut on our side: it holds the gateway a while (H1)."""
     started = row.call_started_at
     if started is None:
         return
-    until = started + dt.timedelta(seconds=settings.cut_hold)
-    if until > now:
+    until = started + dt.timedelta(seconds=tx.settings.cut_hold)
+    if until > tx.now:
         shown = None if job_gone else row.id
         values = {"job_id": shown, "worker": row.worker, "cause": cause, "started_at": started}
-        connection.execute(insert(holds).values(**values, until=until))
+        tx.connection.execute(insert(holds).values(**values, until=until))
 
 
 def held(connection: Connection, now: dt.datetime) -> list[Row[Any]]:
@@ -142,20 +140,19 @@ def _release_holds(
     return last
 
 
-def _ended_call(connection: Connection, now: dt.datetime, **more: Any) -> None:
+def _ended_call(tx: Gated, **more: Any) -> None:
     """A call ended (settled, or taken over): the gap counts from now (FIX6)."""
-    schema.update_gate(connection, last_finished_at=now, **more)
+    schema.update_gate(tx.connection, last_finished_at=tx.now, **more)
 
 
-def claim(
-    connection: Connection, settings: StoreConfig, now: dt.datetime, state: Row[Any], worker: str
-) -> Claim:
+def claim(tx: Gated, worker: str) -> Claim:
     """Take the highest-priority runnable job if the gate allows a call now (R8, R9, FIX1, FIX6)."""
+    connection, now, state, settings = tx
     running = running_rows(connection)
     dead = [row for row in running if lapsed(row, now, settings)]
     last_finished = _release_holds(connection, now, state.last_finished_at)
     if dead:
-        reap(connection, settings, now, dead)
+        reap(tx, dead)
         last_finished = now
     holding = held(connection, now)
     in_flight = len(running) - len(dead) + len(holding)
@@ -239,16 +236,10 @@ def held_row(connection: Connection, job_id: str, holder: str) -> Row[Any] | Non
 
 
 def renew(
-    connection: Connection,
-    settings: StoreConfig,
-    now: dt.datetime,
-    job_id: str,
-    holder: str,
-    *,
-    calling: bool = False,
-    flow_run_id: str | None = None,
+    tx: Gated, job_id: str, holder: str, *, calling: bool = False, flow_run_id: str | None = None
 ) -> Renewal:
     """Extend a live claim; a lapsed one stays dead (L3). A run id is kept even after it ended."""
+    connection, now, _, settings = tx
     row = held_row(connection, job_id, holder)
     if row is None:
         if flow_run_id is not None:
@@ -282,17 +273,17 @@ def _note_run_after(connection: Connection, job_id: str, holder: str, flow_run_i
         )
 
 
-def _settle_row(connection: Connection, row: Row[Any], now: dt.datetime, **changes: Any) -> None:
+def _settle_row(tx: Gated, row: Row[Any], **changes: Any) -> None:
     ended = {
         "holder": None,
         "last_holder": row.holder,
         "worker": None,
         "heartbeat_at": None,
         "call_started_at": None,
-        "finished_at": now,
+        "finished_at": tx.now,
     }
-    values = {**ended, "updated_at": now, "revision": row.revision + 1, **changes}
-    schema.update_job(connection, row.id, **values)
+    values = {**ended, "updated_at": tx.now, "revision": row.revision + 1, **changes}
+    schema.update_job(tx.connection, row.id, **values)
 
 
 def _backoff(settings: StoreConfig, streak: int) -> float:
@@ -301,104 +292,87 @@ def _backoff(settings: StoreConfig, streak: int) -> float:
     return float(min(settings.backoff_seconds * 2**doublings, settings.backoff_max_seconds))
 
 
-def pause(
-    connection: Connection,
-    now: dt.datetime,
-    seconds: float,
-    kind: PauseKind,
-    reason: str,
-    **more: Any,
-) -> None:
-    until = now + dt.timedelta(seconds=seconds)
-    schema.update_gate(connection, paused_until=until, pause_kind=kind, pause_reason=reason, **more)
+def pause(tx: Gated, seconds: float, kind: PauseKind, reason: str, **more: Any) -> None:
+    until = tx.now + dt.timedelta(seconds=seconds)
+    schema.update_gate(
+        tx.connection, paused_until=until, pause_kind=kind, pause_reason=reason, **more
+    )
 
 
 def settle_failure(
-    connection: Connection,
-    settings: StoreConfig,
-    now: dt.datetime,
-    state: Row[Any],
-    row: Row[Any],
-    failure: Failure,
-    error: str,
-    retry_after: float | None,
+    tx: Gated, row: Row[Any], failure: Failure, error: str, retry_after: float | None
 ) -> Settlement:
     """Apply the store's rule for an attempt that ended without a result (N2, G1-G4)."""
+    _, now, state, settings = tx
     spent = Status.FAILED if row.attempts >= settings.max_attempts else Status.PENDING
     streak = state.outages_in_a_row + 1  # if this failure is one more trouble in a row
     backoff = _backoff(settings, streak)
 
     if failure in (Failure.BUILD, Failure.REJECTED, Failure.PARSE):
-        _settle_row(connection, row, now, status=spent, error=error, unavailable_since=None)
+        _settle_row(tx, row, status=spent, error=error, unavailable_since=None)
         more: dict[str, Any] = {}
         if failure is not Failure.BUILD:  # the gateway answered: it is up
             more = {"last_answer_at": now, "outages_in_a_row": 0}
-        _ended_call(connection, now, **more)
+        _ended_call(tx, **more)
         return Settlement(spent, True, None, f"attempt {row.attempts} spent")
 
     if failure is Failure.TIMEOUT:
-        cut(connection, settings, now, row, CutCause.TIMEOUT)
-        _settle_row(connection, row, now, status=spent, error=error)
-        _ended_call(connection, now)
-        pause(connection, now, backoff, PauseKind.TIMEOUT, error, outages_in_a_row=streak)
+        cut(tx, row, CutCause.TIMEOUT)
+        _settle_row(tx, row, status=spent, error=error)
+        _ended_call(tx)
+        pause(tx, backoff, PauseKind.TIMEOUT, error, outages_in_a_row=streak)
         why = f"claiming paused {backoff:g} s in case the gateway is still working on it"
         return Settlement(spent, True, backoff, f"attempt {row.attempts} spent; {why}")
 
     if failure is Failure.UNAVAILABLE:
         since = row.unavailable_since
-        behind = _behind(connection, settings, row, now)
+        behind = _behind(tx, row)
         if since is not None and state.last_answer_at is not None and state.last_answer_at > since:
             # The gateway has answered other calls since this job started failing
             # "unavailable": the job is the problem, not the gateway.
             text = f"the gateway answers other calls but keeps failing this one: {error}"
-            _settle_row(connection, row, now, status=spent, error=text, **behind)
-            _ended_call(connection, now)
+            _settle_row(tx, row, status=spent, error=text, **behind)
+            _ended_call(tx)
             why = "not an outage, this job"
             return Settlement(spent, True, None, f"attempt {row.attempts} spent: {why}")
         # Looks like an outage: keep the attempt, go behind the jobs of the same priority (the
         # next probe is another job), pause with a growing backoff.
         kept = {"attempts": max(row.attempts - 1, 0), "claimed_at": None}
         outage = {"status": Status.PENDING, "error": error, "unavailable_since": since or now}
-        _settle_row(connection, row, now, **outage, **kept, **behind)
-        _ended_call(connection, now)
-        pause(connection, now, backoff, PauseKind.OUTAGE, error, outages_in_a_row=streak)
+        _settle_row(tx, row, **outage, **kept, **behind)
+        _ended_call(tx)
+        pause(tx, backoff, PauseKind.OUTAGE, error, outages_in_a_row=streak)
         why = f"gateway unavailable; claiming paused {backoff:g} s"
         return Settlement(Status.PENDING, False, backoff, why)
 
     if failure is Failure.RATE_LIMITED:
         seconds = backoff if retry_after is None else min(retry_after, settings.backoff_max_seconds)
-        _refund(connection, row, now, error)
-        _ended_call(connection, now)
+        _refund(tx, row, error)
+        _ended_call(tx)
         # Asked to slow down again and again without a time to wait: each pause is longer than
         # the last. A named wait is the gateway's answer.
         more = {"outages_in_a_row": streak} if retry_after is None else {}
-        pause(connection, now, seconds, PauseKind.RATE_LIMIT, error, **more)
+        pause(tx, seconds, PauseKind.RATE_LIMIT, error, **more)
         why = f"rate limited; claiming paused {seconds:g} s"
         return Settlement(Status.PENDING, False, seconds, why)
 
     if failure is Failure.REFUSED:
-        _refund(connection, row, now, error)
-        _ended_call(connection, now)
-        pause(connection, now, backoff, PauseKind.REFUSED, error, outages_in_a_row=streak)
+        _refund(tx, row, error)
+        _ended_call(tx)
+        pause(tx, backoff, PauseKind.REFUSED, error, outages_in_a_row=streak)
         why = f"the gateway refused us; claiming stopped for {backoff:g} s until it is fixed"
         return Settlement(Status.PENDING, False, backoff, why)
 
     # STOPPED: this side stopped the call (shutdown, or its lease was at risk).
-    cut(connection, settings, now, row, CutCause.STOPPED)
-    _refund(connection, row, now, error)
-    _ended_call(connection, now)
+    cut(tx, row, CutCause.STOPPED)
+    _refund(tx, row, error)
+    _ended_call(tx)
     return Settlement(Status.PENDING, False, None, "handed back; the attempt is not spent")
 
 
-def late_stop(
-    connection: Connection,
-    settings: StoreConfig,
-    now: dt.datetime,
-    job_id: str,
-    holder: str,
-    error: str,
-) -> Settlement | None:
+def late_stop(tx: Gated, job_id: str, holder: str, error: str) -> Settlement | None:
     """A stop reported after a takeover gave the job up as lost (FIX4) puts it back (H2)."""
+    connection, now, _, settings = tx
     row = connection.execute(
         select(jobs)
         .where(jobs.c.id == job_id, jobs.c.last_holder == holder, jobs.c.status == Status.FAILED)
@@ -423,29 +397,25 @@ def late_stop(
     return Settlement(Status.PENDING, False, None, "stopped, and taken over first: kept")
 
 
-def _behind(
-    connection: Connection, settings: StoreConfig, row: Row[Any], now: dt.datetime
-) -> dict[str, Any]:
+def _behind(tx: Gated, row: Row[Any]) -> dict[str, Any]:
     """Back in the queue behind the jobs of its priority (R8b)."""
-    turn = places.next_turn(connection, settings, row.user_id, row.priority)
-    return {"queued_at": now, "turn": turn}
+    turn = places.next_turn(tx.connection, tx.settings, row.user_id, row.priority)
+    return {"queued_at": tx.now, "turn": turn}
 
 
-def _refund(connection: Connection, row: Row[Any], now: dt.datetime, error: str) -> None:
+def _refund(tx: Gated, row: Row[Any], error: str) -> None:
     """Back to the queue in its old place, as if the attempt had not been made."""
     kept = {
         "attempts": max(row.attempts - 1, 0),
         "claimed_at": None,
         "finished_at": row.finished_at,
     }
-    _settle_row(connection, row, now, status=Status.PENDING, error=error, **kept)
+    _settle_row(tx, row, status=Status.PENDING, error=error, **kept)
 
 
-def settle_done(
-    connection: Connection, now: dt.datetime, row: Row[Any], flow_run_id: str | None = None
-) -> None:
+def settle_done(tx: Gated, row: Row[Any], flow_run_id: str | None = None) -> None:
     """The attempt produced a result (N1, N4)."""
     more: dict[str, Any] = {} if flow_run_id is None else {"flow_run_id": flow_run_id}
     done = {"status": Status.DONE, "error": None, "unavailable_since": None, "requested_at": None}
-    _settle_row(connection, row, now, **done, losses=0, **more)
-    _ended_call(connection, now, last_answer_at=now, outages_in_a_row=0)
+    _settle_row(tx, row, **done, losses=0, **more)
+    _ended_call(tx, last_answer_at=tx.now, outages_in_a_row=0)

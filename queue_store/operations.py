@@ -122,34 +122,35 @@ class OperatorActions(StoreBase):
         """Stop every worker from claiming for `seconds`."""
         seconds = validation.seconds("seconds", seconds)
         reason = self._error(reason, "reason")
-        with self._gated("pause") as (connection, now, _state):
-            lease.pause(connection, now, seconds, PauseKind.OPERATOR, reason)
-            return views.gate_state(lease.gate_row(connection), now)
+        with self._gated("pause") as tx:
+            lease.pause(tx, seconds, PauseKind.OPERATOR, reason)
+            return views.gate_state(lease.gate_row(tx.connection), tx.now)
 
     def resume(self) -> GateState:
         """Lift any pause and forget the outage streak."""
-        with self._gated("resume") as (connection, now, _state):
+        with self._gated("resume") as tx:
             schema.update_gate(
-                connection,
+                tx.connection,
                 paused_until=None,
                 pause_reason=None,
                 pause_kind=None,
                 outages_in_a_row=0,
             )
-            return views.gate_state(lease.gate_row(connection), now)
+            return views.gate_state(lease.gate_row(tx.connection), tx.now)
 
     def recover(self, worker: str | None = None) -> list[Job]:
         """Take back dead claims and this worker's own, never another's live claim (FIX5)."""
         if worker is not None:
             worker = validation.worker(worker)
-        with self._gated("recover") as (connection, now, _state):
-            rows = connection.execute(select(jobs).where(jobs.c.status == Status.RUNNING)).all()
+        with self._gated("recover") as tx:
+            rows = tx.connection.execute(select(jobs).where(jobs.c.status == Status.RUNNING))
             taken = [
                 row
-                for row in rows
-                if lapsed(row, now, self._settings) or (worker is not None and row.worker == worker)
+                for row in rows.all()
+                if lapsed(row, tx.now, self._settings)
+                or (worker is not None and row.worker == worker)
             ]
-            lease.reap(connection, self._settings, now, taken)
+            lease.reap(tx, taken)
         return [from_row(Job, row) for row in taken]
 
     def queue_view(self, limit: int = 50) -> QueueView:
@@ -213,13 +214,13 @@ class OperatorActions(StoreBase):
         if user_id is not None:
             user_id = validation.user_id(user_id)
         done = [validation.text("erased", p, 40) for p in erased]
-        with self._gated("forget") as (connection, now, _state):
+        with self._gated("forget") as tx:
             removed = (
-                privacy.forget(connection, self._settings, now, user_id)
+                privacy.forget(tx, user_id)
                 if user_id is not None
                 else Forgotten("", 0, 0, 0, 0, None)
             )
-            privacy.erasures_done(connection, done)
-            pending = tuple(p for p, _ in privacy.pending_erasures(connection))
+            privacy.erasures_done(tx.connection, done)
+            pending = tuple(p for p, _ in privacy.pending_erasures(tx.connection))
         self._checkpoint()
         return dataclasses.replace(removed, history_pending=pending)

@@ -18,7 +18,6 @@ from queue_store import lease, schema, tallies
 from queue_store.models import CutCause, Forgotten, Status
 from queue_store.people import pseudonym_of
 from queue_store.schema import erasures, holds, jobs, people, results, usage
-from queue_store.settings import StoreConfig
 
 PRUNE_CHUNK = 500  # rows a prune transaction deletes at most
 FINISHED = (Status.DONE, Status.FAILED)
@@ -157,10 +156,9 @@ def _deleted(connection: Connection, statement: Any) -> int:
     return int(connection.execute(statement).rowcount or 0)
 
 
-def forget(
-    connection: Connection, settings: StoreConfig, now: dt.datetime, user_id: str
-) -> Forgotten:
-    """Every row of the user, in a transaction that holds the gate lock (D3)."""
+def forget(tx: lease.Gated, user_id: str) -> Forgotten:
+    """Every row of the user (D3)."""
+    connection = tx.connection
     mine = jobs.c.user_id == user_id
     running = connection.execute(
         select(*(jobs.c[name] for name in lease.RUNNING_COLUMNS)).where(
@@ -168,7 +166,7 @@ def forget(
         )
     ).all()
     for row in running:
-        lease.cut(connection, settings, now, row, CutCause.CANCELLED, job_gone=True)
+        lease.cut(tx, row, CutCause.CANCELLED, job_gone=True)
     ids = select(jobs.c.id).where(mine).scalar_subquery()
     connection.execute(update(holds).where(holds.c.job_id.in_(ids)).values(job_id=None))
     erased = Forgotten(
@@ -181,7 +179,7 @@ def forget(
     )
     if erased.pseudonym is not None:
         connection.execute(delete(people).where(people.c.user_id == user_id))
-        connection.execute(insert(erasures).values(pseudonym=erased.pseudonym, forgotten_at=now))
+        connection.execute(insert(erasures).values(pseudonym=erased.pseudonym, forgotten_at=tx.now))
     return erased
 
 

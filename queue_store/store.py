@@ -115,11 +115,11 @@ class JobStore(OperatorActions):
 
     def _take_back(self, jid: str) -> None:
         """Reap one job whose claim looked lapsed, if it still is."""
-        with self._gated("enqueue") as (connection, now, _state):
+        with self._gated("enqueue") as tx:
             query = select(jobs).where(jobs.c.id == jid, jobs.c.status == Status.RUNNING)
-            row = connection.execute(query).one_or_none()
-            if row is not None and lapsed(row, now, self._settings):
-                lease.reap(connection, self._settings, now, [row])
+            row = tx.connection.execute(query).one_or_none()
+            if row is not None and lapsed(row, tx.now, self._settings):
+                lease.reap(tx, [row])
 
     def enqueue_many(self, requests: Iterable[EnqueueRequest]) -> list[Status]:
         """`enqueue` (and `supersede`, R7) for many keys, all checked before anything is written."""
@@ -255,8 +255,8 @@ class JobStore(OperatorActions):
     def claim_next(self, worker: str) -> Claim:
         """The next job, if the gate allows a call now (R8, R9, FIX1, FIX6)."""
         worker = validation.worker(worker)
-        with self._gated("claim_next") as (connection, now, state):
-            return lease.claim(connection, self._settings, now, state, worker)
+        with self._gated("claim_next") as tx:
+            return lease.claim(tx, worker)
 
     def heartbeat(
         self, jid: str, holder: str, *, calling: bool = False, flow_run_id: str | None = None
@@ -265,16 +265,8 @@ class JobStore(OperatorActions):
         jid = validation.job_id(jid)
         holder = validation.holder(holder)
         flow_run_id = None if flow_run_id is None else validation.run_id(flow_run_id)
-        with self._gated("heartbeat") as (connection, now, _state):
-            return lease.renew(
-                connection,
-                self._settings,
-                now,
-                jid,
-                holder,
-                calling=calling,
-                flow_run_id=flow_run_id,
-            )
+        with self._gated("heartbeat") as tx:
+            return lease.renew(tx, jid, holder, calling=calling, flow_run_id=flow_run_id)
 
     def finish(
         self,
@@ -298,7 +290,8 @@ class JobStore(OperatorActions):
             duration_seconds = validation.seconds("duration_seconds", duration_seconds)
         flow_run_id = None if flow_run_id is None else validation.run_id(flow_run_id)
 
-        with self._gated("finish") as (connection, now, _state):
+        with self._gated("finish") as tx:
+            connection, now = tx.connection, tx.now
             row = lease.held_row(connection, jid, holder)
             if row is None:
                 raise ClaimLost(jid, holder)
@@ -324,7 +317,7 @@ class JobStore(OperatorActions):
                 connection.execute(insert(results).values(job_id=row.id, **values))
             if duration_seconds is not None:
                 places.record_duration(connection, row.kind, duration_seconds)
-            lease.settle_done(connection, now, row, flow_run_id)
+            lease.settle_done(tx, row, flow_run_id)
             tally_attempt(connection, now, row, "done", duration_seconds, usage or True)
         return Status.DONE
 
@@ -351,20 +344,18 @@ class JobStore(OperatorActions):
         flow_run_id = None if flow_run_id is None else validation.run_id(flow_run_id)
         if duration_seconds is not None:
             duration_seconds = validation.seconds("duration_seconds", duration_seconds)
-        with self._gated("fail") as (connection, now, state):
-            row = lease.held_row(connection, jid, holder)
+        with self._gated("fail") as tx:
+            row = lease.held_row(tx.connection, jid, holder)
             if row is None and failure is Failure.STOPPED:
-                late = lease.late_stop(connection, self._settings, now, jid, holder, error)
+                late = lease.late_stop(tx, jid, holder, error)
                 if late is not None:
                     return late
             if row is None:
                 raise ClaimLost(jid, holder)
             if flow_run_id is not None:
-                schema.update_job(connection, jid, flow_run_id=flow_run_id)
-            settled = lease.settle_failure(
-                connection, self._settings, now, state, row, failure, error, retry_after
-            )
-            tally_attempt(connection, now, row, failure, duration_seconds, answer)
+                schema.update_job(tx.connection, jid, flow_run_id=flow_run_id)
+            settled = lease.settle_failure(tx, row, failure, error, retry_after)
+            tally_attempt(tx.connection, tx.now, row, failure, duration_seconds, answer)
             return settled
 
     def presence(
