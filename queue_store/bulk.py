@@ -241,8 +241,7 @@ def plan(
         else:
             decision = decide(job, request.fingerprint, request.priority, at, settings)
             statuses.append(decision.status)
-            # A lapsed claim is reported as it will be once taken back, and
-            # left to the next lease decision to take back (under the gate lock).
+            # A lapsed claim is reported as it will be once the next lease decision takes it back.
             if decision.changes is not None and not decision.reap_first:
                 changes = dict(decision.changes)
                 priority = changes.get("priority", job.priority)
@@ -368,10 +367,3 @@ def new_job(
         "requested_at": now if priority <= INTERACTIVE else None,
         "revision": 0,
     }
-
-
-def starting_after(now: dt.datetime, previous: dt.datetime | None) -> dt.datetime:
-    """A chunk's first time: now, but never at or before the previous chunk's last."""
-    if previous is None or now > previous:
-        return now
-    return previous + dt.timedelta(microseconds=1)

@@ -120,11 +120,6 @@ def cut(tx: Gated, row: Any, cause: CutCause, *, job_gone: bool = False) -> None
         tx.connection.execute(insert(holds).values(**values, until=until))
 
 
-def held(connection: Connection, now: dt.datetime) -> list[Row[Any]]:
-    query = select(holds).where(holds.c.until > now).order_by(holds.c.until)
-    return list(connection.execute(query).all())
-
-
 def _release_holds(
     connection: Connection, now: dt.datetime, last: dt.datetime | None
 ) -> dt.datetime | None:
@@ -154,7 +149,8 @@ def claim(tx: Gated, worker: str) -> Claim:
     if dead:
         reap(tx, dead)
         last_finished = now
-    holding = held(connection, now)
+    in_force = select(holds).where(holds.c.until > now).order_by(holds.c.until)
+    holding = connection.execute(in_force).all()
     in_flight = len(running) - len(dead) + len(holding)
 
     if state.paused_until is not None and state.paused_until > now:
@@ -168,16 +164,14 @@ def claim(tx: Gated, worker: str) -> Claim:
         if quiet_until > now:
             return Claim(None, Blocked.GAP, (quiet_until - now).total_seconds())
 
-    # While the gateway looks down, probe with a job that has not just failed
-    # "unavailable" itself, so one poisoned job cannot pass for an outage (G2).
+    # While the gateway looks down, probe with a job that has not failed so: no poisoned job (G2).
     probing = state.outages_in_a_row > 0
     while True:
         candidate = _first_pending(connection, settings, avoid_suspects=probing)
         if candidate is None:
             return Claim(None, Blocked.EMPTY, None)
         if candidate.attempts >= settings.max_attempts:
-            # Only reachable if AI_JOB_MAX_ATTEMPTS was lowered: give up on it rather than let it
-            # block the head of the queue.
+            # Only if AI_JOB_MAX_ATTEMPTS was lowered: give up rather than block the queue's head.
             schema.update_job(
                 connection,
                 candidate.id,
@@ -328,15 +322,13 @@ def settle_failure(
         since = row.unavailable_since
         behind = _behind(tx, row)
         if since is not None and state.last_answer_at is not None and state.last_answer_at > since:
-            # The gateway has answered other calls since this job started failing
-            # "unavailable": the job is the problem, not the gateway.
+            # The gateway answered others since this job began failing: the job is the problem.
             text = f"the gateway answers other calls but keeps failing this one: {error}"
             _settle_row(tx, row, status=spent, error=text, **behind)
             _ended_call(tx)
             why = "not an outage, this job"
             return Settlement(spent, True, None, f"attempt {row.attempts} spent: {why}")
-        # Looks like an outage: keep the attempt, go behind the jobs of the same priority (the
-        # next probe is another job), pause with a growing backoff.
+        # An outage: keep the attempt, go behind the jobs of its priority, pause with a backoff.
         kept = {"attempts": max(row.attempts - 1, 0), "claimed_at": None}
         outage = {"status": Status.PENDING, "error": error, "unavailable_since": since or now}
         _settle_row(tx, row, **outage, **kept, **behind)
@@ -349,8 +341,7 @@ def settle_failure(
         seconds = backoff if retry_after is None else min(retry_after, settings.backoff_max_seconds)
         _refund(tx, row, error)
         _ended_call(tx)
-        # Asked to slow down again and again without a time to wait: each pause is longer than
-        # the last. A named wait is the gateway's answer.
+        # 429s without a time to wait pause longer each time; a wait the gateway names is its own.
         more = {"outages_in_a_row": streak} if retry_after is None else {}
         pause(tx, seconds, PauseKind.RATE_LIMIT, error, **more)
         why = f"rate limited; claiming paused {seconds:g} s"

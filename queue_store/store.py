@@ -143,14 +143,14 @@ class JobStore(OperatorActions):
         raise DatabaseError("enqueue_many: its jobs kept changing under this call; retry")
 
     def _try_chunk(self, chunk: Sequence[EnqueueRequest], after: dt.datetime | None) -> bulk.Plan:
-        # The read locks nothing. PostgreSQL writes in the same transaction (a chunk that writes
-        # nothing commits nothing); SQLite takes the write lock in a transaction of its own, only
-        # for a chunk that changes something: a read transaction cannot take it safely.
+        # The read locks nothing. PostgreSQL writes in the same transaction; SQLite takes the write
+        # lock in one of its own, only to change something: a read transaction cannot take it.
         with self._read("enqueue_many") as connection:
             now = self._now(connection)
             rows = bulk.read(connection, chunk)
             turns = bulk.Turns(connection, self._settings, {r.user_id for r in chunk})
-            start = bulk.starting_after(now, after)
+            # A chunk's first time: now, but never at or before the previous chunk's last.
+            start = now if after is None or now > after else after + dt.timedelta(microseconds=1)
             decided = bulk.plan(chunk, rows, start, self._settings, turns)
             if decided.writes_nothing:
                 return decided
@@ -171,7 +171,6 @@ class JobStore(OperatorActions):
             places.cap_interactive(connection, self._settings, user, now)
 
     def jobs(self, ids: Iterable[str]) -> dict[str, Job]:
-        """The jobs with these ids, by id."""
         wanted = sorted({validation.job_id(i) for i in ids})
         with self._read("jobs") as connection:
             rows = connection.execute(views.WITH_PSEUDONYM.where(jobs.c.id.in_(wanted))).all()

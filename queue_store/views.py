@@ -117,7 +117,9 @@ def job_state(
         else:
             ahead = places.ahead_of(connection, settings, job)
             position = view.waiting(*ahead, job.kind)
-            run_needed = view.in_flight == 0 and not _consumer_alive(connection, settings, now)
+            if view.in_flight == 0:  # and no consumer standing by
+                since = {"after": _alive_after(settings, now)}
+                run_needed = connection.execute(CONSUMER_SEEN, since).first() is None
     produced = row.result_produced_at
     # Fresh: it answers the data asked about, and no newer request came since (N1).
     fresh = (
@@ -138,11 +140,6 @@ def job_state(
         full = connection.execute(RESULT, {"jid": job.id}).one()
         result = from_row(Result, full, size_bytes=full.size_bytes or 0)
     return JobState(job, position, result, fresh, gate_now, run_needed, version)
-
-
-def _consumer_alive(connection: Connection, settings: StoreConfig, now: dt.datetime) -> bool:
-    after = _alive_after(settings, now)
-    return connection.execute(CONSUMER_SEEN, {"after": after}).first() is not None
 
 
 def user_jobs(
@@ -175,7 +172,11 @@ def queue_view(
     failures = _listed(connection, Status.FAILED, jobs.c.finished_at.desc(), limit=RECENT_FAILURES)
     view = outlook(connection, settings, now, state)
     running_entries, waiting_entries = places.queue_entries(view, now, running, waiting)
-    present = _workers(connection, settings, now)
+    after = _alive_after(settings, now)
+    present = [
+        from_row(Worker, row, alive=row.seen_at >= after, info=row.info or {})
+        for row in connection.execute(select(workers).order_by(workers.c.seen_at.desc()))
+    ]
     (usage_total,) = tallies.usage_by(connection)
     alive = {w.name: w.role for w in present if w.alive}
     holding = held(connection, now)
@@ -210,14 +211,6 @@ def _waiting_by_class(connection: Connection) -> dict[str, tuple[int, dt.datetim
         first = min((t for t in (since, oldest) if t is not None), default=None)
         waiting[name] = (before + int(count), first)
     return waiting
-
-
-def _workers(connection: Connection, settings: StoreConfig, now: dt.datetime) -> list[Worker]:
-    after = _alive_after(settings, now)
-    return [
-        from_row(Worker, row, alive=row.seen_at >= after, info=row.info or {})
-        for row in connection.execute(select(workers).order_by(workers.c.seen_at.desc()))
-    ]
 
 
 def _listed(
