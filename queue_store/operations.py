@@ -30,8 +30,6 @@ from queue_store.schema import from_row, gate, jobs
 
 
 class OperatorActions(StoreBase):
-    """Every action answers what it changed, in one transaction."""
-
     def list_jobs(self, user_id: str, limit: int = 60) -> list[ListedJob]:
         """The user's queue in worker order, with places and ETAs (R11)."""
         user_id = validation.user_id(user_id)
@@ -112,7 +110,6 @@ class OperatorActions(StoreBase):
             places.cap_interactive(connection, self._settings, user, now)
 
     def gate_state(self) -> GateState:
-        """The gate and who is alive."""
         with self._read("gate_state") as connection:
             row = lease.gate_row(connection)
             now = self._now(connection)

@@ -169,8 +169,7 @@ def outlook(
 
 def _pending_before(columns: tuple[Any, ...], key: tuple[Any, ...]) -> Any:
     """The pending jobs before `key` in the order of `columns`, head first."""
-    # The plain comparison on the priority adds nothing to the row comparison
-    # but a row estimate that keeps PostgreSQL on the index.
+    # The plain comparison on the priority gives a row estimate that keeps PostgreSQL on the index.
     return (
         select(jobs.c.id, jobs.c.kind)
         .where(jobs.c.status == Status.PENDING)

@@ -22,8 +22,7 @@ PASSWORD_PARAMETERS = frozenset({"password", "passwd", "pwd", "sslpassword"})
 _PASSWORD_IN_QUERY = re.compile(
     r"(?i)([?&](?:" + "|".join(sorted(PASSWORD_PARAMETERS)) + r")=)[^&\s\"']*"
 )
-# Characters with a short escape of their own in JSON or a Python repr, and the letter after
-# its backslash.
+# Characters with a short escape in JSON or a Python repr, and the letter after the backslash.
 _SHORT_ESCAPES = dict(zip("\"'\\/\b\f\n\r\t", "\"'\\/bfnrt", strict=True))
 
 
@@ -66,8 +65,7 @@ def _base64_cores(secret: bytes) -> set[str]:
     for encode in (base64.b64encode, base64.urlsafe_b64encode):
         for offset in range(3):
             encoded = encode(b"\0" * offset + secret + b"\0\0\0").decode("ascii")
-            # Characters mixing prefix bytes, or trailing/padding bytes, vary
-            # with the surrounding text: keep only the ones that do not.
+            # Characters that mix in the bytes around the secret vary with the text: not those.
             start = -(-offset * 4 // 3)  # ceil(offset * 4 / 3)
             end = ((offset + len(secret)) * 4) // 3
             core = encoded[start:end]
@@ -99,8 +97,7 @@ class Redactor:
         for secret in secrets:
             if len(secret) >= MIN_SECRET_LENGTH:
                 forms |= {secret} | _base64_cores(secret.encode())
-        # Longest first, so a form that contains another is removed whole; every character of a
-        # form in any of its escapes.
+        # Longest first, so a form that contains another is removed whole.
         ordered = sorted(forms, key=lambda form: (-len(form), form))
         spelled = ("".join(map(_character, form)) for form in ordered)
         self._pattern = re.compile("|".join(spelled)) if ordered else None

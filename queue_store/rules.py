@@ -71,8 +71,7 @@ def decide(
     if row.status == Status.RUNNING:
         if not lapsed(row, now, settings):
             return Decision(Status.RUNNING)  # R3: promoting it would not speed it up
-        # R6 for a dead claim (and FIX4 on its last attempt): taking the job
-        # back is a lease decision, made under the gate lock on its clock.
+        # R6 for a dead claim (FIX4 on its last attempt): taking it back is a lease decision (L3).
         fails = exhausted or row.losses + 1 >= settings.max_attempts
         return Decision(Status.FAILED if fails and not stale else Status.PENDING, reap_first=True)
 

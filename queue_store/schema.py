@@ -150,8 +150,7 @@ results = Table(
 Index("ix_ai_job_results_kind", results.c.kind, results.c.produced_at)
 Index("ix_ai_job_results_user", results.c.user_id)  # to forget a user
 
-# One row: the deployment-wide guard of the gateway. Claims lock it, so the
-# concurrency count and the claim are one atomic step on every backend.
+# One row, the deployment-wide guard of the gateway: claims lock it (FIX1).
 gate = Table(
     "ai_job_gate",
     metadata,

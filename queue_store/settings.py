@@ -332,7 +332,6 @@ def _entries(settings: BaseSettings | None = None) -> Iterator[tuple[str, str, A
 
 
 def variables() -> dict[str, str]:
-    """Every setting's variable and its help."""
     return {variable: help for variable, help, _ in _entries()}
 
 
