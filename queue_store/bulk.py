@@ -156,18 +156,14 @@ def read(connection: Connection, chunk: Sequence[EnqueueRequest]) -> dict[str, d
 @functools.cache
 def _read(postgres: bool, superseding: bool) -> Any:
     if postgres:
-        by_id = _by_id_one_by_one(*jobs.columns)
-        if superseding:
-            return union_all(by_id, _by_user_and_kind_one_by_one())
-        return by_id
-    by_id = select(jobs).where(jobs.c.id.in_(bindparam("ids", expanding=True)))
-    if superseding:
+        by_id, by_kind = _by_id_one_by_one(*jobs.columns), _by_user_and_kind_one_by_one()
+    else:
+        by_id = select(jobs).where(jobs.c.id.in_(bindparam("ids", expanding=True)))
         by_kind = select(jobs).where(
             jobs.c.user_id.in_(bindparam("users", expanding=True)),
             jobs.c.kind.in_(bindparam("kinds", expanding=True)),
         )
-        return union_all(by_id, by_kind)
-    return by_id
+    return union_all(by_id, by_kind) if superseding else by_id
 
 
 def _by_user_and_kind_one_by_one() -> Select[Any]:

@@ -15,6 +15,7 @@ from sqlalchemy import Connection, func, select, update
 
 from queue_store import schema
 from queue_store.errors import InvalidArgument
+from queue_store.schema import gate, holds, jobs
 
 BOOT_ID_FILE = Path("/proc/sys/kernel/random/boot_id")
 
@@ -41,9 +42,8 @@ class DatabaseClock(Clock):
     """PostgreSQL's `clock_timestamp()`, read inside the asking transaction."""
 
     def now(self, connection: Connection) -> dt.datetime:
-        value: dt.datetime = connection.execute(
-            select(func.timezone("UTC", func.clock_timestamp()))
-        ).scalar_one()
+        query = select(func.timezone("UTC", func.clock_timestamp()))
+        value: dt.datetime = connection.execute(query).scalar_one()
         return value.replace(tzinfo=dt.UTC) if value.tzinfo is None else value.astimezone(dt.UTC)
 
 
@@ -78,13 +78,8 @@ class HostClock(Clock):
             self._lay_anchor(connection)
 
     def _read_anchor(self, connection: Connection) -> tuple[dt.datetime, float] | None:
-        row = connection.execute(
-            select(
-                schema.gate.c.clock_boot_id,
-                schema.gate.c.clock_anchor_wall,
-                schema.gate.c.clock_anchor_mono,
-            ).where(schema.gate.c.id == schema.GATE_ROW_ID)
-        ).one_or_none()
+        anchor = select(gate.c.clock_boot_id, gate.c.clock_anchor_wall, gate.c.clock_anchor_mono)
+        row = connection.execute(anchor.where(gate.c.id == schema.GATE_ROW_ID)).one_or_none()
         if row is None or row.clock_boot_id != self._boot or row.clock_anchor_wall is None:
             return None
         self._anchor = (row.clock_anchor_wall, float(row.clock_anchor_mono))
@@ -93,12 +88,8 @@ class HostClock(Clock):
     def _lay_anchor(self, connection: Connection) -> None:
         """A new boot: anchor here, and nothing of the old boot stays alive or ahead of us."""
         wall, mono = self._wall(), self._monotonic()
-        gate, jobs = schema.gate, schema.jobs
-        previous = connection.execute(
-            select(gate.c.last_finished_at, gate.c.last_answer_at).where(
-                gate.c.id == schema.GATE_ROW_ID
-            )
-        ).one_or_none()
+        times = select(gate.c.last_finished_at, gate.c.last_answer_at)
+        previous = connection.execute(times.where(gate.c.id == schema.GATE_ROW_ID)).one_or_none()
         changes: dict[str, object] = {
             "clock_boot_id": self._boot,
             "clock_anchor_wall": wall,
@@ -113,7 +104,6 @@ class HostClock(Clock):
         schema.update_gate(connection, **changes)
         # A hold of the old boot keeps its length from now at most: a wall clock set back
         # across the reboot must not stretch it (the gateway is on another host's time).
-        holds = schema.holds
         for hold in connection.execute(select(holds).where(holds.c.until > wall)).all():
             longest = wall + (hold.until - hold.started_at)
             if hold.until > longest:

@@ -256,15 +256,9 @@ def _note_run_after(connection: Connection, job_id: str, holder: str, flow_run_i
         return
     connection.execute(update(jobs).where(ended).values(flow_run_id=flow_run_id))
     if row.claimed_at is not None:
-        connection.execute(
-            update(results)
-            .where(
-                results.c.job_id == job_id,
-                results.c.flow_run_id.is_(None),
-                results.c.produced_at >= row.claimed_at,
-            )
-            .values(flow_run_id=flow_run_id)
-        )
+        unnamed = (results.c.job_id == job_id, results.c.flow_run_id.is_(None))
+        since = results.c.produced_at >= row.claimed_at
+        connection.execute(update(results).where(*unnamed, since).values(flow_run_id=flow_run_id))
 
 
 def _settle_row(tx: Gated, row: Row[Any], **changes: Any) -> None:

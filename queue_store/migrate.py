@@ -42,6 +42,5 @@ def current_revision(engine: Engine) -> str | None:
     with engine.connect() as connection:
         if not inspect(connection).has_table(VERSION_TABLE):
             return None
-        return connection.execute(
-            text(f"SELECT version_num FROM {VERSION_TABLE}")
-        ).scalar_one_or_none()
+        version = text(f"SELECT version_num FROM {VERSION_TABLE}")
+        return connection.execute(version).scalar_one_or_none()

@@ -26,7 +26,7 @@ from queue_store.models import (
     Status,
 )
 from queue_store.rules import lapsed, queued_anew
-from queue_store.schema import from_row, gate, jobs
+from queue_store.schema import from_row, jobs
 
 
 class OperatorActions(StoreBase):
@@ -46,9 +46,8 @@ class OperatorActions(StoreBase):
             retried = self._queue_anew(connection, failed, user_id)
             self._cap_screens(connection, user_id)
             waiting = jobs.c.status.in_([Status.PENDING, Status.RUNNING])
-            pending = connection.execute(
-                select(func.count()).where(jobs.c.user_id == user_id, waiting)
-            ).scalar_one()
+            count = select(func.count()).where(jobs.c.user_id == user_id, waiting)
+            pending = connection.execute(count).scalar_one()
         return Requeued(user_id, retried, int(pending))
 
     def requeue(self, kinds: Sequence[str] | None = None) -> int:
@@ -79,15 +78,13 @@ class OperatorActions(StoreBase):
         if self._settings.order != "fair":
             return
         for priority, of_class, served in (
-            (PREFETCH, jobs.c.priority > INTERACTIVE, gate.c.turn),
-            (INTERACTIVE, jobs.c.priority <= INTERACTIVE, gate.c.interactive_turn),
+            (PREFETCH, jobs.c.priority > INTERACTIVE, places.SERVED_TURN),
+            (INTERACTIVE, jobs.c.priority <= INTERACTIVE, places.SERVED_INTERACTIVE_TURN),
         ):
             if user_id:
                 base = places.next_turn(connection, self._settings, user_id, priority) - 1
             else:
-                base = connection.execute(
-                    select(served).where(gate.c.id == schema.GATE_ROW_ID)
-                ).scalar_one()
+                base = connection.execute(served).scalar_one()
             rank = func.row_number().over(partition_by=jobs.c.user_id, order_by=places.FIFO)
             dealt = select(jobs.c.id, (rank + base).label("turn")).where(where, of_class).subquery()
             connection.execute(

@@ -122,19 +122,15 @@ class Outlook:
 
 def record_duration(connection: Connection, kind: str, seconds: float) -> None:
     """Fold one call's duration into the kind's moving mean."""
-    row = connection.execute(
-        select(durations.c.mean_seconds, durations.c.samples).where(durations.c.kind == kind)
-    ).one_or_none()
+    of_kind = durations.c.kind == kind
+    kept = select(durations.c.mean_seconds, durations.c.samples).where(of_kind)
+    row = connection.execute(kept).one_or_none()
     if row is None:
         connection.execute(durations.insert().values(kind=kind, mean_seconds=seconds, samples=1))
         return
     samples = row.samples + 1
     mean = row.mean_seconds + (seconds - row.mean_seconds) / min(samples, DURATION_WINDOW)
-    connection.execute(
-        durations.update()
-        .where(durations.c.kind == kind)
-        .values(mean_seconds=mean, samples=samples)
-    )
+    connection.execute(durations.update().where(of_kind).values(mean_seconds=mean, samples=samples))
 
 
 def outlook(

@@ -160,11 +160,7 @@ def forget(tx: lease.Gated, user_id: str) -> Forgotten:
     """Every row of the user (D3)."""
     connection = tx.connection
     mine = jobs.c.user_id == user_id
-    running = connection.execute(
-        select(*(jobs.c[name] for name in lease.RUNNING_COLUMNS)).where(
-            mine, jobs.c.status == Status.RUNNING
-        )
-    ).all()
+    running = connection.execute(lease.RUNNING.where(mine)).all()
     for row in running:
         lease.cut(tx, row, CutCause.CANCELLED, job_gone=True)
     ids = select(jobs.c.id).where(mine).scalar_subquery()

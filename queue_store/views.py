@@ -166,9 +166,8 @@ def queue_view(
     state = lease.gate_row(connection)
     running = _listed(connection, Status.RUNNING, jobs.c.claimed_at)
     waiting = _listed(connection, Status.PENDING, *places.order(settings), limit=limit)
-    failed_total = connection.execute(
-        select(func.count()).select_from(jobs).where(jobs.c.status == Status.FAILED)
-    ).scalar_one()
+    failed = select(func.count()).select_from(jobs).where(jobs.c.status == Status.FAILED)
+    failed_total = connection.execute(failed).scalar_one()
     failures = _listed(connection, Status.FAILED, jobs.c.finished_at.desc(), limit=RECENT_FAILURES)
     view = outlook(connection, settings, now, state)
     running_entries, waiting_entries = places.queue_entries(view, now, running, waiting)
