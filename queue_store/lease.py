@@ -25,7 +25,7 @@ from queue_store.models import (
     Settlement,
     Status,
 )
-from queue_store.rules import WORKER_LOST, lapsed
+from queue_store.rules import CLAIM_ENDED, WORKER_LOST, lapsed
 from queue_store.schema import gate, holds, jobs, results
 from queue_store.settings import StoreConfig
 
@@ -81,10 +81,7 @@ def reap(tx: Gated, dead: list[Row[Any]]) -> int:
         cut(tx, row, CutCause.WORKER_LOST)
         losses = row.losses + 1
         changes: dict[str, Any] = {
-            "holder": None,
-            "worker": None,
-            "heartbeat_at": None,
-            "call_started_at": None,
+            **CLAIM_ENDED,
             "last_holder": row.holder,
             "losses": losses,
             "updated_at": now,
@@ -99,11 +96,8 @@ def reap(tx: Gated, dead: list[Row[Any]]) -> int:
             changes |= {"status": Status.PENDING, "claimed_at": None}
         else:
             changes |= {"status": Status.FAILED, "error": error, "finished_at": now}
-        connection.execute(
-            update(jobs)
-            .where(jobs.c.id == row.id, jobs.c.holder.is_not_distinct_from(row.holder))
-            .values(**changes)
-        )
+        same_claim = (jobs.c.id == row.id, jobs.c.holder.is_not_distinct_from(row.holder))
+        connection.execute(update(jobs).where(*same_claim).values(**changes))
     _ended_call(tx)
     return len(dead)
 
@@ -262,15 +256,8 @@ def _note_run_after(connection: Connection, job_id: str, holder: str, flow_run_i
 
 
 def _settle_row(tx: Gated, row: Row[Any], **changes: Any) -> None:
-    ended = {
-        "holder": None,
-        "last_holder": row.holder,
-        "worker": None,
-        "heartbeat_at": None,
-        "call_started_at": None,
-        "finished_at": tx.now,
-    }
-    values = {**ended, "updated_at": tx.now, "revision": row.revision + 1, **changes}
+    values = {**CLAIM_ENDED, "last_holder": row.holder, "finished_at": tx.now, "updated_at": tx.now}
+    values |= {"revision": row.revision + 1, **changes}
     schema.update_job(tx.connection, row.id, **values)
 
 

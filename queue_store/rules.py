@@ -15,14 +15,10 @@ WORKER_LOST = (
     "(the worker crashed, stalled or was cut off from the database)"
 )
 
-
-UNCLAIMED: dict[str, Any] = {
-    "holder": None,
-    "worker": None,
-    "claimed_at": None,
-    "heartbeat_at": None,
-    "call_started_at": None,
-}
+# A claim that ends empties its token, worker and lease times; with no claim at all (every way
+# back into the queue), `claimed_at` is empty too.
+CLAIM_ENDED: dict[str, Any] = dict.fromkeys(("holder", "worker", "heartbeat_at", "call_started_at"))
+UNCLAIMED: dict[str, Any] = {**CLAIM_ENDED, "claimed_at": None}
 
 
 def queued_anew(now: dt.datetime, **more: Any) -> dict[str, Any]:
