@@ -47,13 +47,10 @@ class StoreBase:
         if self._is_sqlite and create and target == settings.database_url:
             files.private_directory(settings.data_dir)  # ours: narrowed if it was not (D1)
         self._engine = create_store_engine(target)
-        self._clock: Clock
         if clock is not None:
-            self._clock = InjectedClock(clock)
-        elif self._is_sqlite:
-            self._clock = HostClock()
+            self._clock: Clock = InjectedClock(clock)
         else:
-            self._clock = DatabaseClock()
+            self._clock = HostClock() if self._is_sqlite else DatabaseClock()
         if check_schema:
             try:
                 self._check_schema(upgrade=create and self._is_sqlite)

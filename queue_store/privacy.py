@@ -1,8 +1,6 @@
 """What the store keeps of a person, for how long, and forgetting them (D2, D3).
-
 Retention runs in chunks of `PRUNE_CHUNK` rows, one short transaction each and never under the gate
-lock, so a claim waits for one chunk at most. Nothing here reads or writes Prefect.
-"""
+lock, so a claim waits for one chunk at most. Nothing here reads or writes Prefect."""
 
 from __future__ import annotations
 
@@ -51,24 +49,19 @@ def prune_jobs(
         past = [jobs.c.status.in_(FINISHED), jobs.c.finished_at < cutoff, *kinds]
         if count_only:
             deleted_jobs += _count(connection, select(jobs.c.id).where(*past))
-            deleted_results += _count(
-                connection,
-                select(results.c.job_id).join(jobs, jobs.c.id == results.c.job_id).where(*past),
-            )
+            theirs = select(results.c.job_id).join(jobs, jobs.c.id == results.c.job_id)
+            deleted_results += _count(connection, theirs.where(*past))
             continue
         chosen = _chunk(connection, select(jobs.c.id).where(*past).order_by(jobs.c.finished_at))
         if not chosen:
             continue
         # Re-checked as they are deleted: a job queued again since is not finished any more.
-        gone = connection.execute(
-            delete(jobs).where(jobs.c.id.in_(chosen), *past).returning(jobs.c.id)
-        ).scalars()
-        ids = list(gone)
+        gone = delete(jobs).where(jobs.c.id.in_(chosen), *past).returning(jobs.c.id)
+        ids = list(connection.execute(gone).scalars())
         deleted_jobs += len(ids)
         if ids:
-            deleted_results += _deleted(
-                connection, delete(results).where(results.c.job_id.in_(ids))
-            )
+            their_results = delete(results).where(results.c.job_id.in_(ids))
+            deleted_results += _deleted(connection, their_results)
     return deleted_jobs, deleted_results
 
 

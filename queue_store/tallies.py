@@ -1,7 +1,5 @@
 """What the store counts for operators (M1, M2), in the transactions that settle and claim.
-
-A histogram is kept as Prometheus keeps one: a count, a sum, and cumulative counts per bound.
-"""
+A histogram is kept as Prometheus keeps one: a count, a sum, and cumulative counts per bound."""
 
 from __future__ import annotations
 
@@ -37,10 +35,8 @@ def count(connection: Connection, name: str, kind: str, outcome: str, value: flo
         values = {"name": name, "kind": kind, "outcome": outcome, "count": 1, "total": value}
         connection.execute(insert(tallies).values(**values, buckets=buckets))
     else:
-        count, total = row._mapping["count"] + 1, row.total + value
-        connection.execute(
-            update(tallies).where(*key).values(count=count, total=total, buckets=buckets)
-        )
+        added = {"count": row._mapping["count"] + 1, "total": row.total + value}
+        connection.execute(update(tallies).where(*key).values(**added, buckets=buckets))
 
 
 def spent_tokens(
