@@ -1,8 +1,7 @@
 """Bulk enqueue (`JobStore.enqueue_many`): the statuses and rows of the same `enqueue` calls made
 one microsecond apart, worked out in memory per chunk from one read, written with one statement
 per verb. The rows changed are locked (PostgreSQL: in id order) and checked unchanged since read;
-if another writer got there first, the chunk is rolled back and worked out again (`Raced`).
-"""
+if another writer got there first, the chunk is rolled back and worked out again (`Raced`)."""
 
 from __future__ import annotations
 
@@ -289,7 +288,6 @@ def write(connection: Connection, plan: Plan) -> None:
     if plan.inserts:
         rows = list(plan.inserts.values())
         if postgres:
-            # One statement with a column of values each, whatever the number of rows.
             inserted = connection.execute(
                 _pg_insert(connection.dialect),
                 {name: [row[name] for row in rows] for name in INSERTED},

@@ -1,6 +1,5 @@
 """The one clock every lease decision reads (L1): PostgreSQL's, or on SQLite the host's monotonic
-clock anchored to UTC in the database once per boot; never a worker's own wall clock.
-"""
+clock anchored to UTC in the database once per boot; never a worker's own wall clock."""
 
 from __future__ import annotations
 
@@ -39,8 +38,6 @@ def boot_id() -> str:
 
 
 class DatabaseClock(Clock):
-    """PostgreSQL's `clock_timestamp()`, read inside the asking transaction."""
-
     def now(self, connection: Connection) -> dt.datetime:
         query = select(func.timezone("UTC", func.clock_timestamp()))
         value: dt.datetime = connection.execute(query).scalar_one()

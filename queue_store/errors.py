@@ -1,7 +1,5 @@
 """The store's errors: one base class, and a branch for each thing a caller does about them.
-
-Callers catch these, never SQLAlchemy's: driver errors are wrapped at the store's edge (`engine`).
-"""
+Callers catch these, never SQLAlchemy's: driver errors are wrapped at the store's edge."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
 """Schema migrations: upgrade a database to what this code needs, or say how.
-
 Alembic has its own version table (a database may be shared with an app's Alembic), and is
-imported only to upgrade: every command that opens a store reads the revision with one query.
-"""
+imported only to upgrade: every command that opens a store reads the revision with one query."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
 """The store's arguments and return values as plain typed data; nothing here talks to a database.
-
-Every `as_dict()` speaks one JSON vocabulary: snake_case keys, ISO 8601 UTC times, seconds.
-"""
+Every `as_dict()` speaks one JSON vocabulary: snake_case keys, ISO 8601 UTC times, seconds."""
 
 from __future__ import annotations
 
@@ -256,8 +254,6 @@ class Tally:
 
 @dataclasses.dataclass(frozen=True)
 class Claim:
-    """A job, or why none and how long to wait."""
-
     job: Job | None
     blocked: Blocked | None = None
     retry_in: float | None = None  # seconds until a claim could succeed; None: unknown
@@ -425,9 +421,7 @@ class Hold:
 
 
 @dataclasses.dataclass(frozen=True)
-class Worker(Record):
-    """A consumer process that said it is alive."""
-
+class Worker(Record):  # a consumer process that said it is alive (W1)
     name: str
     role: str
     host: str

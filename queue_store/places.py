@@ -1,8 +1,6 @@
 """The queue's order (R8, R8b, A3), and place in line and ETA (N3, P2).
-
 Each order is an index; a place counts its entries from the head, at most `PLACE_BOUND + 1`, so it
-costs the same at any backlog.
-"""
+costs the same at any backlog."""
 
 from __future__ import annotations
 
@@ -21,8 +19,7 @@ from queue_store.schema import kind_durations as durations
 from queue_store.settings import StoreConfig
 
 PLACE_BOUND = 1000  # jobs counted ahead of one before its place becomes "more than"
-# Weight of the newest sample in a kind's moving mean, once it has this many.
-DURATION_WINDOW = 20
+DURATION_WINDOW = 20  # a kind's moving mean weighs its newest sample 1/20 once it has 20
 FIFO = (jobs.c.priority, jobs.c.queued_at, jobs.c.id)  # ix_ai_jobs_queue
 FAIR = (jobs.c.priority, jobs.c.turn, jobs.c.queued_at, jobs.c.id)  # ix_ai_jobs_fair
 MEANS = select(durations.c.kind, durations.c.mean_seconds)

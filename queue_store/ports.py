@@ -1,7 +1,5 @@
 """The store by role: `WorkerStore` (a consumer), `ScreenStore` (the app's side), `OperatorStore`.
-
-`JobStore` plays every role; a caller names the one it uses, and a test may fake just that one.
-"""
+`JobStore` plays every role; a caller names the one it uses, and a test may fake just that one."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """Redaction of secrets in every form a gateway may echo them in (G5): plain, JSON-escaped,
 URL-encoded, in a bytes repr, escaped twice, any mixture of these, or inside base64; and URL
-credentials. Pure Python: no Prefect, no httpx.
-"""
+credentials. Pure Python: no Prefect, no httpx."""
 
 from __future__ import annotations
 

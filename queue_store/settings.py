@@ -1,6 +1,5 @@
-"""One settings object, read from the environment by pydantic-settings: `AI_JOB_*`, `AI_GATEWAY_*`
-and `AI_API_*`; unset or empty means the default, and a bad value is one line naming its variable.
-"""
+"""One settings object, read from the environment (`AI_JOB_*`, `AI_GATEWAY_*`, `AI_API_*`) by
+pydantic-settings; unset or empty means the default; a bad value is one line naming its variable."""
 
 from __future__ import annotations
 

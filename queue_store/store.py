@@ -39,8 +39,7 @@ MAX_ENQUEUE_ROUNDS = 8
 # Requests per transaction of `enqueue_many`; a user's run of requests may stretch it to the most.
 BULK_CHUNK = 500
 MAX_BULK_CHUNK = 2000
-# A worker not seen for this many leases is forgotten.
-FORGET_WORKERS_AFTER_LEASES = 60
+FORGET_WORKERS_AFTER_LEASES = 60  # a worker not seen for this many leases is forgotten
 
 
 class JobStore(OperatorActions):

@@ -1,6 +1,5 @@
 """Create the store, or adopt the original queue's `ai_jobs` in place, keeping its rows (N5): its
-text times become timestamps, and its running rows a heartbeat that lapses after one lease.
-"""
+text times become timestamps, and its running rows a heartbeat that lapses after one lease."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """Index the running jobs: once nearly every row is pending, SQLite stopped using the queue index
-for `status = 'running'` and scanned the table, about 30 ms a claim at 100k pending.
-"""
+for `status = 'running'` and scanned the table, about 30 ms a claim at 100k pending."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """Leases on one clock, the gateway's signals, results with their run, worker presence
-(`schema.py` says what each column is for). Running rows keep their claim.
-"""
+(`schema.py` says what each column is for). Running rows keep their claim."""
 
 from __future__ import annotations
 

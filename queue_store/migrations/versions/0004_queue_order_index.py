@@ -1,6 +1,5 @@
 """Put the id, the claim order's tie-break, in the queue index: a place in line is then a range of
-index entries counted in place, not rows read from the table (SQLite) or sorted (PostgreSQL).
-"""
+index entries counted in place, not rows read from the table (SQLite) or sorted (PostgreSQL)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """Users take turns (R8b), token usage is kept (M2), and the store keeps what metrics read (M1).
-Jobs already queued keep their place: their turn is 0, before any new one.
-"""
+Jobs already queued keep their place: their turn is 0, before any new one."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """Screens take turns by user too (A3); interactive jobs already waiting keep turn 0, their place
-by age anyway.
-"""
+by age anyway."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """Health data kept no longer than it serves, and forgotten on request (D2, D3, D4): token usage
-becomes daily (what was counted before is today's), and every user known gets a pseudonym.
-"""
+becomes daily (what was counted before is today's), and every user known gets a pseudonym."""
 
 from __future__ import annotations
 
