@@ -38,8 +38,8 @@ from queue_store.settings import StoreConfig
 # What an enqueue never changes on an existing row: its key, its creation, a settlement's columns.
 KEPT_COLUMNS = ("id", "user_id", "kind", "subject", "created_at", "finished_at", "flow_run_id")
 CHANGED_COLUMNS = tuple(column.name for column in jobs.columns if column.name not in KEPT_COLUMNS)
-# Every column, empty: what a new row holds beyond `new_job`'s values.
-EMPTY_ROW: dict[str, Any] = {column.name: None for column in jobs.columns}
+INSERTED = tuple(column.name for column in jobs.columns)
+EMPTY_ROW: dict[str, Any] = dict.fromkeys(INSERTED)  # a new row's columns beyond `new_job`'s
 
 
 @dataclasses.dataclass
@@ -64,7 +64,6 @@ class Turns:
     def __init__(self, connection: Connection, settings: StoreConfig, users: set[str]) -> None:
         self._connection = connection
         self._settings = settings
-        self._fair = settings.order == "fair"
         self._users = sorted(users)
         self._served: int | None = None
         self._last: dict[str, int] = {}
@@ -77,7 +76,7 @@ class Turns:
         return int(served)
 
     def deal(self, user_id: str, priority: int) -> int:
-        if not self._fair:
+        if self._settings.order != "fair":
             return 0
         if priority <= INTERACTIVE:  # a bulk of screens is rare: each user's turn is read
             key = f"interactive:{user_id}"
@@ -305,9 +304,6 @@ def write(connection: Connection, plan: Plan) -> None:
         )
 
 
-INSERTED = tuple(column.name for column in jobs.columns)
-
-
 @functools.cache
 def _pg_lock() -> Any:
     return _by_id_one_by_one(jobs.c.id, jobs.c.revision, lock=True)
@@ -353,11 +349,7 @@ def new_job(
         "fingerprint": fingerprint,
         "priority": priority,
         "status": Status.PENDING,
-        "attempts": 0,
-        "losses": 0,
-        "queued_at": now,
-        "created_at": now,
-        "updated_at": now,
+        **dict.fromkeys(("attempts", "losses", "revision"), 0),
+        **dict.fromkeys(("queued_at", "created_at", "updated_at"), now),
         "requested_at": now if priority <= INTERACTIVE else None,
-        "revision": 0,
     }

@@ -67,12 +67,10 @@ class HostClock(Clock):
         return wall + dt.timedelta(seconds=self._monotonic() - mono)
 
     def prepare(self, connection: Connection) -> None:
-        if self._anchor is not None:
-            return
-        with self._lock:
-            if self._read_anchor(connection) is not None:
-                return
-            self._lay_anchor(connection)
+        if self._anchor is None:
+            with self._lock:
+                if self._read_anchor(connection) is None:
+                    self._lay_anchor(connection)
 
     def _read_anchor(self, connection: Connection) -> tuple[dt.datetime, float] | None:
         anchor = select(gate.c.clock_boot_id, gate.c.clock_anchor_wall, gate.c.clock_anchor_mono)

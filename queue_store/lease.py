@@ -51,8 +51,7 @@ GATE_ROW_LOCKED = GATE_ROW.with_for_update()
 
 
 class Gated(NamedTuple):
-    """A write transaction holding the gate lock, with the store's clock read after it was taken
-    (`StoreBase._gated`): the lease's steps never interleave."""
+    """A write transaction holding the gate lock, the clock read after it: no step interleaves."""
 
     connection: Connection
     now: dt.datetime
@@ -114,10 +113,10 @@ def cut(tx: Gated, row: Any, cause: CutCause, *, job_gone: bool = False) -> None
         tx.connection.execute(insert(holds).values(**values, until=until))
 
 
-def _release_holds(
-    connection: Connection, now: dt.datetime, last: dt.datetime | None
-) -> dt.datetime | None:
+def _release_holds(tx: Gated) -> dt.datetime | None:
     """Holds that are over become calls that ended at their end; returns the last call's end."""
+    connection, now = tx.connection, tx.now
+    last: dt.datetime | None = tx.state.last_finished_at
     ended = connection.execute(select(func.max(holds.c.until)).where(holds.c.until <= now))
     latest: dt.datetime | None = ended.scalar_one_or_none()
     if latest is None:
@@ -139,7 +138,7 @@ def claim(tx: Gated, worker: str) -> Claim:
     connection, now, state, settings = tx
     running = running_rows(connection)
     dead = [row for row in running if lapsed(row, now, settings)]
-    last_finished = _release_holds(connection, now, state.last_finished_at)
+    last_finished = _release_holds(tx)
     if dead:
         reap(tx, dead)
         last_finished = now
@@ -158,23 +157,21 @@ def claim(tx: Gated, worker: str) -> Claim:
         if quiet_until > now:
             return Claim(None, Blocked.GAP, (quiet_until - now).total_seconds())
 
-    # While the gateway looks down, probe with a job that has not failed so: no poisoned job (G2).
-    probing = state.outages_in_a_row > 0
+    probing = state.outages_in_a_row > 0  # probe with a job not failing so: no poisoned job (G2)
     while True:
-        candidate = _first_pending(connection, settings, avoid_suspects=probing)
+        candidate = _first_pending(tx, avoid_suspects=probing)
         if candidate is None:
             return Claim(None, Blocked.EMPTY, None)
         if candidate.attempts >= settings.max_attempts:
             # Only if AI_JOB_MAX_ATTEMPTS was lowered: give up rather than block the queue's head.
-            schema.update_job(
-                connection,
-                candidate.id,
-                status=Status.FAILED,
-                error=f"attempts exhausted: AI_JOB_MAX_ATTEMPTS is {settings.max_attempts}",
-                finished_at=now,
-                updated_at=now,
-                revision=jobs.c.revision + 1,
-            )
+            error = f"attempts exhausted: AI_JOB_MAX_ATTEMPTS is {settings.max_attempts}"
+            given_up = {
+                "status": Status.FAILED,
+                "error": error,
+                "finished_at": now,
+                "updated_at": now,
+            }
+            schema.update_job(connection, candidate.id, **given_up, revision=jobs.c.revision + 1)
             continue
         claimed = {
             "status": Status.RUNNING,
@@ -195,20 +192,19 @@ def claim(tx: Gated, worker: str) -> Claim:
         if candidate.turn > getattr(state, served):
             schema.update_gate(connection, **{served: candidate.turn})
         job = schema.from_row(Job, candidate)
-        # What the run history will know the user as: made now if the user has none yet.
-        people.pseudonymize(connection, [job.user_id], now)
+        people.pseudonymize(
+            connection, [job.user_id], now
+        )  # its run history name, if none yet (D4)
         pseudonym = people.pseudonym_of(connection, job.user_id)
         return Claim(dataclasses.replace(job, **claimed, pseudonym=pseudonym))
 
 
-def _first_pending(
-    connection: Connection, settings: StoreConfig, *, avoid_suspects: bool
-) -> Row[Any] | None:
+def _first_pending(tx: Gated, *, avoid_suspects: bool) -> Row[Any] | None:
     pending = select(jobs).where(jobs.c.status == Status.PENDING)
     probes = [pending.where(jobs.c.unavailable_since.is_(None))] if avoid_suspects else []
     for query in (*probes, pending):
-        head = query.order_by(*places.order(settings)).limit(1).with_for_update(skip_locked=True)
-        row = connection.execute(head).one_or_none()
+        head = query.order_by(*places.order(tx.settings)).limit(1).with_for_update(skip_locked=True)
+        row = tx.connection.execute(head).one_or_none()
         if row is not None:
             return row
     return None
@@ -335,8 +331,7 @@ def settle_failure(
         why = f"the gateway refused us; claiming stopped for {backoff:g} s until it is fixed"
         return Settlement(Status.PENDING, False, backoff, why)
 
-    # STOPPED: this side stopped the call (shutdown, or its lease was at risk).
-    cut(tx, row, CutCause.STOPPED)
+    cut(tx, row, CutCause.STOPPED)  # STOPPED: this side stopped the call (shutdown, lease at risk)
     _refund(tx, row, error)
     _ended_call(tx)
     return Settlement(Status.PENDING, False, None, "handed back; the attempt is not spent")
@@ -353,19 +348,10 @@ def late_stop(tx: Gated, job_id: str, holder: str, error: str) -> Settlement | N
     if row is None or row.error not in (WORKER_LOST, WORKER_LOST_AGAIN.format(n=row.losses)):
         return None
     attempts = row.attempts - 1 if row.attempts >= settings.max_attempts else row.attempts
-    schema.update_job(
-        connection,
-        job_id,
-        status=Status.PENDING,
-        error=error,
-        attempts=attempts,
-        losses=max(row.losses - 1, 0),
-        last_holder=None,
-        finished_at=None,
-        claimed_at=None,
-        updated_at=now,
-        revision=row.revision + 1,
-    )
+    back = {"status": Status.PENDING, "error": error, "attempts": attempts, "updated_at": now}
+    back |= dict.fromkeys(("last_holder", "finished_at", "claimed_at"))
+    losses = max(row.losses - 1, 0)
+    schema.update_job(connection, job_id, **back, losses=losses, revision=row.revision + 1)
     return Settlement(Status.PENDING, False, None, "stopped, and taken over first: kept")
 
 

@@ -57,9 +57,9 @@ class OperatorActions(StoreBase):
         if checked is not None:
             finished = and_(finished, jobs.c.kind.in_(checked))
         with self._write("requeue") as connection:
-            priority = case((jobs.c.priority < PREFETCH, jobs.c.priority), else_=PREFETCH)
+            urgent = case((jobs.c.priority < PREFETCH, jobs.c.priority), else_=PREFETCH)
             queued = self._queue_anew(
-                connection, finished, None, priority=priority, requested_at=None
+                connection, finished, None, priority=urgent, requested_at=None
             )
             self._cap_screens(connection, None)
             return queued

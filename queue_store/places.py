@@ -112,9 +112,8 @@ class Outlook:
         exact = ahead <= PLACE_BOUND
         counted = min(ahead, PLACE_BOUND)
         work = sum(self.duration(k) * n for k, n in kinds_ahead.items())
-        return Position(
-            Status.PENDING, counted, self.in_flight, self.eta(counted, work, kind), exact
-        )
+        eta = self.eta(counted, work, kind)
+        return Position(Status.PENDING, counted, self.in_flight, eta, exact)
 
 
 def record_duration(connection: Connection, kind: str, seconds: float) -> None:
@@ -138,8 +137,7 @@ def outlook(
     running: Sequence[Row[Any]],
 ) -> Outlook:
     """A hold of a cut call counts as a call in flight until its end (H1)."""
-    kept = connection.execute(MEANS)
-    means = {k: float(m) for k, m in kept}
+    means = {k: float(m) for k, m in connection.execute(MEANS)}
     default = settings.default_duration_seconds
     live = [row for row in running if not lapsed(row, now, settings)]
     remaining = sum(
@@ -200,15 +198,13 @@ def positions(
     waiting = sorted(pending, key=lambda j: order_key(j, settings))
     if not waiting:
         return found
-    # The head of the queue up to the last job asked about, at most the bound and one.
-    last = order_key(waiting[-1], settings)
+    last = order_key(waiting[-1], settings)  # the head, up to the last job asked about
     head = connection.execute(_pending_before(order(settings), last).limit(PLACE_BOUND + 1)).all()
     index = {row.id: n for n, row in enumerate(head)}
     kinds: dict[str, int] = {}
     counted = 0
     for job in waiting:
-        # Not in the head: the last job asked about, or one past the bound.
-        place = index.get(job.id, len(head))
+        place = index.get(job.id, len(head))  # else the last one asked about, or past the bound
         for row in head[counted : min(place, PLACE_BOUND)]:
             kinds[row.kind] = kinds.get(row.kind, 0) + 1
         counted = max(counted, min(place, PLACE_BOUND))

@@ -34,11 +34,9 @@ from queue_store.rules import decide, lapsed
 from queue_store.schema import from_row, jobs, results, workers
 from queue_store.tallies import tally_attempt
 
-# An enqueue that keeps losing its compare-and-swap (FIX7) is raced on its key; a few rounds do.
-MAX_ENQUEUE_ROUNDS = 8
-# Requests per transaction of `enqueue_many`; a user's run of requests may stretch it to the most.
-BULK_CHUNK = 500
-MAX_BULK_CHUNK = 2000
+MAX_ENQUEUE_ROUNDS = 8  # compare-and-swaps (FIX7) lost to a race on the key; a few settle it
+BULK_CHUNK = 500  # requests per transaction of `enqueue_many`
+MAX_BULK_CHUNK = 2000  # a user's run of requests may stretch a chunk up to this
 FORGET_WORKERS_AFTER_LEASES = 60  # a worker not seen for this many leases is forgotten
 
 
@@ -279,11 +277,10 @@ class JobStore(OperatorActions):
         """The job is done and its result the key's latest (N1), or `ClaimLost` (FIX2)."""
         jid = validation.job_id(jid)
         holder = validation.holder(holder)
-        output, _ = validation.result(result, self._settings.max_result_bytes)
+        most = self._settings.max_result_bytes
+        output, _ = validation.result(result, most)
         # An answer may quote our secrets (a gateway echoing its token): stored without (G5).
-        output, size = validation.result(
-            _redacted(output, self._redact), self._settings.max_result_bytes
-        )
+        output, size = validation.result(_redacted(output, self._redact), most)
         if duration_seconds is not None:
             duration_seconds = validation.seconds("duration_seconds", duration_seconds)
         flow_run_id = None if flow_run_id is None else validation.run_id(flow_run_id)

@@ -79,15 +79,10 @@ def gate_state(row: Row[Any], now: dt.datetime, alive: dict[str, str] | None = N
     return from_row(GateState, row, now=now, pause_kind=kind, workers=alive or {})
 
 
-def _alive_after(settings: StoreConfig, now: dt.datetime) -> dt.datetime:
-    """A worker seen since is alive: it says so every lease period (W1)."""
-    return now - dt.timedelta(seconds=settings.lease_seconds)
-
-
 def workers_alive(
     connection: Connection, settings: StoreConfig, now: dt.datetime
 ) -> dict[str, str]:
-    after = _alive_after(settings, now)
+    after = now - dt.timedelta(seconds=settings.lease_seconds)  # alive: seen within a lease (W1)
     return {name: role for name, role in connection.execute(WORKERS_ALIVE, {"after": after})}
 
 
@@ -118,7 +113,7 @@ def job_state(
             ahead = places.ahead_of(connection, settings, job)
             position = view.waiting(*ahead, job.kind)
             if view.in_flight == 0:  # and no consumer standing by
-                since = {"after": _alive_after(settings, now)}
+                since = {"after": now - dt.timedelta(seconds=settings.lease_seconds)}
                 run_needed = connection.execute(CONSUMER_SEEN, since).first() is None
     produced = row.result_produced_at
     # Fresh: it answers the data asked about, and no newer request came since (N1).
@@ -171,7 +166,7 @@ def queue_view(
     failures = _listed(connection, Status.FAILED, jobs.c.finished_at.desc(), limit=RECENT_FAILURES)
     view = outlook(connection, settings, now, state)
     running_entries, waiting_entries = places.queue_entries(view, now, running, waiting)
-    after = _alive_after(settings, now)
+    after = now - dt.timedelta(seconds=settings.lease_seconds)
     present = [
         from_row(Worker, row, alive=row.seen_at >= after, info=row.info or {})
         for row in connection.execute(select(workers).order_by(workers.c.seen_at.desc()))
