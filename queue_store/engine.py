@@ -16,8 +16,7 @@ from queue_store.redact import mask_url
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 POSTGRES_CONNECT_TIMEOUT_SECONDS = 10
 
-# Execution option read by the SQLite "begin" hook: "DEFERRED" or "IMMEDIATE".
-SQLITE_BEGIN = "insight_queue_sqlite_begin"
+SQLITE_BEGIN = "insight_queue_sqlite_begin"  # the "begin" hook's mode: DEFERRED or IMMEDIATE
 
 
 def normalise_url(url: str | URL) -> URL:

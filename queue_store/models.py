@@ -538,10 +538,7 @@ class QueueView:
             "recent_failures": [e.as_dict(self.max_attempts) for e in self.recent_failures],
             "failed_total": self.failed_total,
             "workers": [w.as_dict() for w in self.workers],
-            "usage": {
-                "total": self.usage_total.as_dict(),
-                "by_user_and_kind": [u.as_dict() for u in self.usage],
-            },
+            "usage": {"total": self.usage_total.as_dict(), "by_user_and_kind": _shown(self.usage)},
             "erasures_pending": [
                 {"pseudonym": p, "forgotten_at": iso(at)} for p, at in self.erasures_pending
             ],

@@ -10,8 +10,7 @@ import re
 from collections.abc import Iterable
 
 REDACTED = "[redacted]"
-# Shorter secrets are not searched for: redacting "ab" would mangle text and protect nothing.
-MIN_SECRET_LENGTH = 4
+MIN_SECRET_LENGTH = 4  # shorter ones are not searched for: "ab" would mangle text, protect nothing
 MIN_BASE64_CORE = 6  # the shortest base64 stretch of the secret alone that is searched for
 MAX_ESCAPE_BACKSLASHES = 8  # an escape may stand behind: JSON in JSON in JSON needs 7
 
@@ -108,8 +107,6 @@ class Redactor:
 
 
 class RedactingFilter(logging.Filter):
-    """Redacts every record's message, its arguments included."""
-
     def __init__(self, redactor: Redactor) -> None:
         super().__init__()
         self._redact = redactor

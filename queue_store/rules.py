@@ -87,8 +87,7 @@ def decide(
         requested = now if asked_now else None
         return Decision(Status.PENDING, queued_anew(now, **requeue, requested_at=requested))
 
-    # R6: (re-)queue; promote, never demote.
-    changes = {**requeue, "attempts": 0 if stale else row.attempts}
+    changes = {**requeue, "attempts": 0 if stale else row.attempts}  # R6: promote, never demote
     if stale:
         changes["losses"] = 0
     if row.status in (Status.DONE, Status.FAILED):

@@ -292,8 +292,6 @@ class Settings(_Checked):
 
 @dataclasses.dataclass(frozen=True)
 class StoreConfig:
-    """The settings the store's rules read (`Settings.store`), under the same names."""
-
     concurrency: int
     gap_seconds: float
     max_attempts: int

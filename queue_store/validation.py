@@ -24,8 +24,7 @@ from queue_store.models import (
 MAX_LIST_LIMIT = 1000
 MAX_SECONDS = 10 * 365 * 24 * 3600.0  # longest pause or duration the store accepts
 
-# A worker's name is a claim token's part before "/": without "/", no name prefixes another's token.
-_WORKER_NAME = re.compile(r"[A-Za-z0-9._:@+=-]+")
+_WORKER_NAME = re.compile(r"[A-Za-z0-9._:@+=-]+")  # no "/": none prefixes another's claim token
 
 
 def text(name: str, value: object, max_length: int) -> str:
