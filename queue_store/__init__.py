@@ -1,7 +1,5 @@
-"""The SQL store that decides what the gateway works on next.
-
-A pure library: it never imports Prefect, httpx, `flows` or `deployments`.
-"""
+"""The SQL store that decides what the gateway works on next; it never imports Prefect, httpx,
+`flows` or `deployments`."""
 
 from queue_store import tallies
 from queue_store.errors import (

@@ -1,10 +1,5 @@
-"""The store's ground floor: its engine, its clock, and the transactions every verb runs in.
-
-`StoreBase` opens the database, checks (on SQLite, creates or upgrades) its schema, and hands
-its verbs three kinds of transaction: a read, a write, and a write that holds the gate lock
-with the clock read after it (every lease decision). The verbs themselves are in `store`
-(screens and workers) and `operations` (the operator's).
-"""
+"""The store's ground floor: its engine, its clock, its schema, and the transactions every verb runs
+in: a read, a write, and a write holding the gate lock (every lease decision)."""
 
 from __future__ import annotations
 
@@ -15,7 +10,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Connection, Row
+from sqlalchemy import Connection
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
@@ -30,13 +25,8 @@ logger = logging.getLogger(__name__)
 
 
 class StoreBase:
-    """The database, the clock and the transactions of one store (see `JobStore`).
-
-    `settings` (default: the environment) is read once: the store keeps the numbers its rules
-    use (`Settings.store`) and a redactor of the secrets, nothing else. `create`: a SQLite store
-    whose file or schema is missing or behind is created or upgraded on first use (PostgreSQL
-    needs `insight-queue db upgrade`); with `create=False` a missing SQLite file is an error and
-    nothing is created (read-only commands)."""
+    """It keeps of `settings` only its rules' numbers and a redactor. `create`: a SQLite store is
+    created or upgraded on first use; else a missing SQLite file is an error (read-only)."""
 
     def __init__(
         self,
@@ -57,21 +47,16 @@ class StoreBase:
         if self._is_sqlite and create and target == settings.database_url:
             files.private_directory(settings.data_dir)  # ours: narrowed if it was not (D1)
         self._engine = create_store_engine(target)
-        self._clock: Clock
         if clock is not None:
-            self._clock = InjectedClock(clock)
-        elif self._is_sqlite:
-            self._clock = HostClock()
+            self._clock: Clock = InjectedClock(clock)
         else:
-            self._clock = DatabaseClock()
+            self._clock = HostClock() if self._is_sqlite else DatabaseClock()
         if check_schema:
             try:
                 self._check_schema(upgrade=create and self._is_sqlite)
             except BaseException:
                 self._engine.dispose()
                 raise
-
-    # -- lifecycle ---------------------------------------------------------
 
     def close(self) -> None:
         self._engine.dispose()
@@ -100,8 +85,6 @@ class StoreBase:
                 f"revision {schema.SCHEMA_REVISION}. Run `insight-queue db upgrade` to upgrade it."
             )
 
-    # -- plumbing ------------------------------------------------------------
-
     @contextmanager
     def _transaction(self, operation: str, *, write: bool) -> Iterator[Connection]:
         try:
@@ -124,17 +107,14 @@ class StoreBase:
         return self._transaction(operation, write=True)
 
     @contextmanager
-    def _gated(self, operation: str) -> Iterator[tuple[Connection, dt.datetime, Row[Any]]]:
-        """A write transaction holding the gate lock, with the clock read after it."""
+    def _gated(self, operation: str) -> Iterator[lease.Gated]:
         with self._write(operation) as connection:
             state = lease.gate_row(connection, lock=True)
             self._clock.prepare(connection)
-            now = self._clock.now(connection)
-            yield connection, now, state
+            yield lease.Gated(connection, self._clock.now(connection), state, self._settings)
 
     def _checkpoint(self) -> None:
-        """On SQLite, what was deleted leaves the write-ahead log too: the log is copied into
-        the database (where `secure_delete` zeroed the rows) and truncated."""
+        """On SQLite, what was deleted leaves the write-ahead log too (D3)."""
         if not self._is_sqlite:
             return
         raw = self._engine.raw_connection()
@@ -149,7 +129,7 @@ class StoreBase:
         return self._clock.now(connection)
 
     def _error(self, value: object, name: str = "error") -> str:
-        """An error text as stored: checked, cut, and with every secret removed (G5)."""
+        """An error text as stored: checked, cut, and without secrets (G5)."""
         return validation.error_text(self._redact(validation.error_text(value, name)), name)
 
 

@@ -1,15 +1,7 @@
-"""Bulk enqueue (`JobStore.enqueue_many`): many `enqueue` calls, one transaction per chunk.
-
-Each request is decided by `rules.decide`, in the order given, on the row as the requests before
-it left it (`supersede` drops the user's other pending jobs of the kind at that point, R7): the
-statuses and rows of the same `enqueue` calls made one microsecond apart. A chunk is worked out
-in memory from one read, then written with one statement per verb, however many rows; like
-`enqueue` (FIX7), a chunk that changes nothing writes and locks nothing. The rows it changes are
-locked (PostgreSQL `FOR UPDATE`, in id order; SQLite holds the write lock) and checked unchanged
-since read; if another writer got there first, or inserted one of the new keys, the chunk is
-rolled back and worked out again. A claim skips rows locked here (`SKIP LOCKED`); an `enqueue`
-of one waits, finds its revision gone and decides again.
-"""
+"""Bulk enqueue (`JobStore.enqueue_many`): the statuses and rows of the same `enqueue` calls made
+one microsecond apart, worked out in memory per chunk from one read, written with one statement
+per verb. The rows changed are locked (PostgreSQL: in id order) and checked unchanged since read;
+if another writer got there first, the chunk is rolled back and worked out again (`Raced`)."""
 
 from __future__ import annotations
 
@@ -37,21 +29,17 @@ from sqlalchemy import (
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import Dialect
 
-from queue_store import people, places, schema
+from queue_store import people, places
 from queue_store.models import INTERACTIVE, EnqueueRequest, Status, job_id
 from queue_store.rules import decide
+from queue_store.schema import jobs
 from queue_store.settings import StoreConfig
 
-jobs = schema.jobs
-
-# The columns an enqueue can change on an existing row (`rules.decide`), and
-# the two every write sets: all but the key, its creation, and a settlement's.
+# What an enqueue never changes on an existing row: its key, its creation, a settlement's columns.
 KEPT_COLUMNS = ("id", "user_id", "kind", "subject", "created_at", "finished_at", "flow_run_id")
 CHANGED_COLUMNS = tuple(column.name for column in jobs.columns if column.name not in KEPT_COLUMNS)
-
-
-# Every column, empty: what a new row holds beyond `new_job`'s values.
-EMPTY_ROW: dict[str, Any] = {column.name: None for column in jobs.columns}
+INSERTED = tuple(column.name for column in jobs.columns)
+EMPTY_ROW: dict[str, Any] = dict.fromkeys(INSERTED)  # a new row's columns beyond `new_job`'s
 
 
 @dataclasses.dataclass
@@ -62,10 +50,8 @@ class Plan:
     deletes: set[str]
     inserts: dict[str, dict[str, Any]]
     updates: dict[str, dict[str, Any]]
-    # The revision read of every existing row that is deleted or updated.
-    revisions: dict[str, int]
-    # The time given to the last request: the next chunk starts after it.
-    last: dt.datetime
+    revisions: dict[str, int]  # as read, of every existing row deleted or updated
+    last: dt.datetime  # the time given to the last request: the next chunk starts after it
 
     @property
     def writes_nothing(self) -> bool:
@@ -73,13 +59,11 @@ class Plan:
 
 
 class Turns:
-    """The turns a chunk deals (R8b): after the turn being served and each user's last. Read
-    when the first is dealt, so a chunk that queues nothing anew reads nothing more."""
+    """The turns a chunk deals (R8b), read when the first is dealt."""
 
     def __init__(self, connection: Connection, settings: StoreConfig, users: set[str]) -> None:
         self._connection = connection
         self._settings = settings
-        self._fair = settings.order == "fair"
         self._users = sorted(users)
         self._served: int | None = None
         self._last: dict[str, int] = {}
@@ -92,7 +76,7 @@ class Turns:
         return int(served)
 
     def deal(self, user_id: str, priority: int) -> int:
-        if not self._fair:
+        if self._settings.order != "fair":
             return 0
         if priority <= INTERACTIVE:  # a bulk of screens is rare: each user's turn is read
             key = f"interactive:{user_id}"
@@ -109,9 +93,8 @@ class Turns:
 
 @functools.cache
 def _last_turns(postgres: bool) -> Any:
-    """Each user's last turn (places.LAST_TURN). PostgreSQL looks the users up one by one:
-    before its first ANALYZE it takes `user_id = ANY(...)` of a chunk's users for a large part
-    of the table and scans all of it, for every chunk of a backfill."""
+    """Each user's last turn. PostgreSQL looks the users up one by one: before its first ANALYZE
+    it takes `user_id = ANY(...)` for a large part of the table and scans all of it, per chunk."""
     if not postgres:
         return (
             select(jobs.c.user_id, places.LAST_TURN)
@@ -135,8 +118,7 @@ class Raced(Exception):
 def chunks(
     requests: Sequence[EnqueueRequest], size: int, most: int
 ) -> Iterator[Sequence[EnqueueRequest]]:
-    """Runs of about `size` requests that end where a user's run of requests ends (a user's
-    scopes given together are queued in one transaction); only a run longer than `most` is cut."""
+    """Runs of about `size` requests ending where a user's run ends; one over `most` is cut."""
     start = 0
     while start < len(requests):
         end = min(start + size, len(requests))
@@ -172,26 +154,20 @@ def read(connection: Connection, chunk: Sequence[EnqueueRequest]) -> dict[str, d
 @functools.cache
 def _read(postgres: bool, superseding: bool) -> Any:
     if postgres:
-        by_id = _by_id_one_by_one(*jobs.columns)
-        if superseding:
-            return union_all(by_id, _by_user_and_kind_one_by_one())
-        return by_id
-    by_id = select(jobs).where(jobs.c.id.in_(bindparam("ids", expanding=True)))
-    if superseding:
+        by_id, by_kind = _by_id_one_by_one(*jobs.columns), _by_user_and_kind_one_by_one()
+    else:
+        by_id = select(jobs).where(jobs.c.id.in_(bindparam("ids", expanding=True)))
         by_kind = select(jobs).where(
             jobs.c.user_id.in_(bindparam("users", expanding=True)),
             jobs.c.kind.in_(bindparam("kinds", expanding=True)),
         )
-        return union_all(by_id, by_kind)
-    return by_id
+    return union_all(by_id, by_kind) if superseding else by_id
 
 
 def _by_user_and_kind_one_by_one() -> Select[Any]:
-    """PostgreSQL: every job of each (user, kind) in the arrays `users` and `kinds`, looked up
-    pair by pair in `ix_ai_jobs_user`. With `user_id = ANY(...) AND kind = ANY(...)`, a session
-    that had prepared the statement (psycopg does after five runs) read it slower and slower as
-    a backfill of one call per user grew the table; pair by pair it stays flat. (OFFSET 0 keeps
-    the lookup a lookup: without it the planner may merge it into a join.)"""
+    """PostgreSQL: every job of each (user, kind) of the arrays, pair by pair in `ix_ai_jobs_user`.
+    With `= ANY(...)`, a prepared statement (psycopg prepares after five runs) read slower and
+    slower as a backfill grew the table. OFFSET 0 keeps the planner from merging the lookup."""
     pairs = (
         func.unnest(
             bindparam("users", type_=postgresql.ARRAY(String)),
@@ -210,10 +186,8 @@ def _by_user_and_kind_one_by_one() -> Select[Any]:
 
 
 def _by_id_one_by_one(*columns: Any, lock: bool = False) -> Select[Any]:
-    """PostgreSQL: the rows of the ids in the array `ids`, each looked up in the primary key
-    (LATERAL ... LIMIT 1) in the order given (sorted: the lock order). On a table grown since
-    it was last analysed (a first backfill), the planner takes `id = ANY(:ids)` for a few pages
-    and scans all of it, for every chunk; a lookup per id stays a lookup whatever the statistics."""
+    """PostgreSQL: the rows of the array `ids`, each looked up in the primary key in the order
+    given (the lock order). On a table grown since its last ANALYZE, `id = ANY(...)` scans it."""
     keys = (
         func.unnest(bindparam("ids", type_=postgresql.ARRAY(String)))
         .table_valued(column("id", String))
@@ -233,13 +207,11 @@ def plan(
     settings: StoreConfig,
     turns: Turns,
 ) -> Plan:
-    """Decide every request of the chunk in order, on the rows as the earlier ones left them;
-    request `n` at `start` plus `n` microseconds."""
+    """Decide every request in order, on the rows as the earlier ones left them."""
     # Every job as it stands after the requests so far; None once deleted.
     current: dict[str, types.SimpleNamespace | None] = {
         jid: types.SimpleNamespace(**row) for jid, row in rows.items()
     }
-    # Jobs by (user, kind), for supersede.
     by_kind: dict[tuple[str, str], set[str]] = {}
     for jid, row in rows.items():
         by_kind.setdefault((row["user_id"], row["kind"]), set()).add(jid)
@@ -263,8 +235,7 @@ def plan(
         else:
             decision = decide(job, request.fingerprint, request.priority, at, settings)
             statuses.append(decision.status)
-            # A lapsed claim is reported as it will be once taken back, and
-            # left to the next lease decision to take back (under the gate lock).
+            # A lapsed claim is reported as it will be once the next lease decision takes it back.
             if decision.changes is not None and not decision.reap_first:
                 changes = dict(decision.changes)
                 priority = changes.get("priority", job.priority)
@@ -284,8 +255,7 @@ def plan(
                 else:
                     deletes.add(other)
                     changed.discard(other)
-    # A key deleted from the table and queued again later in the call is both
-    # deleted and inserted: the deletes run first.
+    # A key deleted and queued again later is both deleted and inserted: the deletes run first.
     return Plan(
         statuses=statuses,
         deletes=deletes,
@@ -317,7 +287,6 @@ def write(connection: Connection, plan: Plan) -> None:
     if plan.inserts:
         rows = list(plan.inserts.values())
         if postgres:
-            # One statement with a column of values each, whatever the number of rows.
             inserted = connection.execute(
                 _pg_insert(connection.dialect),
                 {name: [row[name] for row in rows] for name in INSERTED},
@@ -335,10 +304,6 @@ def write(connection: Connection, plan: Plan) -> None:
         )
 
 
-# Every column of a new row.
-INSERTED = tuple(column.name for column in jobs.columns)
-
-
 @functools.cache
 def _pg_lock() -> Any:
     return _by_id_one_by_one(jobs.c.id, jobs.c.revision, lock=True)
@@ -346,8 +311,7 @@ def _pg_lock() -> Any:
 
 @functools.cache
 def _sqlite_insert() -> Any:
-    """One row per execution, many executions (the counts of rows inserted add up). Text, like
-    `_pg_insert`: SQLAlchemy does not cache its SQLite INSERT ... ON CONFLICT either."""
+    """One row per execution. Text: SQLAlchemy does not cache its INSERT ... ON CONFLICT."""
     return text(
         f"INSERT INTO ai_jobs ({', '.join(INSERTED)}) "
         f"VALUES ({', '.join(f':{name}' for name in INSERTED)}) ON CONFLICT (id) DO NOTHING"
@@ -356,9 +320,7 @@ def _sqlite_insert() -> Any:
 
 @functools.cache
 def _pg_insert(dialect: Dialect) -> Any:
-    """INSERT ... SELECT FROM unnest(one array per column): one statement, one plan. Text, as
-    SQLAlchemy does not cache its PostgreSQL INSERT ... ON CONFLICT: it would compile it again
-    for every chunk."""
+    """INSERT ... SELECT FROM unnest(one array per column): one statement, one plan."""
     arrays = ", ".join(
         f"CAST(:{name} AS {jobs.c[name].type.compile(dialect=dialect)}[])" for name in INSERTED
     )
@@ -387,18 +349,7 @@ def new_job(
         "fingerprint": fingerprint,
         "priority": priority,
         "status": Status.PENDING,
-        "attempts": 0,
-        "losses": 0,
-        "queued_at": now,
-        "created_at": now,
-        "updated_at": now,
+        **dict.fromkeys(("attempts", "losses", "revision"), 0),
+        **dict.fromkeys(("queued_at", "created_at", "updated_at"), now),
         "requested_at": now if priority <= INTERACTIVE else None,
-        "revision": 0,
     }
-
-
-def starting_after(now: dt.datetime, previous: dt.datetime | None) -> dt.datetime:
-    """A chunk's first time: now, but never at or before the previous chunk's last."""
-    if previous is None or now > previous:
-        return now
-    return previous + dt.timedelta(microseconds=1)

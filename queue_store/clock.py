@@ -1,10 +1,5 @@
-"""The one clock every lease decision reads (L1), never a worker's own wall clock.
-
-PostgreSQL's `clock_timestamp()`, read after the gate lock; on SQLite (one host) the
-host's monotonic clock, which every process shares and no NTP step or `date -s` moves,
-anchored to UTC in the database once per boot (README, "The clock"). Tests may inject a
-clock (`JobStore(clock=...)`) returning aware UTC times.
-"""
+"""The one clock every lease decision reads (L1): PostgreSQL's, or on SQLite the host's monotonic
+clock anchored to UTC in the database once per boot; never a worker's own wall clock."""
 
 from __future__ import annotations
 
@@ -19,6 +14,7 @@ from sqlalchemy import Connection, func, select, update
 
 from queue_store import schema
 from queue_store.errors import InvalidArgument
+from queue_store.schema import gate, holds, jobs
 
 BOOT_ID_FILE = Path("/proc/sys/kernel/random/boot_id")
 
@@ -26,38 +22,29 @@ ClockFunction = Callable[[], dt.datetime]
 
 
 class Clock(Protocol):
-    """The store's time source; `connection` is the transaction asking."""
-
     def now(self, connection: Connection) -> dt.datetime: ...
 
     def prepare(self, connection: Connection) -> None:
         """Called inside every write transaction that makes a lease decision."""
+        return None
 
 
 def boot_id() -> str:
     """This host's boot identity: it changes when the monotonic clock restarts."""
     try:
         return BOOT_ID_FILE.read_text().strip()
-    except OSError:
-        # No /proc (macOS, BSD): the wall time at which the monotonic clock
-        # started, to the minute, identifies the boot well enough.
+    except OSError:  # no /proc: when the monotonic clock started, to the minute, will do
         return f"booted@{int((time.time() - time.monotonic()) // 60)}"
 
 
-class DatabaseClock:
-    """PostgreSQL's `clock_timestamp()`, read inside the asking transaction."""
-
+class DatabaseClock(Clock):
     def now(self, connection: Connection) -> dt.datetime:
-        value = connection.execute(
-            select(func.timezone("UTC", func.clock_timestamp()))
-        ).scalar_one()
-        return _aware(value)
-
-    def prepare(self, connection: Connection) -> None:
-        return None
+        query = select(func.timezone("UTC", func.clock_timestamp()))
+        value: dt.datetime = connection.execute(query).scalar_one()
+        return value.replace(tzinfo=dt.UTC) if value.tzinfo is None else value.astimezone(dt.UTC)
 
 
-class HostClock:
+class HostClock(Clock):
     """The host's monotonic clock as UTC, through an anchor kept in the SQLite database."""
 
     def __init__(
@@ -74,29 +61,20 @@ class HostClock:
 
     def now(self, connection: Connection) -> dt.datetime:
         anchor = self._anchor or self._read_anchor(connection)
-        if anchor is None:
-            # Not yet anchored on this boot: only read paths get here (ETAs,
-            # displays), and the next write transaction lays the anchor.
+        if anchor is None:  # not yet on this boot: only reads get here, the next write lays it
             return self._wall()
         wall, mono = anchor
         return wall + dt.timedelta(seconds=self._monotonic() - mono)
 
     def prepare(self, connection: Connection) -> None:
-        if self._anchor is not None:
-            return
-        with self._lock:
-            if self._read_anchor(connection) is not None:
-                return
-            self._lay_anchor(connection)
+        if self._anchor is None:
+            with self._lock:
+                if self._read_anchor(connection) is None:
+                    self._lay_anchor(connection)
 
     def _read_anchor(self, connection: Connection) -> tuple[dt.datetime, float] | None:
-        row = connection.execute(
-            select(
-                schema.gate.c.clock_boot_id,
-                schema.gate.c.clock_anchor_wall,
-                schema.gate.c.clock_anchor_mono,
-            ).where(schema.gate.c.id == schema.GATE_ROW_ID)
-        ).one_or_none()
+        anchor = select(gate.c.clock_boot_id, gate.c.clock_anchor_wall, gate.c.clock_anchor_mono)
+        row = connection.execute(anchor.where(gate.c.id == schema.GATE_ROW_ID)).one_or_none()
         if row is None or row.clock_boot_id != self._boot or row.clock_anchor_wall is None:
             return None
         self._anchor = (row.clock_anchor_wall, float(row.clock_anchor_mono))
@@ -105,28 +83,22 @@ class HostClock:
     def _lay_anchor(self, connection: Connection) -> None:
         """A new boot: anchor here, and nothing of the old boot stays alive or ahead of us."""
         wall, mono = self._wall(), self._monotonic()
-        gate, jobs = schema.gate, schema.jobs
-        previous = connection.execute(
-            select(gate.c.last_finished_at, gate.c.last_answer_at).where(
-                gate.c.id == schema.GATE_ROW_ID
-            )
-        ).one_or_none()
+        times = select(gate.c.last_finished_at, gate.c.last_answer_at)
+        previous = connection.execute(times.where(gate.c.id == schema.GATE_ROW_ID)).one_or_none()
         changes: dict[str, object] = {
             "clock_boot_id": self._boot,
             "clock_anchor_wall": wall,
             "clock_anchor_mono": mono,
         }
         if previous is not None:
-            # Times of the old boot may be ahead of the new anchor if the wall
-            # clock was set back across the reboot; never let them hold the gate.
+            # A wall clock set back across the reboot: the old boot's times must not hold the gate.
             for name in ("last_finished_at", "last_answer_at"):
                 value = getattr(previous, name)
                 if value is not None and value > wall:
                     changes[name] = wall
-        connection.execute(update(gate).where(gate.c.id == schema.GATE_ROW_ID).values(**changes))
+        schema.update_gate(connection, **changes)
         # A hold of the old boot keeps its length from now at most: a wall clock set back
         # across the reboot must not stretch it (the gateway is on another host's time).
-        holds = schema.holds
         for hold in connection.execute(select(holds).where(holds.c.until > wall)).all():
             longest = wall + (hold.until - hold.started_at)
             if hold.until > longest:
@@ -136,9 +108,7 @@ class HostClock:
         self._anchor = (wall, mono)
 
 
-class InjectedClock:
-    """A clock handed in by the caller (tests): used for every decision."""
-
+class InjectedClock(Clock):
     def __init__(self, clock: ClockFunction) -> None:
         self._clock = clock
 
@@ -147,10 +117,3 @@ class InjectedClock:
         if value.tzinfo is None:
             raise InvalidArgument("clock", "must return timezone-aware UTC times")
         return value.astimezone(dt.UTC)
-
-    def prepare(self, connection: Connection) -> None:
-        return None
-
-
-def _aware(value: dt.datetime) -> dt.datetime:
-    return value.replace(tzinfo=dt.UTC) if value.tzinfo is None else value.astimezone(dt.UTC)

@@ -1,14 +1,4 @@
-"""Engines for the two backends, and the one place driver errors are wrapped.
-
-SQLite: WAL so readers never wait for the writer, a generous busy timeout because several
-processes share the file, transactions begun by us so a write transaction can take the write
-lock up front (`BEGIN IMMEDIATE`) instead of failing half-way when it upgrades from a read, and
-`secure_delete`, so a deleted row is overwritten in the file, not only unlinked (D3). The file
-and its directory are made for this account alone (`files`).
-
-PostgreSQL: psycopg 3; connections checked before use so a database restart costs one failed
-call, not a pool of dead connections.
-"""
+"""Engines for the two backends, and the one place driver errors are wrapped (without passwords)."""
 
 from __future__ import annotations
 
@@ -26,8 +16,7 @@ from queue_store.redact import mask_url
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 POSTGRES_CONNECT_TIMEOUT_SECONDS = 10
 
-# Execution option read by the SQLite "begin" hook: "DEFERRED" or "IMMEDIATE".
-SQLITE_BEGIN = "insight_queue_sqlite_begin"
+SQLITE_BEGIN = "insight_queue_sqlite_begin"  # the "begin" hook's mode: DEFERRED or IMMEDIATE
 
 
 def normalise_url(url: str | URL) -> URL:
@@ -49,6 +38,7 @@ def create_store_engine(url: str | URL, **kwargs: Any) -> Engine:
     parsed = normalise_url(url)
     if parsed.get_backend_name() == "sqlite":
         return _sqlite_engine(parsed, **kwargs)
+    # Connections checked before use: a database restart costs one failed call, not a dead pool.
     kwargs = {"pool_pre_ping": True, "pool_size": 5, "max_overflow": 5, **kwargs}
     connect_args = kwargs.pop("connect_args", {})
     connect_args.setdefault("connect_timeout", POSTGRES_CONNECT_TIMEOUT_SECONDS)
@@ -68,12 +58,14 @@ def _sqlite_engine(url: URL, **kwargs: Any) -> Engine:
 
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_connection: Any, _record: Any) -> None:
-        dbapi_connection.isolation_level = None  # transactions are begun below
+        # Transactions are begun below, so a writer takes the write lock up front (BEGIN
+        # IMMEDIATE) instead of failing half-way when it upgrades from a read.
+        dbapi_connection.isolation_level = None
         cursor = dbapi_connection.cursor()
-        cursor.execute(f"PRAGMA busy_timeout = {SQLITE_BUSY_TIMEOUT_MS}")
-        cursor.execute("PRAGMA journal_mode = WAL")
+        cursor.execute(f"PRAGMA busy_timeout = {SQLITE_BUSY_TIMEOUT_MS}")  # processes share it
+        cursor.execute("PRAGMA journal_mode = WAL")  # readers never wait for the writer
         cursor.execute("PRAGMA synchronous = NORMAL")
-        cursor.execute("PRAGMA secure_delete = ON")
+        cursor.execute("PRAGMA secure_delete = ON")  # a deleted row is overwritten in the file (D3)
         cursor.close()
 
     @event.listens_for(engine, "begin")
@@ -85,7 +77,6 @@ def _sqlite_engine(url: URL, **kwargs: Any) -> Engine:
 
 
 def shown_url(url: URL) -> str:
-    """The URL for people: its credentials and any `password=` parameter masked."""
     return mask_url(url.render_as_string(hide_password=False))
 
 

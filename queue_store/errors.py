@@ -1,25 +1,15 @@
 """The store's errors: one base class, and a branch for each thing a caller does about them.
-
-- `InvalidArgument`: the caller's input was refused before anything was touched (a `ValueError`,
-  as FIX8 asks): tell the caller.
-- `Misconfigured`: a setting, a plugin or the API's configuration is wrong: nothing works until
-  an operator fixes it.
-- `Unavailable`: the database cannot be reached or its schema is behind: try again later.
-- `ClaimLost`: the caller's claim was taken over: it must stop.
-
-Callers catch these, never SQLAlchemy's: driver errors are wrapped `from exc` at the store's
-edge, with any database password removed from the message.
-"""
+Callers catch these, never SQLAlchemy's: driver errors are wrapped at the store's edge."""
 
 from __future__ import annotations
 
 
 class StoreError(Exception):
-    """Base of every error insight-queue's store raises."""
+    """Base of every error the store raises."""
 
 
 class InvalidArgument(StoreError, ValueError):
-    """An argument was rejected before the database was touched; `argument` names it."""
+    """An argument was refused before the database was touched (FIX8): tell the caller."""
 
     def __init__(self, argument: str, message: str) -> None:
         super().__init__(f"{argument}: {message}")
@@ -51,7 +41,7 @@ class SchemaOutdated(Unavailable):
 
 
 class ClaimLost(StoreError):
-    """The caller no longer holds the job (its claim was taken over): nothing was changed."""
+    """The caller's claim was taken over, and nothing was changed: it must stop."""
 
     def __init__(self, job_id: str, holder: str) -> None:
         super().__init__(f"job {job_id[:12]}… is no longer held by {holder}")

@@ -1,9 +1,4 @@
-"""The store's files on disk: readable by the service account only (D1).
-
-Insights are text derived from a person's health data: the data directory is made `0700` and
-every file of the store (SQLite's database and its `-wal` and `-shm`) and of the API's
-credentials `0600`, whatever the process's umask.
-"""
+"""The store's files on disk, readable by the service account only, whatever the umask (D1)."""
 
 from __future__ import annotations
 
@@ -19,9 +14,7 @@ SQLITE_COMPANIONS = ("-wal", "-shm", "-journal")
 
 
 def private_directory(path: Path, *, narrow: bool = True) -> Path:
-    """Make `path` (and any missing parents) for this account alone. `narrow`: an existing
-    directory is narrowed too (the data directory, ours); else only one made here is (a
-    database's folder may be shared)."""
+    """`path` for this account alone; `narrow`: an existing one too (else it may be shared)."""
     made = not path.exists()
     path.mkdir(parents=True, exist_ok=True)
     mode = path.stat().st_mode
@@ -33,9 +26,7 @@ def private_directory(path: Path, *, narrow: bool = True) -> Path:
 
 
 def private_sqlite(database: Path) -> None:
-    """A SQLite database file that is this account's alone, before SQLite opens it: SQLite
-    gives its `-wal` and `-shm` the database file's mode. Existing files are narrowed too; the
-    folder only if it is made here."""
+    """The database file made before SQLite opens it, which gives `-wal` and `-shm` its mode."""
     private_directory(database.parent, narrow=False)
     with contextlib.suppress(FileExistsError):
         os.close(os.open(database, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE))

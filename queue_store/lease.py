@@ -1,26 +1,12 @@
-"""The SQL of the gateway lease: claim, renew, reap and settle (FIX1-FIX6, L1-L3, G1-G4, H1, H2).
-
-Every function here runs inside a write transaction that already holds the
-gate lock (PostgreSQL: `SELECT ... FOR UPDATE` on the one `ai_job_gate` row;
-SQLite: `BEGIN IMMEDIATE`), with `now` read from the store's clock after the
-lock was taken: counting, reaping, claiming and renewing never interleave.
-
-A claim is live while `now - heartbeat_at <= AI_JOB_LEASE_SECONDS` and
-`now - claimed_at <= AI_JOB_CLAIM_TIMEOUT`. A lapsed claim is never renewed;
-it counts as in flight until it is reaped, and reaping ends a call for the
-gap. (The worker stops its call a margin before, see `flows.runner`.)
-
-A call cut on our side (its worker lost, stopped, or past our deadline) may go on at the gateway,
-which finishes what it started: it leaves a hold (`ai_job_holds`) that counts as a call in flight
-until its start plus the hold (`cut_hold`), and the gap counts from the hold's end (H1).
-"""
+"""The SQL of the gateway lease: claim, renew, reap and settle (FIX1-FIX6, L1-L3, G1-G4, H1, H2),
+each in a `Gated` transaction."""
 
 from __future__ import annotations
 
 import dataclasses
 import datetime as dt
 import secrets
-from typing import Any
+from typing import Any, NamedTuple
 
 from sqlalchemy import Connection, Row, and_, delete, func, insert, select, update
 
@@ -39,13 +25,9 @@ from queue_store.models import (
     Settlement,
     Status,
 )
-from queue_store.rules import WORKER_LOST, lapsed
+from queue_store.rules import CLAIM_ENDED, WORKER_LOST, lapsed
+from queue_store.schema import gate, holds, jobs, results
 from queue_store.settings import StoreConfig
-
-jobs = schema.jobs
-results = schema.results
-gate = schema.gate
-holds = schema.holds
 
 MAX_BACKOFF_DOUBLINGS = 30
 # What liveness checks and ETAs read of the running jobs.
@@ -60,14 +42,21 @@ RUNNING_COLUMNS = (
     "claimed_at",
     "call_started_at",
 )
-# A job whose claims keep being lost with their worker fails after this many in a row
-# (H2 spends no attempt on a lost claim; this keeps a job that kills its worker from looping).
+# H2 spends no attempt on a lost claim: a job that kills its worker fails this way instead.
 WORKER_LOST_AGAIN = "worker lost {n} times in a row: the job may be what stops its worker"
-
 
 RUNNING = select(*(jobs.c[name] for name in RUNNING_COLUMNS)).where(jobs.c.status == Status.RUNNING)
 GATE_ROW = select(gate).where(gate.c.id == schema.GATE_ROW_ID)
 GATE_ROW_LOCKED = GATE_ROW.with_for_update()
+
+
+class Gated(NamedTuple):
+    """A write transaction holding the gate lock, the clock read after it: no step interleaves."""
+
+    connection: Connection
+    now: dt.datetime
+    state: Row[Any]  # the gate row, as locked
+    settings: StoreConfig
 
 
 def gate_row(connection: Connection, *, lock: bool = False) -> Row[Any]:
@@ -82,22 +71,16 @@ def running_rows(connection: Connection) -> list[Row[Any]]:
     return list(connection.execute(RUNNING).all())
 
 
-def reap(
-    connection: Connection, settings: StoreConfig, now: dt.datetime, dead: list[Row[Any]]
-) -> int:
-    """Take back the jobs of these dead claims (FIX3, FIX5). A lost claim spends no attempt (H2),
-    but a last allowed attempt fails (FIX4), and so does a job lost too often in a row; a call in
-    flight leaves a hold (H1). A takeover counts as the end of a call for the gap (L3)."""
+def reap(tx: Gated, dead: list[Row[Any]]) -> int:
+    """Take back the jobs of these dead claims (FIX3-FIX5, H1, H2); the gap counts from now (L3)."""
     if not dead:
         return 0
+    connection, now, _, settings = tx
     for row in dead:
-        cut(connection, settings, now, row, CutCause.WORKER_LOST)
+        cut(tx, row, CutCause.WORKER_LOST)
         losses = row.losses + 1
         changes: dict[str, Any] = {
-            "holder": None,
-            "worker": None,
-            "heartbeat_at": None,
-            "call_started_at": None,
+            **CLAIM_ENDED,
             "last_holder": row.holder,
             "losses": losses,
             "updated_at": now,
@@ -107,84 +90,60 @@ def reap(
             error: str | None = WORKER_LOST
         else:
             changes["attempts"] = max(row.attempts - 1, 0)
-            error = _lost_again(losses) if losses >= settings.max_attempts else None
+            error = WORKER_LOST_AGAIN.format(n=losses) if losses >= settings.max_attempts else None
         if error is None:
             changes |= {"status": Status.PENDING, "claimed_at": None}
         else:
             changes |= {"status": Status.FAILED, "error": error, "finished_at": now}
-        connection.execute(
-            update(jobs)
-            .where(jobs.c.id == row.id, jobs.c.holder.is_not_distinct_from(row.holder))
-            .values(**changes)
-        )
-    _ended_call(connection, now)
+        same_claim = (jobs.c.id == row.id, jobs.c.holder.is_not_distinct_from(row.holder))
+        connection.execute(update(jobs).where(*same_claim).values(**changes))
+    _ended_call(tx)
     return len(dead)
 
 
-def cut(
-    connection: Connection,
-    settings: StoreConfig,
-    now: dt.datetime,
-    row: Any,
-    cause: CutCause,
-    *,
-    job_gone: bool = False,
-) -> None:
-    """The call of this claim, if one started, was cut on our side: it holds the gateway until
-    its start plus the hold (H1). A hold already over by now holds nothing. `job_gone`: the job
-    is being deleted, so the hold names none."""
+def cut(tx: Gated, row: Any, cause: CutCause, *, job_gone: bool = False) -> None:
+    """The claim's call, if it started, was cut on our side: it holds the gateway a while (H1)."""
     started = row.call_started_at
     if started is None:
         return
-    until = started + dt.timedelta(seconds=settings.cut_hold)
-    if until > now:
+    until = started + dt.timedelta(seconds=tx.settings.cut_hold)
+    if until > tx.now:
         shown = None if job_gone else row.id
         values = {"job_id": shown, "worker": row.worker, "cause": cause, "started_at": started}
-        connection.execute(insert(holds).values(**values, until=until))
+        tx.connection.execute(insert(holds).values(**values, until=until))
 
 
-def held(connection: Connection, now: dt.datetime) -> list[Row[Any]]:
-    """The holds still in force, earliest end first."""
-    query = select(holds).where(holds.c.until > now).order_by(holds.c.until)
-    return list(connection.execute(query).all())
-
-
-def _release_holds(
-    connection: Connection, now: dt.datetime, last: dt.datetime | None
-) -> dt.datetime | None:
-    """Holds that are over become what they stand for, calls that ended at their end (for the
-    gap); returns the last call's end, theirs included."""
+def _release_holds(tx: Gated) -> dt.datetime | None:
+    """Holds that are over become calls that ended at their end; returns the last call's end."""
+    connection, now = tx.connection, tx.now
+    last: dt.datetime | None = tx.state.last_finished_at
     ended = connection.execute(select(func.max(holds.c.until)).where(holds.c.until <= now))
     latest: dt.datetime | None = ended.scalar_one_or_none()
     if latest is None:
         return last
     connection.execute(delete(holds).where(holds.c.until <= now))
     if last is None or latest > last:
-        connection.execute(
-            update(gate).where(gate.c.id == schema.GATE_ROW_ID).values(last_finished_at=latest)
-        )
+        schema.update_gate(connection, last_finished_at=latest)
         return latest
     return last
 
 
-def _ended_call(connection: Connection, now: dt.datetime, **more: Any) -> None:
-    """A call ended (settled, or taken over): the gap counts from now."""
-    connection.execute(
-        update(gate).where(gate.c.id == schema.GATE_ROW_ID).values(last_finished_at=now, **more)
-    )
+def _ended_call(tx: Gated, **more: Any) -> None:
+    """A call ended (settled, or taken over): the gap counts from now (FIX6)."""
+    schema.update_gate(tx.connection, last_finished_at=tx.now, **more)
 
 
-def claim(
-    connection: Connection, settings: StoreConfig, now: dt.datetime, state: Row[Any], worker: str
-) -> Claim:
+def claim(tx: Gated, worker: str) -> Claim:
     """Take the highest-priority runnable job if the gate allows a call now (R8, R9, FIX1, FIX6)."""
+    connection, now, state, settings = tx
     running = running_rows(connection)
     dead = [row for row in running if lapsed(row, now, settings)]
-    last_finished = _release_holds(connection, now, state.last_finished_at)
+    last_finished = _release_holds(tx)
     if dead:
-        reap(connection, settings, now, dead)
+        reap(tx, dead)
         last_finished = now
-    holding = held(connection, now)
+    in_force = select(holds).where(holds.c.until > now).order_by(holds.c.until)
+    holding = connection.execute(in_force).all()
     in_flight = len(running) - len(dead) + len(holding)
 
     if state.paused_until is not None and state.paused_until > now:
@@ -198,27 +157,21 @@ def claim(
         if quiet_until > now:
             return Claim(None, Blocked.GAP, (quiet_until - now).total_seconds())
 
-    # While the gateway looks down, probe with a job that has not just failed
-    # "unavailable" itself, so one poisoned job cannot pass for an outage (G2).
-    probing = state.outages_in_a_row > 0
+    probing = state.outages_in_a_row > 0  # probe with a job not failing so: no poisoned job (G2)
     while True:
-        candidate = _first_pending(connection, settings, avoid_suspects=probing)
+        candidate = _first_pending(tx, avoid_suspects=probing)
         if candidate is None:
             return Claim(None, Blocked.EMPTY, None)
         if candidate.attempts >= settings.max_attempts:
-            # Only reachable if AI_JOB_MAX_ATTEMPTS was lowered: give up on it
-            # rather than let it block the head of the queue.
-            connection.execute(
-                update(jobs)
-                .where(jobs.c.id == candidate.id)
-                .values(
-                    status=Status.FAILED,
-                    error=f"attempts exhausted: AI_JOB_MAX_ATTEMPTS is {settings.max_attempts}",
-                    finished_at=now,
-                    updated_at=now,
-                    revision=jobs.c.revision + 1,
-                )
-            )
+            # Only if AI_JOB_MAX_ATTEMPTS was lowered: give up rather than block the queue's head.
+            error = f"attempts exhausted: AI_JOB_MAX_ATTEMPTS is {settings.max_attempts}"
+            given_up = {
+                "status": Status.FAILED,
+                "error": error,
+                "finished_at": now,
+                "updated_at": now,
+            }
+            schema.update_job(connection, candidate.id, **given_up, revision=jobs.c.revision + 1)
             continue
         claimed = {
             "status": Status.RUNNING,
@@ -230,46 +183,31 @@ def claim(
             "attempts": candidate.attempts + 1,
             "updated_at": now,
         }
-        connection.execute(
-            update(jobs)
-            .where(jobs.c.id == candidate.id)
-            .values(**claimed, revision=candidate.revision + 1)
-        )
+        schema.update_job(connection, candidate.id, **claimed, revision=candidate.revision + 1)
         if candidate.requested_at is not None:  # a screen asked: how long it waited
             waited = (now - candidate.requested_at).total_seconds()
             tallies.count(connection, tallies.SCREEN_WAIT_SECONDS, candidate.kind, "", waited)
         # The turn being served in the job's class moves on (R8b, A3).
         served = "interactive_turn" if candidate.priority <= INTERACTIVE else "turn"
         if candidate.turn > getattr(state, served):
-            connection.execute(
-                update(gate).where(gate.c.id == schema.GATE_ROW_ID).values({served: candidate.turn})
-            )
+            schema.update_gate(connection, **{served: candidate.turn})
         job = schema.from_row(Job, candidate)
-        # What the run history will know the user as: made now if the user has none yet.
-        people.pseudonymize(connection, [job.user_id], now)
+        people.pseudonymize(
+            connection, [job.user_id], now
+        )  # its run history name, if none yet (D4)
         pseudonym = people.pseudonym_of(connection, job.user_id)
         return Claim(dataclasses.replace(job, **claimed, pseudonym=pseudonym))
 
 
-def _first_pending(
-    connection: Connection, settings: StoreConfig, *, avoid_suspects: bool
-) -> Row[Any] | None:
-    # The id breaks ties of age: the claim takes jobs in the very order that
-    # places in line are counted in (`places`), a queue index's order.
-    query = select(jobs).where(jobs.c.status == Status.PENDING)
-    order = places.order(settings)
-    if avoid_suspects:
-        probe = connection.execute(
-            query.where(jobs.c.unavailable_since.is_(None))
-            .order_by(*order)
-            .limit(1)
-            .with_for_update(skip_locked=True)
-        ).one_or_none()
-        if probe is not None:
-            return probe
-    return connection.execute(
-        query.order_by(*order).limit(1).with_for_update(skip_locked=True)
-    ).one_or_none()
+def _first_pending(tx: Gated, *, avoid_suspects: bool) -> Row[Any] | None:
+    pending = select(jobs).where(jobs.c.status == Status.PENDING)
+    probes = [pending.where(jobs.c.unavailable_since.is_(None))] if avoid_suspects else []
+    for query in (*probes, pending):
+        head = query.order_by(*places.order(tx.settings)).limit(1).with_for_update(skip_locked=True)
+        row = tx.connection.execute(head).one_or_none()
+        if row is not None:
+            return row
+    return None
 
 
 def held_row(connection: Connection, job_id: str, holder: str) -> Row[Any] | None:
@@ -282,18 +220,10 @@ def held_row(connection: Connection, job_id: str, holder: str) -> Row[Any] | Non
 
 
 def renew(
-    connection: Connection,
-    settings: StoreConfig,
-    now: dt.datetime,
-    job_id: str,
-    holder: str,
-    *,
-    calling: bool = False,
-    flow_run_id: str | None = None,
+    tx: Gated, job_id: str, holder: str, *, calling: bool = False, flow_run_id: str | None = None
 ) -> Renewal:
-    """Extend a live claim; a lapsed one stays dead, whoever reaches the database first (L3).
-    `calling`: the call starts right after this renewal, so it starts now (H1). `flow_run_id`:
-    the attempt's run in the history (N4), kept even when it arrives after the attempt ended."""
+    """Extend a live claim; a lapsed one stays dead (L3). A run id is kept even after it ended."""
+    connection, now, _, settings = tx
     row = held_row(connection, job_id, holder)
     if row is None:
         if flow_run_id is not None:
@@ -304,46 +234,27 @@ def renew(
     more: dict[str, Any] = {"call_started_at": now} if calling else {}
     if flow_run_id is not None:
         more["flow_run_id"] = flow_run_id
-    connection.execute(
-        update(jobs)
-        .where(jobs.c.id == job_id)
-        .values(heartbeat_at=now, revision=row.revision + 1, **more)
-    )
+    schema.update_job(connection, job_id, heartbeat_at=now, revision=row.revision + 1, **more)
     return Renewal.RENEWED
 
 
 def _note_run_after(connection: Connection, job_id: str, holder: str, flow_run_id: str) -> None:
-    """The run of a claim that has ended goes on its job, and on the result it produced, unless
-    a newer claim holds the job (FIX2: the token of the claim that ended must match)."""
+    """The run of an ended claim goes on its job and the result it produced, not a newer claim's."""
     ended = and_(jobs.c.id == job_id, jobs.c.last_holder == holder, jobs.c.status != Status.RUNNING)
     row = connection.execute(select(jobs.c.claimed_at).where(ended)).one_or_none()
     if row is None:
         return
     connection.execute(update(jobs).where(ended).values(flow_run_id=flow_run_id))
     if row.claimed_at is not None:
-        connection.execute(
-            update(results)
-            .where(
-                results.c.job_id == job_id,
-                results.c.flow_run_id.is_(None),
-                results.c.produced_at >= row.claimed_at,
-            )
-            .values(flow_run_id=flow_run_id)
-        )
+        unnamed = (results.c.job_id == job_id, results.c.flow_run_id.is_(None))
+        since = results.c.produced_at >= row.claimed_at
+        connection.execute(update(results).where(*unnamed, since).values(flow_run_id=flow_run_id))
 
 
-def _settle_row(connection: Connection, row: Row[Any], now: dt.datetime, **changes: Any) -> None:
-    """End the claim on the row: no holder, no heartbeat, and the given changes."""
-    ended = {
-        "holder": None,
-        "last_holder": row.holder,
-        "worker": None,
-        "heartbeat_at": None,
-        "call_started_at": None,
-        "finished_at": now,
-    }
-    values = {**ended, "updated_at": now, "revision": row.revision + 1, **changes}
-    connection.execute(update(jobs).where(jobs.c.id == row.id).values(**values))
+def _settle_row(tx: Gated, row: Row[Any], **changes: Any) -> None:
+    values = {**CLAIM_ENDED, "last_holder": row.holder, "finished_at": tx.now, "updated_at": tx.now}
+    values |= {"revision": row.revision + 1, **changes}
+    schema.update_job(tx.connection, row.id, **values)
 
 
 def _backoff(settings: StoreConfig, streak: int) -> float:
@@ -352,198 +263,117 @@ def _backoff(settings: StoreConfig, streak: int) -> float:
     return float(min(settings.backoff_seconds * 2**doublings, settings.backoff_max_seconds))
 
 
-def pause(
-    connection: Connection,
-    now: dt.datetime,
-    seconds: float,
-    kind: PauseKind,
-    reason: str,
-    **more: Any,
-) -> None:
-    connection.execute(
-        update(gate)
-        .where(gate.c.id == schema.GATE_ROW_ID)
-        .values(
-            paused_until=now + dt.timedelta(seconds=seconds),
-            pause_kind=kind,
-            pause_reason=reason,
-            **more,
-        )
+def pause(tx: Gated, seconds: float, kind: PauseKind, reason: str, **more: Any) -> None:
+    until = tx.now + dt.timedelta(seconds=seconds)
+    schema.update_gate(
+        tx.connection, paused_until=until, pause_kind=kind, pause_reason=reason, **more
     )
 
 
 def settle_failure(
-    connection: Connection,
-    settings: StoreConfig,
-    now: dt.datetime,
-    state: Row[Any],
-    row: Row[Any],
-    failure: Failure,
-    error: str,
-    retry_after: float | None,
+    tx: Gated, row: Row[Any], failure: Failure, error: str, retry_after: float | None
 ) -> Settlement:
     """Apply the store's rule for an attempt that ended without a result (N2, G1-G4)."""
-    exhausted = row.attempts >= settings.max_attempts
-    spent_status = Status.FAILED if exhausted else Status.PENDING
-    streak = state.outages_in_a_row
+    _, now, state, settings = tx
+    spent = Status.FAILED if row.attempts >= settings.max_attempts else Status.PENDING
+    streak = state.outages_in_a_row + 1  # if this failure is one more trouble in a row
+    backoff = _backoff(settings, streak)
 
     if failure in (Failure.BUILD, Failure.REJECTED, Failure.PARSE):
-        _settle_row(connection, row, now, status=spent_status, error=error, unavailable_since=None)
+        _settle_row(tx, row, status=spent, error=error, unavailable_since=None)
         more: dict[str, Any] = {}
         if failure is not Failure.BUILD:  # the gateway answered: it is up
             more = {"last_answer_at": now, "outages_in_a_row": 0}
-        _ended_call(connection, now, **more)
-        return Settlement(spent_status, True, None, f"attempt {row.attempts} spent")
+        _ended_call(tx, **more)
+        return Settlement(spent, True, None, f"attempt {row.attempts} spent")
 
     if failure is Failure.TIMEOUT:
-        cut(connection, settings, now, row, CutCause.TIMEOUT)
-        _settle_row(connection, row, now, status=spent_status, error=error)
-        seconds = _backoff(settings, streak + 1)
-        _ended_call(connection, now)
-        pause(connection, now, seconds, PauseKind.TIMEOUT, error, outages_in_a_row=streak + 1)
-        why = f"claiming paused {seconds:g} s in case the gateway is still working on it"
-        return Settlement(spent_status, True, seconds, f"attempt {row.attempts} spent; {why}")
+        cut(tx, row, CutCause.TIMEOUT)
+        _settle_row(tx, row, status=spent, error=error)
+        _ended_call(tx)
+        pause(tx, backoff, PauseKind.TIMEOUT, error, outages_in_a_row=streak)
+        why = f"claiming paused {backoff:g} s in case the gateway is still working on it"
+        return Settlement(spent, True, backoff, f"attempt {row.attempts} spent; {why}")
 
     if failure is Failure.UNAVAILABLE:
         since = row.unavailable_since
-        answered_since = (
-            since is not None and state.last_answer_at is not None and state.last_answer_at > since
-        )
-        if answered_since:
-            # The gateway has answered other calls since this job started
-            # failing "unavailable": the job is the problem, not the gateway.
+        behind = _behind(tx, row)
+        if since is not None and state.last_answer_at is not None and state.last_answer_at > since:
+            # The gateway answered others since this job began failing: the job is the problem.
             text = f"the gateway answers other calls but keeps failing this one: {error}"
-            behind = _behind(connection, settings, row, now)
-            _settle_row(connection, row, now, status=spent_status, error=text, **behind)
-            _ended_call(connection, now)
-            return Settlement(
-                spent_status, True, None, f"attempt {row.attempts} spent: not an outage, this job"
-            )
-        # Looks like an outage: keep the attempt, go behind the jobs of the same
-        # priority (the next probe is another job), pause with a growing backoff.
-        _settle_row(
-            connection,
-            row,
-            now,
-            status=Status.PENDING,
-            attempts=max(row.attempts - 1, 0),
-            error=error,
-            claimed_at=None,
-            unavailable_since=since or now,
-            **_behind(connection, settings, row, now),
-        )
-        seconds = _backoff(settings, streak + 1)
-        _ended_call(connection, now)
-        pause(connection, now, seconds, PauseKind.OUTAGE, error, outages_in_a_row=streak + 1)
-        return Settlement(
-            Status.PENDING, False, seconds, f"gateway unavailable; claiming paused {seconds:g} s"
-        )
+            _settle_row(tx, row, status=spent, error=text, **behind)
+            _ended_call(tx)
+            why = "not an outage, this job"
+            return Settlement(spent, True, None, f"attempt {row.attempts} spent: {why}")
+        # An outage: keep the attempt, go behind the jobs of its priority, pause with a backoff.
+        kept = {"attempts": max(row.attempts - 1, 0), "claimed_at": None}
+        outage = {"status": Status.PENDING, "error": error, "unavailable_since": since or now}
+        _settle_row(tx, row, **outage, **kept, **behind)
+        _ended_call(tx)
+        pause(tx, backoff, PauseKind.OUTAGE, error, outages_in_a_row=streak)
+        why = f"gateway unavailable; claiming paused {backoff:g} s"
+        return Settlement(Status.PENDING, False, backoff, why)
 
     if failure is Failure.RATE_LIMITED:
-        seconds = (
-            min(retry_after, settings.backoff_max_seconds)
-            if retry_after is not None
-            else _backoff(settings, streak + 1)
-        )
-        _refund(connection, row, now, error)
-        _ended_call(connection, now)
-        # Asked to slow down again and again without a time to wait: each
-        # pause is longer than the last. A named wait is the gateway's answer.
-        more = {"outages_in_a_row": streak + 1} if retry_after is None else {}
-        pause(connection, now, seconds, PauseKind.RATE_LIMIT, error, **more)
-        return Settlement(
-            Status.PENDING, False, seconds, f"rate limited; claiming paused {seconds:g} s"
-        )
-
-    if failure is Failure.REFUSED:
-        seconds = _backoff(settings, streak + 1)
-        _refund(connection, row, now, error)
-        _ended_call(connection, now)
-        pause(connection, now, seconds, PauseKind.REFUSED, error, outages_in_a_row=streak + 1)
-        why = f"the gateway refused us; claiming stopped for {seconds:g} s until it is fixed"
+        seconds = backoff if retry_after is None else min(retry_after, settings.backoff_max_seconds)
+        _refund(tx, row, error)
+        _ended_call(tx)
+        # 429s without a time to wait pause longer each time; a wait the gateway names is its own.
+        more = {"outages_in_a_row": streak} if retry_after is None else {}
+        pause(tx, seconds, PauseKind.RATE_LIMIT, error, **more)
+        why = f"rate limited; claiming paused {seconds:g} s"
         return Settlement(Status.PENDING, False, seconds, why)
 
-    # STOPPED: this side stopped the call (shutdown, or its lease was at risk).
-    cut(connection, settings, now, row, CutCause.STOPPED)
-    _refund(connection, row, now, error)
-    _ended_call(connection, now)
+    if failure is Failure.REFUSED:
+        _refund(tx, row, error)
+        _ended_call(tx)
+        pause(tx, backoff, PauseKind.REFUSED, error, outages_in_a_row=streak)
+        why = f"the gateway refused us; claiming stopped for {backoff:g} s until it is fixed"
+        return Settlement(Status.PENDING, False, backoff, why)
+
+    cut(tx, row, CutCause.STOPPED)  # STOPPED: this side stopped the call (shutdown, lease at risk)
+    _refund(tx, row, error)
+    _ended_call(tx)
     return Settlement(Status.PENDING, False, None, "handed back; the attempt is not spent")
 
 
-def late_stop(
-    connection: Connection,
-    settings: StoreConfig,
-    now: dt.datetime,
-    job_id: str,
-    holder: str,
-    error: str,
-) -> Settlement | None:
-    """A worker that stopped its call reports it after a takeover got to the job first (H2).
-    The takeover spent no attempt, unless it gave the job up as lost (FIX4, or lost too often):
-    then the stop, which spends nothing, puts it back. Otherwise None: the report changes
-    nothing (FIX2)."""
+def late_stop(tx: Gated, job_id: str, holder: str, error: str) -> Settlement | None:
+    """A stop reported after a takeover gave the job up as lost (FIX4) puts it back (H2)."""
+    connection, now, _, settings = tx
     row = connection.execute(
         select(jobs)
         .where(jobs.c.id == job_id, jobs.c.last_holder == holder, jobs.c.status == Status.FAILED)
         .with_for_update()
     ).one_or_none()
-    if row is None or row.error not in (WORKER_LOST, _lost_again(row.losses)):
+    if row is None or row.error not in (WORKER_LOST, WORKER_LOST_AGAIN.format(n=row.losses)):
         return None
     attempts = row.attempts - 1 if row.attempts >= settings.max_attempts else row.attempts
-    connection.execute(
-        update(jobs)
-        .where(jobs.c.id == job_id)
-        .values(
-            status=Status.PENDING,
-            error=error,
-            attempts=attempts,
-            losses=max(row.losses - 1, 0),
-            last_holder=None,
-            finished_at=None,
-            claimed_at=None,
-            updated_at=now,
-            revision=row.revision + 1,
-        )
-    )
+    back = {"status": Status.PENDING, "error": error, "attempts": attempts, "updated_at": now}
+    back |= dict.fromkeys(("last_holder", "finished_at", "claimed_at"))
+    losses = max(row.losses - 1, 0)
+    schema.update_job(connection, job_id, **back, losses=losses, revision=row.revision + 1)
     return Settlement(Status.PENDING, False, None, "stopped, and taken over first: kept")
 
 
-def _lost_again(losses: int) -> str:
-    return WORKER_LOST_AGAIN.format(n=losses)
+def _behind(tx: Gated, row: Row[Any]) -> dict[str, Any]:
+    """Back in the queue behind the jobs of its priority (R8b)."""
+    turn = places.next_turn(tx.connection, tx.settings, row.user_id, row.priority)
+    return {"queued_at": tx.now, "turn": turn}
 
 
-def _behind(
-    connection: Connection, settings: StoreConfig, row: Row[Any], now: dt.datetime
-) -> dict[str, Any]:
-    """Back in the queue behind the jobs of its priority: queued now, in a new turn (R8b)."""
-    turn = places.next_turn(connection, settings, row.user_id, row.priority)
-    return {"queued_at": now, "turn": turn}
-
-
-def _refund(connection: Connection, row: Row[Any], now: dt.datetime, error: str) -> None:
+def _refund(tx: Gated, row: Row[Any], error: str) -> None:
     """Back to the queue in its old place, as if the attempt had not been made."""
     kept = {
         "attempts": max(row.attempts - 1, 0),
         "claimed_at": None,
         "finished_at": row.finished_at,
     }
-    _settle_row(connection, row, now, status=Status.PENDING, error=error, **kept)
+    _settle_row(tx, row, status=Status.PENDING, error=error, **kept)
 
 
-def settle_done(
-    connection: Connection, now: dt.datetime, row: Row[Any], flow_run_id: str | None = None
-) -> None:
-    """The attempt produced a result; the run that made it, if named, goes on the row (N4)."""
+def settle_done(tx: Gated, row: Row[Any], flow_run_id: str | None = None) -> None:
+    """The attempt produced a result (N1, N4)."""
     more: dict[str, Any] = {} if flow_run_id is None else {"flow_run_id": flow_run_id}
-    _settle_row(
-        connection,
-        row,
-        now,
-        status=Status.DONE,
-        error=None,
-        unavailable_since=None,
-        requested_at=None,
-        losses=0,
-        **more,
-    )
-    _ended_call(connection, now, last_answer_at=now, outages_in_a_row=0)
+    done = {"status": Status.DONE, "error": None, "unavailable_since": None, "requested_at": None}
+    _settle_row(tx, row, **done, losses=0, **more)
+    _ended_call(tx, last_answer_at=tx.now, outages_in_a_row=0)

@@ -1,14 +1,10 @@
 """Schema migrations: upgrade a database to what this code needs, or say how.
-
-Alembic runs on a connection we open, with its own version table so the store can share a
-database with an application that uses Alembic too. It is imported only to upgrade: reading the
-revision is one query, and every command that opens a store reads it.
-"""
+Alembic has its own version table (a database may be shared with an app's Alembic), and is
+imported only to upgrade: every command that opens a store reads the revision with one query."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from sqlalchemy import Engine, inspect, text
 from sqlalchemy.exc import SQLAlchemyError
@@ -16,28 +12,19 @@ from sqlalchemy.exc import SQLAlchemyError
 from queue_store.engine import create_store_engine, wrap_database_error
 from queue_store.schema import VERSION_TABLE
 
-if TYPE_CHECKING:
-    from alembic.config import Config
-
 MIGRATIONS = Path(__file__).parent / "migrations"
-
-
-def _config() -> Config:
-    from alembic.config import Config
-
-    config = Config()
-    config.set_main_option("script_location", str(MIGRATIONS))
-    return config
 
 
 def upgrade(url_or_engine: str | Engine, revision: str = "head") -> str | None:
     """Bring the database to `revision`; returns the revision it is at afterwards."""
     from alembic import command
+    from alembic.config import Config
 
     engine = create_store_engine(url_or_engine) if isinstance(url_or_engine, str) else url_or_engine
     try:
         with engine.begin() as connection:
-            config = _config()
+            config = Config()
+            config.set_main_option("script_location", str(MIGRATIONS))
             config.attributes["connection"] = connection
             command.upgrade(config, revision)
         return current_revision(engine)
@@ -53,6 +40,5 @@ def current_revision(engine: Engine) -> str | None:
     with engine.connect() as connection:
         if not inspect(connection).has_table(VERSION_TABLE):
             return None
-        return connection.execute(
-            text(f"SELECT version_num FROM {VERSION_TABLE}")
-        ).scalar_one_or_none()
+        version = text(f"SELECT version_num FROM {VERSION_TABLE}")
+        return connection.execute(version).scalar_one_or_none()

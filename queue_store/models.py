@@ -1,8 +1,5 @@
-"""Plain typed data the store hands out: jobs, claims, outcomes, positions, results.
-
-Nothing here talks to a database; these are the store's arguments and return values. Every
-`as_dict()` speaks one JSON vocabulary: snake_case keys, ISO 8601 UTC times, seconds as numbers.
-"""
+"""The store's arguments and return values as plain typed data; nothing here talks to a database.
+Every `as_dict()` speaks one JSON vocabulary: snake_case keys, ISO 8601 UTC times, seconds."""
 
 from __future__ import annotations
 
@@ -10,11 +7,10 @@ import dataclasses
 import datetime as dt
 import enum
 import hashlib
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
 
-# Lower runs first.
-INTERACTIVE = 0  # a screen the user has open right now
+INTERACTIVE = 0  # a screen the user has open right now; lower runs first
 PREFETCH = 10  # backfill after a sync
 
 MAX_ID_LENGTH = 200  # characters, for user_id
@@ -30,18 +26,14 @@ MAX_RUN_ID_LENGTH = 64
 
 
 class Status(enum.StrEnum):
-    """Where a job stands. `UNKNOWN` is only ever reported, never stored: the store was down."""
-
     PENDING = "pending"
     RUNNING = "running"
     DONE = "done"
     FAILED = "failed"
-    UNKNOWN = "unknown"
+    UNKNOWN = "unknown"  # only ever reported, never stored: the store was down
 
 
-class Blocked(enum.StrEnum):
-    """Why `claim_next` handed out nothing."""
-
+class Blocked(enum.StrEnum):  # why `claim_next` handed out nothing
     EMPTY = "empty"  # nothing is runnable
     CONCURRENCY = "concurrency"  # AI_JOB_CONCURRENCY calls are already in flight
     GAP = "gap"  # the global quiet period after the last call has not passed
@@ -49,8 +41,6 @@ class Blocked(enum.StrEnum):
 
 
 class PauseKind(enum.StrEnum):
-    """Who or what paused claiming."""
-
     OPERATOR = "operator"
     OUTAGE = "outage"  # the gateway was unreachable (G2: not a poisoned job)
     TIMEOUT = "timeout"  # a call got no complete answer in time; the gateway may still be busy
@@ -58,9 +48,7 @@ class PauseKind(enum.StrEnum):
     REFUSED = "refused"  # the gateway refused our credentials or redirected us (G4)
 
 
-class Failure(enum.StrEnum):
-    """How an attempt ended without a result; the store's rule for each is in docs/rules.md."""
-
+class Failure(enum.StrEnum):  # how an attempt ended without a result
     BUILD = "build"  # the prompt could not be built; no call was made (spends the attempt)
     REJECTED = "rejected"  # the gateway answered with something unusable (spends)
     PARSE = "parse"  # the answer could not be turned into a result (spends)
@@ -89,20 +77,16 @@ class CutCause(enum.StrEnum):
         }[self]
 
 
-class Renewal(enum.StrEnum):
-    """What a heartbeat found."""
-
+class Renewal(enum.StrEnum):  # what a heartbeat found
     RENEWED = "renewed"
     LAPSED = "lapsed"  # not renewed in time: the claim is dead and cannot be revived
     LOST = "lost"  # another worker took the job over, or it was settled
 
-    def __bool__(self) -> bool:
-        """True only for RENEWED: `if store.heartbeat(...)` reads as "still ours"."""
+    def __bool__(self) -> bool:  # `if store.heartbeat(...)` reads as "still ours"
         return self is Renewal.RENEWED
 
 
 def job_id(user_id: str, kind: str, subject: str) -> str:
-    """The job's id: first 64 hex characters of sha256("user|kind|subject")."""
     return hashlib.sha256(f"{user_id}|{kind}|{subject}".encode()).hexdigest()[:64]
 
 
@@ -115,26 +99,49 @@ def _tenths(seconds: float | None) -> float | None:
 
 
 def iso(value: dt.datetime | None) -> str | None:
-    """An aware time as ISO 8601 UTC with seconds, or None."""
     return None if value is None else value.astimezone(dt.UTC).isoformat(timespec="seconds")
+
+
+def _shown(value: Any) -> Any:
+    """A value in the JSON vocabulary: times in ISO 8601 UTC, enums as text, records as dicts."""
+    if isinstance(value, dt.datetime):
+        return iso(value)
+    if isinstance(value, enum.Enum):
+        return str(value)
+    if isinstance(value, Record):
+        return value.as_dict()
+    if isinstance(value, list | tuple):
+        return [_shown(item) for item in value]
+    if isinstance(value, dict):
+        return {key: _shown(item) for key, item in value.items()}
+    return value
+
+
+class Record:
+    """A dataclass whose `as_dict` is its fields (those in `SHOWN`, if given), in order."""
+
+    __dataclass_fields__: ClassVar[dict[str, Any]]
+    SHOWN: ClassVar[Sequence[str]] = ()
+
+    def as_dict(self) -> dict[str, Any]:
+        names = self.SHOWN or [field.name for field in dataclasses.fields(self)]
+        return {name: _shown(getattr(self, name)) for name in names}
 
 
 @dataclasses.dataclass(frozen=True)
 class EnqueueRequest:
-    """One entry of `JobStore.enqueue_many`: what `enqueue` takes, plus `supersede`."""
+    """One entry of `JobStore.enqueue_many`: what `enqueue` takes, plus `supersede` (R7)."""
 
     user_id: str
     kind: str
     subject: str
     fingerprint: str | None = None
     priority: int = PREFETCH
-    # A kind with one live subject: queuing it drops the user's pending jobs of
-    # that kind for other subjects (R7).
     supersede: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
-class Job:
+class Job(Record):
     id: str
     user_id: str
     kind: str
@@ -159,8 +166,28 @@ class Job:
     call_started_at: dt.datetime | None = None  # when the claim's call started (H1)
     losses: int = 0  # claims lost with their worker since it last entered the queue (H2)
     last_holder: str | None = None  # the token of the last claim that ended
-    # What the run history knows the user as (D4); None where it was not read with the job.
-    pseudonym: str | None = None
+    pseudonym: str | None = None  # the run history's name for the user (D4), if read with it
+
+    SHOWN = (
+        "id",
+        "user_id",
+        "pseudonym",
+        "kind",
+        "subject",
+        "status",
+        "priority",
+        "priority_class",
+        "attempts",
+        "error",
+        "fingerprint",
+        "worker",
+        "queued_at",
+        "claimed_at",
+        "finished_at",
+        "updated_at",
+        "requested_at",
+        "flow_run_id",
+    )
 
     def __post_init__(self) -> None:
         # Rows hand over the status as text, and the original's rows may lack `queued_at`.
@@ -178,63 +205,33 @@ class Job:
 
     @property
     def run_name(self) -> str:
-        """How the job is named in run history: `kind:subject`."""
         return f"{self.kind}:{self.subject}"
 
     def as_dict(self, max_attempts: int | None = None) -> dict[str, Any]:
-        shown: dict[str, Any] = {
-            "id": self.id,
-            "user_id": self.user_id,
-            "pseudonym": self.pseudonym,
-            "kind": self.kind,
-            "subject": self.subject,
-            "status": str(self.status),
-            "priority": self.priority,
-            "priority_class": self.priority_class,
-            "attempts": self.attempts,
-            "error": self.error,
-            "fingerprint": self.fingerprint,
-            "worker": self.worker,
-            "queued_at": iso(self.queued_at),
-            "claimed_at": iso(self.claimed_at),
-            "finished_at": iso(self.finished_at),
-            "updated_at": iso(self.updated_at),
-            "requested_at": iso(self.requested_at),
-            "flow_run_id": self.flow_run_id,
-        }
+        shown = super().as_dict()
         if max_attempts is not None:
             shown["max_attempts"] = max_attempts
         return shown
 
 
 @dataclasses.dataclass(frozen=True)
-class Usage:
-    """The tokens one answer says it used (M2). An answer that says nothing has no Usage:
-    unknown, never zero."""
+class Usage(Record):
+    """The tokens one answer says it used (M2); an answer that says nothing has none: unknown."""
 
     prompt_tokens: int
     completion_tokens: int
-
-    def as_dict(self) -> dict[str, int]:
-        return dataclasses.asdict(self)
 
 
 @dataclasses.dataclass(frozen=True)
-class UsageRow:
-    """Tokens the answers for one user and kind used; `unknown` answers did not say."""
-
+class UsageRow(Record):
     user_id: str
     kind: str
     answers: int
-    unknown: int
+    unknown: int  # answers that did not say
     prompt_tokens: int
     completion_tokens: int
 
-    def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
     def described(self) -> str:
-        """Tokens for people: unknown where the gateway did not say, never counted as zero."""
         if not self.answers:
             return "no answer yet"
         if self.unknown == self.answers:
@@ -247,8 +244,6 @@ class UsageRow:
 
 @dataclasses.dataclass(frozen=True)
 class Tally:
-    """A counter or histogram the store keeps (see `queue_store.tallies`)."""
-
     name: str
     kind: str
     outcome: str
@@ -259,8 +254,6 @@ class Tally:
 
 @dataclasses.dataclass(frozen=True)
 class Claim:
-    """What `claim_next` returns: a job, or why none and how long to wait."""
-
     job: Job | None
     blocked: Blocked | None = None
     retry_in: float | None = None  # seconds until a claim could succeed; None: unknown
@@ -283,14 +276,11 @@ class Settlement:
 
 @dataclasses.dataclass(frozen=True)
 class Position:
-    """Where a job stands in line, for a screen that is waiting on it."""
-
     status: Status
     ahead: int  # queued jobs that will be taken before this one (at most the bound)
     in_flight: int  # calls running now (this job included when it is running)
     eta_seconds: float  # expected seconds until this job's result is ready
-    # False: more than `ahead` jobs are ahead, and the ETA counts only `ahead` of them.
-    ahead_exact: bool = True
+    ahead_exact: bool = True  # False: more are ahead, and the ETA counts only `ahead` (P2)
 
     def as_dict(self) -> dict[str, Any]:
         shown = {name: getattr(self, name) for name in POSITION_FIELDS}
@@ -301,9 +291,7 @@ POSITION_FIELDS = ("ahead", "ahead_exact", "in_flight", "eta_seconds")
 
 
 @dataclasses.dataclass(frozen=True)
-class Result:
-    """The latest finished generation for a key (N1)."""
-
+class Result:  # the latest finished generation for a key (N1)
     job_id: str
     user_id: str
     kind: str
@@ -332,10 +320,7 @@ class Result:
 
 @dataclasses.dataclass(frozen=True)
 class JobState:
-    """One job as a screen, the CLI and the API see it, read in one transaction.
-
-    `version` changes whenever anything shown changes, but for the ETA's countdown;
-    `unchanged`: the caller's version still holds and `result` was not loaded."""
+    """One job as a screen, the CLI and the API see it."""
 
     job: Job
     position: Position | None  # for a pending or running job
@@ -343,8 +328,8 @@ class JobState:
     fresh: bool  # the latest result answers the fingerprint asked about
     gate: GateState
     run_needed: bool  # queued, with no consumer standing by and no call in flight
-    version: str
-    unchanged: bool = False
+    version: str  # changes with anything shown but the ETA's countdown
+    unchanged: bool = False  # the caller's version still holds: `result` was not loaded
 
     @property
     def status(self) -> Status:
@@ -352,7 +337,6 @@ class JobState:
 
     @property
     def paused(self) -> str | None:
-        """Why claiming is paused, and for how long; None while it is open."""
         gate = self.gate
         if not gate.paused:
             return None
@@ -380,13 +364,12 @@ class GateState:
     pause_reason: str | None
     outages_in_a_row: int
     last_answer_at: dt.datetime | None
-    # The workers that said they are alive within a lease, by name: their role. Not in
-    # `as_dict`: a screen sees the gate, never the deployment's hosts.
+    # Workers alive within a lease, name: role. Not in `as_dict`: screens never see hosts.
     workers: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def standing_by(self) -> list[str]:
-        """The consumers standing by: they take queued work without a new run."""
+        """The consumers that take queued work without a new run."""
         return [name for name, role in self.workers.items() if role == "consumer"]
 
     @property
@@ -438,9 +421,7 @@ class Hold:
 
 
 @dataclasses.dataclass(frozen=True)
-class Worker:
-    """A consumer process that said it is alive (presence, for the operator and the triggers)."""
-
+class Worker(Record):  # a consumer process that said it is alive (W1)
     name: str
     role: str
     host: str
@@ -451,8 +432,7 @@ class Worker:
     info: dict[str, Any]
 
     def as_dict(self) -> dict[str, Any]:
-        shown = dataclasses.asdict(self) | {"started_at": iso(self.started_at)}
-        shown["seen_at"] = iso(self.seen_at)
+        shown = super().as_dict()
         if not self.info:
             del shown["info"]
         return shown
@@ -460,8 +440,6 @@ class Worker:
 
 @dataclasses.dataclass(frozen=True)
 class QueueEntry:
-    """One job in the operator's whole-queue view."""
-
     job: Job
     place: int | None  # 1 = next to be claimed; None for running and finished jobs
     eta_seconds: float | None
@@ -477,9 +455,7 @@ class QueueEntry:
 
 
 @dataclasses.dataclass(frozen=True)
-class ListedJob:
-    """One job of a user's queue (R11), with its place and ETA while it waits or runs."""
-
+class ListedJob:  # one job of a user's queue (R11)
     job: Job
     position: Position | None
 
@@ -489,20 +465,14 @@ class ListedJob:
 
 
 @dataclasses.dataclass(frozen=True)
-class Requeued:
-    """What `retry_failed` did (R10): the failed jobs put back, and the user's jobs waiting or
-    running afterwards."""
-
+class Requeued(Record):  # what `retry_failed` did (R10)
     user_id: str
     retried: int
-    pending: int
-
-    def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+    pending: int  # the user's jobs waiting or running afterwards
 
 
 @dataclasses.dataclass(frozen=True)
-class Forgotten:
+class Forgotten(Record):
     """What `forget` removed of one user (D3), and the run history's part still to do."""
 
     user_id: str
@@ -511,17 +481,14 @@ class Forgotten:
     usage_rows: int
     calls_cut: int  # calls of the user in flight that were cut (they hold the gateway, H1)
     pseudonym: str | None  # what the run history knew the user as; None: never seen there
-    # Pseudonyms of forgotten users whose runs are still in the run history (this one's too).
-    history_pending: tuple[str, ...] = ()
+    history_pending: tuple[str, ...] = ()  # forgotten users' pseudonyms the history still holds
 
     def as_dict(self) -> dict[str, Any]:
-        shown = dataclasses.asdict(self)
-        shown["history_pending"] = len(self.history_pending)
-        return shown
+        return super().as_dict() | {"history_pending": len(self.history_pending)}
 
 
 @dataclasses.dataclass(frozen=True)
-class Pruned:
+class Pruned(Record):
     """What retention removed (D2), or with `dry_run` would remove."""
 
     jobs: int
@@ -531,21 +498,16 @@ class Pruned:
     retention_days: float
     dry_run: bool = False
 
-    def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
 
 @dataclasses.dataclass(frozen=True)
 class QueueView:
-    """The whole queue at a glance, read in one transaction: what runs, what waits (in worker
-    order), what failed, what it cost; and the figures /metrics shows (M1)."""
+    """The whole queue at a glance, read in one transaction, with the figures /metrics shows."""
 
     now: dt.datetime
     gate: GateState
     running: list[QueueEntry]
     waiting: list[QueueEntry]
-    # Pending jobs by class ("interactive", "prefetch"): how many, and the oldest's queued_at.
-    waiting_by_class: dict[str, tuple[int, dt.datetime | None]]
+    waiting_by_class: dict[str, tuple[int, dt.datetime | None]]  # count, oldest queued_at
     recent_failures: list[QueueEntry]
     failed_total: int
     workers: list[Worker]
@@ -576,10 +538,7 @@ class QueueView:
             "recent_failures": [e.as_dict(self.max_attempts) for e in self.recent_failures],
             "failed_total": self.failed_total,
             "workers": [w.as_dict() for w in self.workers],
-            "usage": {
-                "total": self.usage_total.as_dict(),
-                "by_user_and_kind": [u.as_dict() for u in self.usage],
-            },
+            "usage": {"total": self.usage_total.as_dict(), "by_user_and_kind": _shown(self.usage)},
             "erasures_pending": [
                 {"pseudonym": p, "forgotten_at": iso(at)} for p, at in self.erasures_pending
             ],

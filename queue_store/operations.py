@@ -1,10 +1,9 @@
-"""The operator's verbs: the queue at a glance, pauses, retries, recovery (R10, R11, N3, FIX5).
-
-A mixin of `JobStore` over `StoreBase`'s transactions; callers name the role (`OperatorStore`).
-"""
+"""The operator's verbs (`OperatorStore`): the queue at a glance, pauses, retries, recovery,
+retention and forgetting; a mixin of `JobStore` over `StoreBase`'s transactions."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -27,19 +26,12 @@ from queue_store.models import (
     Status,
 )
 from queue_store.rules import lapsed, queued_anew
-from queue_store.schema import from_row
-
-jobs = schema.jobs
-gate = schema.gate
+from queue_store.schema import from_row, jobs
 
 
 class OperatorActions(StoreBase):
-    """What an operator reads and does; every action answers what it changed, in one
-    transaction."""
-
     def list_jobs(self, user_id: str, limit: int = 60) -> list[ListedJob]:
-        """The user's queue in the order the worker will take it (R11): running, pending, failed,
-        done; within each, the claim order. Pending and running entries carry place and ETA."""
+        """The user's queue in worker order, with places and ETAs (R11)."""
         user_id = validation.user_id(user_id)
         limit = validation.limit(limit)
         with self._read("list_jobs") as connection:
@@ -47,31 +39,27 @@ class OperatorActions(StoreBase):
             return views.user_jobs(connection, self._settings, now, user_id, limit)
 
     def retry_failed(self, user_id: str) -> Requeued:
-        """Every failed job of the user back in the queue now (R10), and the user's jobs pending
-        or running afterwards, in one transaction."""
+        """Every failed job of the user back in the queue now (R10)."""
         user_id = validation.user_id(user_id)
         with self._write("retry_failed") as connection:
             failed = and_(jobs.c.user_id == user_id, jobs.c.status == Status.FAILED)
             retried = self._queue_anew(connection, failed, user_id)
             self._cap_screens(connection, user_id)
             waiting = jobs.c.status.in_([Status.PENDING, Status.RUNNING])
-            pending = connection.execute(
-                select(func.count()).where(jobs.c.user_id == user_id, waiting)
-            ).scalar_one()
+            count = select(func.count()).where(jobs.c.user_id == user_id, waiting)
+            pending = connection.execute(count).scalar_one()
         return Requeued(user_id, retried, int(pending))
 
     def requeue(self, kinds: Sequence[str] | None = None) -> int:
-        """Queue every finished job again (of these kinds, or all), after a prompt change: at
-        prefetch priority (or their own, if more urgent), attempts 0; their results stay
-        readable but are no longer fresh. Returns how many were queued."""
+        """Queue every finished job (of these kinds) again, after a prompt change."""
         checked = [validation.kind(k) for k in kinds] if kinds is not None else None
         finished: ColumnElement[bool] = jobs.c.status.in_([Status.DONE, Status.FAILED])
         if checked is not None:
             finished = and_(finished, jobs.c.kind.in_(checked))
         with self._write("requeue") as connection:
-            priority = case((jobs.c.priority < PREFETCH, jobs.c.priority), else_=PREFETCH)
+            urgent = case((jobs.c.priority < PREFETCH, jobs.c.priority), else_=PREFETCH)
             queued = self._queue_anew(
-                connection, finished, None, priority=priority, requested_at=None
+                connection, finished, None, priority=urgent, requested_at=None
             )
             self._cap_screens(connection, None)
             return queued
@@ -86,21 +74,17 @@ class OperatorActions(StoreBase):
         return int(connection.execute(update(jobs).where(where).values(**values)).rowcount)
 
     def _deal_turns(self, connection: Connection, where: Any, user_id: str | None) -> None:
-        """Turns for the jobs `where` picks, about to be queued again together (R8b, A3): each
-        user's in their order, in their class (prefetch, interactive), after the turn being
-        served there (and, for one user, after their jobs waiting already)."""
+        """Turns for the jobs `where` picks, queued again together: each user's in order (R8b)."""
         if self._settings.order != "fair":
             return
         for priority, of_class, served in (
-            (PREFETCH, jobs.c.priority > INTERACTIVE, gate.c.turn),
-            (INTERACTIVE, jobs.c.priority <= INTERACTIVE, gate.c.interactive_turn),
+            (PREFETCH, jobs.c.priority > INTERACTIVE, places.SERVED_TURN),
+            (INTERACTIVE, jobs.c.priority <= INTERACTIVE, places.SERVED_INTERACTIVE_TURN),
         ):
             if user_id:
                 base = places.next_turn(connection, self._settings, user_id, priority) - 1
             else:
-                base = connection.execute(
-                    select(served).where(gate.c.id == schema.GATE_ROW_ID)
-                ).scalar_one()
+                base = connection.execute(served).scalar_one()
             rank = func.row_number().over(partition_by=jobs.c.user_id, order_by=places.FIFO)
             dealt = select(jobs.c.id, (rank + base).label("turn")).where(where, of_class).subquery()
             connection.execute(
@@ -122,62 +106,53 @@ class OperatorActions(StoreBase):
         for user in list(over):
             places.cap_interactive(connection, self._settings, user, now)
 
-    # -- N2, G1, G4: pauses, shared by every worker ------------------------------
-
     def gate_state(self) -> GateState:
-        """The gate (any pause, the outage streak, the last call's end) and who is alive."""
         with self._read("gate_state") as connection:
             row = lease.gate_row(connection)
             now = self._now(connection)
             return views.gate_state(row, now, views.workers_alive(connection, self._settings, now))
 
     def pause(self, seconds: float, reason: str) -> GateState:
-        """Stop every worker from claiming for `seconds`; returns the gate as it now stands."""
+        """Stop every worker from claiming for `seconds`."""
         seconds = validation.seconds("seconds", seconds)
         reason = self._error(reason, "reason")
-        with self._gated("pause") as (connection, now, _state):
-            lease.pause(connection, now, seconds, PauseKind.OPERATOR, reason)
-            return views.gate_state(lease.gate_row(connection), now)
+        with self._gated("pause") as tx:
+            lease.pause(tx, seconds, PauseKind.OPERATOR, reason)
+            return views.gate_state(lease.gate_row(tx.connection), tx.now)
 
     def resume(self) -> GateState:
-        """Lift any pause and forget the outage streak; returns the gate as it now stands."""
-        with self._gated("resume") as (connection, now, _state):
-            connection.execute(
-                update(gate)
-                .where(gate.c.id == schema.GATE_ROW_ID)
-                .values(paused_until=None, pause_reason=None, pause_kind=None, outages_in_a_row=0)
+        """Lift any pause and forget the outage streak."""
+        with self._gated("resume") as tx:
+            schema.update_gate(
+                tx.connection,
+                paused_until=None,
+                pause_reason=None,
+                pause_kind=None,
+                outages_in_a_row=0,
             )
-            return views.gate_state(lease.gate_row(connection), now)
-
-    # -- FIX5: recovery ------------------------------------------------------
+            return views.gate_state(lease.gate_row(tx.connection), tx.now)
 
     def recover(self, worker: str | None = None) -> list[Job]:
-        """Take back dead claims, and this worker's own; never another's live claim (FIX5).
-        `worker` is matched exactly (case-sensitive) against the worker part of each claim's
-        token. Returns the jobs taken back, as they were."""
+        """Take back dead claims and this worker's own, never another's live claim (FIX5)."""
         if worker is not None:
             worker = validation.worker(worker)
-        with self._gated("recover") as (connection, now, _state):
-            rows = connection.execute(select(jobs).where(jobs.c.status == Status.RUNNING)).all()
+        with self._gated("recover") as tx:
+            rows = tx.connection.execute(select(jobs).where(jobs.c.status == Status.RUNNING))
             taken = [
                 row
-                for row in rows
-                if lapsed(row, now, self._settings) or (worker is not None and row.worker == worker)
+                for row in rows.all()
+                if lapsed(row, tx.now, self._settings)
+                or (worker is not None and row.worker == worker)
             ]
-            lease.reap(connection, self._settings, now, taken)
+            lease.reap(tx, taken)
         return [from_row(Job, row) for row in taken]
 
-    # -- N3, M1: the whole queue -----------------------------------------------------
-
     def queue_view(self, limit: int = 50) -> QueueView:
-        """The whole queue: running calls, the first `limit` waiting jobs (0: none), recent
-        failures, consumers, tokens, and what /metrics shows; one read."""
+        """The whole queue (N3, M1) with the first `limit` waiting jobs, in one read."""
         limit = validation.limit(limit, minimum=0)
         with self._read("queue_view") as connection:
             now = self._now(connection)
             return views.queue_view(connection, self._settings, now, limit)
-
-    # -- D2, D3: retention and forgetting ----------------------------------------------
 
     def prune(
         self,
@@ -186,11 +161,7 @@ class OperatorActions(StoreBase):
         by_kind: Mapping[str, float] | None = None,
         dry_run: bool = False,
     ) -> Pruned:
-        """Delete what is past retention (D2): finished and failed jobs with their results,
-        results whose job is gone, users' token usage (folded into daily totals of no one),
-        and people with nothing left; `AI_JOB_RETENTION_DAYS` unless `retention_days`, and
-        `by_kind` for kinds of their own. In short transactions of at most `PRUNE_CHUNK` rows
-        each, safe beside claims and other pruners. `dry_run` counts, and changes nothing."""
+        """Delete what is past retention (D2); `dry_run` counts, and changes nothing."""
         days = self._settings.retention_days if retention_days is None else retention_days
         days = validation.seconds("retention_days", days)
         kinds = {
@@ -220,7 +191,6 @@ class OperatorActions(StoreBase):
         return Pruned(jobs_gone, results_gone + orphans, folded, people, days, dry_run)
 
     def _chunk(self, dry_run: bool) -> Any:
-        """One chunk's transaction: a read for a dry run (nothing written)."""
         return self._read("prune") if dry_run else self._write("prune")
 
     def _until_done(self, dry_run: bool, step: Callable[[Connection, dt.datetime], int]) -> int:
@@ -234,29 +204,17 @@ class OperatorActions(StoreBase):
                 return total
 
     def forget(self, user_id: str | None = None, *, erased: Iterable[str] = ()) -> Forgotten:
-        """Remove every row of the user from the store (D3): jobs, results, usage, the
-        pseudonym; a call in flight is cut (its answer is never written, and it holds the
-        gateway as any call cut on our side, H1). Idempotent. `erased`: pseudonyms whose runs
-        the run history no longer holds (the history's part of an earlier `forget`). Returns what
-        was removed, and the pseudonyms whose history part is still to do."""
+        """Remove every row of the user (D3); `erased`: pseudonyms gone from the run history."""
         if user_id is not None:
             user_id = validation.user_id(user_id)
         done = [validation.text("erased", p, 40) for p in erased]
-        with self._gated("forget") as (connection, now, _state):
+        with self._gated("forget") as tx:
             removed = (
-                privacy.forget(connection, self._settings, now, user_id)
+                privacy.forget(tx, user_id)
                 if user_id is not None
-                else privacy.Erased(0, 0, 0, 0, None)
+                else Forgotten("", 0, 0, 0, 0, None)
             )
-            privacy.erasures_done(connection, done)
-            pending = tuple(p for p, _ in privacy.pending_erasures(connection))
+            privacy.erasures_done(tx.connection, done)
+            pending = tuple(p for p, _ in privacy.pending_erasures(tx.connection))
         self._checkpoint()
-        return Forgotten(
-            user_id or "",
-            removed.jobs,
-            removed.results,
-            removed.usage_rows,
-            removed.calls_cut,
-            removed.pseudonym,
-            pending,
-        )
+        return dataclasses.replace(removed, history_pending=pending)

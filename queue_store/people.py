@@ -1,9 +1,4 @@
-"""Pseudonyms: what the run history knows a user as (D4).
-
-Each user gets a random pseudonym with their first job; the run history (Prefect's runs, their
-parameters, tags, logs and artifacts) sees only that. Forgetting the user deletes the row, and
-with it who the pseudonym was (`privacy.forget`).
-"""
+"""Pseudonyms: a random name per user, all the run history ever sees of them (D4)."""
 
 from __future__ import annotations
 
@@ -14,8 +9,7 @@ from collections.abc import Iterable
 from sqlalchemy import Connection, select
 
 from queue_store import schema
-
-people = schema.people
+from queue_store.schema import people
 
 PSEUDONYM_BYTES = 12
 MAX_PSEUDONYM_LENGTH = 40
@@ -26,7 +20,7 @@ def new_pseudonym() -> str:
 
 
 def pseudonymize(connection: Connection, user_ids: Iterable[str], now: dt.datetime) -> None:
-    """A pseudonym for each of these users who has none yet (their first job is queued)."""
+    """A pseudonym for each of these users who has none yet."""
     wanted = sorted(set(user_ids))
     if not wanted:
         return

@@ -1,15 +1,6 @@
-"""The queue's order (R8, R8b), and place in line and ETA (N3, P2), bounded at any backlog.
-
-Pending jobs are taken by priority, age, id (`AI_JOB_ORDER=fifo`), or by priority, turn, age, id
-(`fair`, the default): a job's turn is the one being served in its class (interactive or
-prefetch) for a user with nothing waiting there, else the one after its user's last waiting
-job's, so users who sync together alternate, and so do users whose screens ask together (A3).
-Each order is an index. A place counts the pending jobs before a
-job from the index's head, stopping after `PLACE_BOUND + 1` entries, so it costs the same at any
-backlog; beyond that it says "more than `PLACE_BOUND`" and its ETA is a lower bound. An ETA adds
-what is left of the calls in flight, the mean duration per kind of every job ahead, a gap after
-each call, any pause or gap still running, and the job's own call.
-"""
+"""The queue's order (R8, R8b, A3), and place in line and ETA (N3, P2).
+Each order is an index; a place counts its entries from the head, at most `PLACE_BOUND + 1`, so it
+costs the same at any backlog."""
 
 from __future__ import annotations
 
@@ -18,22 +9,17 @@ import datetime as dt
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import Connection, Row, and_, bindparam, case, func, select, tuple_, update
+from sqlalchemy import Connection, Row, and_, bindparam, case, func, select, tuple_
 
 from queue_store import schema
 from queue_store.models import INTERACTIVE, PREFETCH, Job, Position, QueueEntry, Status
 from queue_store.rules import lapsed
+from queue_store.schema import gate, holds, jobs
+from queue_store.schema import kind_durations as durations
 from queue_store.settings import StoreConfig
 
-jobs = schema.jobs
-gate = schema.gate
-durations = schema.kind_durations
-holds = schema.holds
-
-# Jobs counted ahead of one before its place becomes "more than".
-PLACE_BOUND = 1000
-# Weight of the newest sample in a kind's moving mean, once it has this many.
-DURATION_WINDOW = 20
+PLACE_BOUND = 1000  # jobs counted ahead of one before its place becomes "more than"
+DURATION_WINDOW = 20  # a kind's moving mean weighs its newest sample 1/20 once it has 20
 FIFO = (jobs.c.priority, jobs.c.queued_at, jobs.c.id)  # ix_ai_jobs_queue
 FAIR = (jobs.c.priority, jobs.c.turn, jobs.c.queued_at, jobs.c.id)  # ix_ai_jobs_fair
 MEANS = select(durations.c.kind, durations.c.mean_seconds)
@@ -41,7 +27,6 @@ HOLD_ENDS = select(holds.c.until)
 
 
 def order(settings: StoreConfig) -> tuple[Any, ...]:
-    """The claim order's columns: the order of one of the queue's indexes."""
     return FAIR if settings.order == "fair" else FIFO
 
 
@@ -50,10 +35,9 @@ def order_key(job: Job, settings: StoreConfig) -> tuple[Any, ...]:
 
 
 def _last_turn(interactive: bool) -> Any:
-    """A user's last turn among their waiting jobs of one class. The filter sits inside the
-    aggregate so that the user is the only condition an index can serve: with the status and
-    priority in the WHERE, a planner without statistics walks the fair index through every
-    waiting job."""
+    """A user's last turn among their waiting jobs of one class."""
+    # The filter sits inside the aggregate so that the user is the only condition an index can
+    # serve: with them in the WHERE, a planner without statistics walks the fair index.
     of_class = jobs.c.priority <= INTERACTIVE if interactive else jobs.c.priority > INTERACTIVE
     return func.max(case((and_(jobs.c.status == Status.PENDING, of_class), jobs.c.turn)))
 
@@ -65,9 +49,7 @@ SERVED_INTERACTIVE_TURN = select(gate.c.interactive_turn).where(gate.c.id == sch
 
 
 def next_turn(connection: Connection, settings: StoreConfig, user_id: str, priority: int) -> int:
-    """The turn of a job entering the queue now (R8b, A3): the turn being served in its class
-    (interactive or prefetch) for a user with nothing waiting in it, else the one after the
-    user's last waiting job's; 0 under fifo."""
+    """The turn of a job entering the queue now (R8b, A3); 0 under fifo."""
     if settings.order != "fair":
         return 0
     interactive = priority <= INTERACTIVE
@@ -81,9 +63,7 @@ def next_turn(connection: Connection, settings: StoreConfig, user_id: str, prior
 def cap_interactive(
     connection: Connection, settings: StoreConfig, user_id: str, now: dt.datetime
 ) -> int:
-    """At most `max_interactive` waiting interactive jobs per user (A3): those asked for longest
-    ago fall back to prefetch priority, in a prefetch turn (a person looks at one screen at a
-    time). Returns how many fell back."""
+    """At most `max_interactive` waiting screens per user (A3); returns how many fell back."""
     waiting = connection.execute(
         select(jobs.c.id, jobs.c.revision)
         .where(
@@ -95,22 +75,13 @@ def cap_interactive(
     ).all()
     older = waiting[settings.max_interactive :]
     for row in older:
-        connection.execute(
-            update(jobs)
-            .where(jobs.c.id == row.id)
-            .values(
-                priority=PREFETCH,
-                turn=next_turn(connection, settings, user_id, PREFETCH),
-                requested_at=None,
-                updated_at=now,
-                revision=row.revision + 1,
-            )
-        )
+        turn = next_turn(connection, settings, user_id, PREFETCH)
+        fallen = {"priority": PREFETCH, "turn": turn, "requested_at": None, "updated_at": now}
+        schema.update_job(connection, row.id, **fallen, revision=row.revision + 1)
     return len(older)
 
 
 def turn_after(served: int, last: int | None) -> int:
-    """A job's turn, after the turn being served and its user's last waiting job's."""
     return served if last is None else max(served, int(last) + 1)
 
 
@@ -122,11 +93,10 @@ class Outlook:
     remaining_seconds: float  # of the calls in flight, summed
     held_back_seconds: float  # pause or gap still running before the next claim
     means: dict[str, float]  # mean call seconds per kind
-    default_seconds: float
     settings: StoreConfig
 
     def duration(self, kind: str) -> float:
-        return self.means.get(kind, self.default_seconds)
+        return self.means.get(kind, self.settings.default_duration_seconds)
 
     def eta(self, ahead: int, work_ahead: float, kind: str) -> float:
         gaps = self.settings.gap_seconds * (ahead + self.in_flight)
@@ -139,30 +109,24 @@ class Outlook:
         return Position(Status.RUNNING, 0, self.in_flight, left)
 
     def waiting(self, ahead: int, kinds_ahead: dict[str, int], kind: str) -> Position:
-        """The position of a pending job with these jobs (by kind) ahead, up to the bound."""
         exact = ahead <= PLACE_BOUND
         counted = min(ahead, PLACE_BOUND)
         work = sum(self.duration(k) * n for k, n in kinds_ahead.items())
-        return Position(
-            Status.PENDING, counted, self.in_flight, self.eta(counted, work, kind), exact
-        )
+        eta = self.eta(counted, work, kind)
+        return Position(Status.PENDING, counted, self.in_flight, eta, exact)
 
 
 def record_duration(connection: Connection, kind: str, seconds: float) -> None:
     """Fold one call's duration into the kind's moving mean."""
-    row = connection.execute(
-        select(durations.c.mean_seconds, durations.c.samples).where(durations.c.kind == kind)
-    ).one_or_none()
+    of_kind = durations.c.kind == kind
+    kept = select(durations.c.mean_seconds, durations.c.samples).where(of_kind)
+    row = connection.execute(kept).one_or_none()
     if row is None:
         connection.execute(durations.insert().values(kind=kind, mean_seconds=seconds, samples=1))
         return
     samples = row.samples + 1
     mean = row.mean_seconds + (seconds - row.mean_seconds) / min(samples, DURATION_WINDOW)
-    connection.execute(
-        durations.update()
-        .where(durations.c.kind == kind)
-        .values(mean_seconds=mean, samples=samples)
-    )
+    connection.execute(durations.update().where(of_kind).values(mean_seconds=mean, samples=samples))
 
 
 def outlook(
@@ -172,10 +136,8 @@ def outlook(
     gate: Row[Any],
     running: Sequence[Row[Any]],
 ) -> Outlook:
-    """The outlook from the gate row and the running rows (kind, claimed_at, heartbeat_at), with
-    the holds of cut calls (H1): each is a call in flight until its end, known to the second."""
-    kept = connection.execute(MEANS)
-    means = {k: float(m) for k, m in kept}
+    """A hold of a cut call counts as a call in flight until its end (H1)."""
+    means = {k: float(m) for k, m in connection.execute(MEANS)}
     default = settings.default_duration_seconds
     live = [row for row in running if not lapsed(row, now, settings)]
     remaining = sum(
@@ -193,17 +155,12 @@ def outlook(
     if not live and not holding and ended:
         quiet_until = max(ended) + dt.timedelta(seconds=settings.gap_seconds)
         held_back = max(held_back, (quiet_until - now).total_seconds())
-    return Outlook(len(live) + len(holding), remaining, held_back, means, default, settings)
+    return Outlook(len(live) + len(holding), remaining, held_back, means, settings)
 
 
-def _pending_before(settings: StoreConfig, key: tuple[Any, ...]) -> Any:
-    """The pending jobs before `key` in claim order, head first."""
-    return _pending_before_columns(order(settings), key)
-
-
-def _pending_before_columns(columns: tuple[Any, ...], key: tuple[Any, ...]) -> Any:
-    # The plain comparison on the priority adds nothing to the row comparison
-    # but a row estimate that keeps PostgreSQL on the index.
+def _pending_before(columns: tuple[Any, ...], key: tuple[Any, ...]) -> Any:
+    """The pending jobs before `key` in the order of `columns`, head first."""
+    # The plain comparison on the priority gives a row estimate that keeps PostgreSQL on the index.
     return (
         select(jobs.c.id, jobs.c.kind)
         .where(jobs.c.status == Status.PENDING)
@@ -213,9 +170,9 @@ def _pending_before_columns(columns: tuple[Any, ...], key: tuple[Any, ...]) -> A
 
 
 def _kinds_ahead(columns: tuple[Any, ...]) -> Any:
-    """The kinds of the pending jobs before a key given as `k0`, `k1`, ... (bounded)."""
+    """The kinds of the pending jobs before a key given as `k0`, `k1`, ..., bounded."""
     key = tuple(bindparam(f"k{n}", type_=c.type) for n, c in enumerate(columns))
-    ahead = _pending_before_columns(columns, key).limit(PLACE_BOUND + 1).subquery()
+    ahead = _pending_before(columns, key).limit(PLACE_BOUND + 1).subquery()
     return select(ahead.c.kind, func.count()).group_by(ahead.c.kind)
 
 
@@ -234,22 +191,20 @@ def ahead_of(connection: Connection, settings: StoreConfig, job: Job) -> tuple[i
 def positions(
     connection: Connection, view: Outlook, now: dt.datetime, listed: Sequence[Job]
 ) -> dict[str, Position]:
-    """Positions of the listed jobs that are pending or running, by job id: one bounded read."""
+    """Positions of the listed jobs that wait or run, by id: one bounded read."""
     found = {j.id: view.running(j, now) for j in listed if j.status == Status.RUNNING}
     settings = view.settings
     pending = [j for j in listed if j.status == Status.PENDING]
     waiting = sorted(pending, key=lambda j: order_key(j, settings))
     if not waiting:
         return found
-    # The head of the queue up to the last job asked about, at most the bound and one.
-    last = order_key(waiting[-1], settings)
-    head = connection.execute(_pending_before(settings, last).limit(PLACE_BOUND + 1)).all()
+    last = order_key(waiting[-1], settings)  # the head, up to the last job asked about
+    head = connection.execute(_pending_before(order(settings), last).limit(PLACE_BOUND + 1)).all()
     index = {row.id: n for n, row in enumerate(head)}
     kinds: dict[str, int] = {}
     counted = 0
     for job in waiting:
-        # Not in the head: the last job asked about, or one past the bound.
-        place = index.get(job.id, len(head))
+        place = index.get(job.id, len(head))  # else the last one asked about, or past the bound
         for row in head[counted : min(place, PLACE_BOUND)]:
             kinds[row.kind] = kinds.get(row.kind, 0) + 1
         counted = max(counted, min(place, PLACE_BOUND))
@@ -260,7 +215,7 @@ def positions(
 def queue_entries(
     view: Outlook, now: dt.datetime, running: Sequence[Job], waiting: Sequence[Job]
 ) -> tuple[list[QueueEntry], list[QueueEntry]]:
-    """Running and the first waiting jobs (already in worker order) with place and ETA."""
+    """Running and the first waiting jobs (in worker order) with place and ETA."""
     running_entries = []
     for j in running:
         elapsed = (now - j.claimed_at).total_seconds() if j.claimed_at else None

@@ -1,14 +1,5 @@
-"""The store by role: what each kind of caller may ask of it.
-
-`JobStore` is the one implementation and satisfies every role; a caller names the role it uses,
-so a reader sees at a glance what a component can do to the queue, and a test can stand in a
-small fake for one role. The rules behind each verb are in docs/rules.md.
-
-- `WorkerStore`: a consumer and the runner of one attempt: claim, renew, settle, say alive.
-- `ScreenStore`: the app's side: a screen's poll, the post-sync hook's backfill, the jobs a run
-  follows, and who a pseudonym in the run history stands for.
-- `OperatorStore`: the queue at a glance and the operator's actions on it.
-"""
+"""The store by role: `WorkerStore` (a consumer), `ScreenStore` (the app's side), `OperatorStore`.
+`JobStore` plays every role; a caller names the one it uses, and a test may fake just that one."""
 
 from __future__ import annotations
 
@@ -112,28 +103,19 @@ class ScreenStore(Protocol):
     ) -> JobState | None: ...
 
     def jobs(self, ids: Iterable[str]) -> dict[str, Job]: ...
-
     def user_of(self, pseudonym: str) -> str | None: ...
-
     def gate_state(self) -> GateState: ...
 
 
 @runtime_checkable
 class OperatorStore(Protocol):
     def queue_view(self, limit: int = 50) -> QueueView: ...
-
     def list_jobs(self, user_id: str, limit: int = 60) -> list[ListedJob]: ...
-
     def gate_state(self) -> GateState: ...
-
     def pause(self, seconds: float, reason: str) -> GateState: ...
-
     def resume(self) -> GateState: ...
-
     def retry_failed(self, user_id: str) -> Requeued: ...
-
     def requeue(self, kinds: Sequence[str] | None = None) -> int: ...
-
     def recover(self, worker: str | None = None) -> list[Job]: ...
 
     def prune(

@@ -1,40 +1,21 @@
-"""What the store keeps of a person, for how long, and forgetting them (D2, D3, D4).
-
-- Pseudonyms: the run history sees a user only as a random pseudonym kept in `ai_job_people`;
-  deleting that row (forgetting) leaves whatever the history kept unlinkable to anyone.
-- Retention (`prune`): finished and failed jobs past their kind's retention go, with their
-  results; results whose job is gone, past retention too; a user's token usage past it becomes
-  the day's totals, no one's; a person with nothing left is no longer known. In chunks of
-  `PRUNE_CHUNK` rows, one short transaction each, never the gate's lock: a claim waits for one
-  chunk at most. Each chunk re-checks what it deletes, and PostgreSQL's `SKIP LOCKED` gives two
-  pruners different rows, so any number may run at once.
-- Forgetting (`forget`): every row of the user in one transaction holding the gate lock (a call
-  in flight is cut: it keeps holding the gateway, H1, and its answer is never written, its job
-  being gone); the pseudonym is kept in `ai_job_erasures` until the run history's part is done.
-
-Nothing here reads or writes Prefect: the flows delete the history's part.
-"""
+"""What the store keeps of a person, for how long, and forgetting them (D2, D3).
+Retention runs in chunks of `PRUNE_CHUNK` rows, one short transaction each and never under the gate
+lock, so a claim waits for one chunk at most. Nothing here reads or writes Prefect."""
 
 from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 from sqlalchemy import Connection, and_, delete, exists, func, insert, select, tuple_, update
 
-from queue_store import lease, schema
-from queue_store.models import CutCause, Status
+from queue_store import lease, schema, tallies
+from queue_store.models import CutCause, Forgotten, Status
 from queue_store.people import pseudonym_of
-from queue_store.settings import StoreConfig
-
-jobs = schema.jobs
-results = schema.results
-usage = schema.usage
-people = schema.people
-erasures = schema.erasures
-holds = schema.holds
+from queue_store.schema import erasures, holds, jobs, people, results, usage
 
 PRUNE_CHUNK = 500  # rows a prune transaction deletes at most
 FINISHED = (Status.DONE, Status.FAILED)
@@ -48,22 +29,11 @@ class Retention:
     days: float
     by_kind: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
-    def cutoffs(self, now: dt.datetime) -> list[tuple[Any, dt.datetime]]:
-        """(which jobs, before when) for the default and each kind of its own."""
+    def cutoffs(self, now: dt.datetime, kind: Any) -> list[tuple[list[Any], dt.datetime]]:
+        """(conditions on the column `kind`, before when): the default, and each kind's own."""
         kinds = sorted(self.by_kind)
-        found: list[tuple[Any, dt.datetime]] = [
-            (jobs.c.kind.not_in(kinds) if kinds else None, _before(now, self.days))
-        ]
-        found += [(jobs.c.kind == kind, _before(now, self.by_kind[kind])) for kind in kinds]
-        return found
-
-    def result_cutoffs(self, now: dt.datetime) -> list[tuple[Any, dt.datetime]]:
-        kinds = sorted(self.by_kind)
-        found: list[tuple[Any, dt.datetime]] = [
-            (results.c.kind.not_in(kinds) if kinds else None, _before(now, self.days))
-        ]
-        found += [(results.c.kind == kind, _before(now, self.by_kind[kind])) for kind in kinds]
-        return found
+        found = [([kind.not_in(kinds)] if kinds else [], _before(now, self.days))]
+        return found + [([kind == name], _before(now, self.by_kind[name])) for name in kinds]
 
 
 def _before(now: dt.datetime, days: float) -> dt.datetime:
@@ -73,61 +43,44 @@ def _before(now: dt.datetime, days: float) -> dt.datetime:
 def prune_jobs(
     connection: Connection, retention: Retention, now: dt.datetime, *, count_only: bool
 ) -> tuple[int, int]:
-    """One chunk of finished jobs past retention, with their results: (jobs, results) deleted
-    (or, `count_only`, that would be, counted in full)."""
+    """A chunk of finished jobs past retention, and their results: (jobs, results) deleted."""
     deleted_jobs = deleted_results = 0
-    for kinds, cutoff in retention.cutoffs(now):
-        past = [jobs.c.status.in_(FINISHED), jobs.c.finished_at < cutoff]
-        if kinds is not None:
-            past.append(kinds)
+    for kinds, cutoff in retention.cutoffs(now, jobs.c.kind):
+        past = [jobs.c.status.in_(FINISHED), jobs.c.finished_at < cutoff, *kinds]
         if count_only:
             deleted_jobs += _count(connection, select(jobs.c.id).where(*past))
-            deleted_results += _count(
-                connection,
-                select(results.c.job_id).join(jobs, jobs.c.id == results.c.job_id).where(*past),
-            )
+            theirs = select(results.c.job_id).join(jobs, jobs.c.id == results.c.job_id)
+            deleted_results += _count(connection, theirs.where(*past))
             continue
         chosen = _chunk(connection, select(jobs.c.id).where(*past).order_by(jobs.c.finished_at))
         if not chosen:
             continue
         # Re-checked as they are deleted: a job queued again since is not finished any more.
-        gone = connection.execute(
-            delete(jobs).where(jobs.c.id.in_(chosen), *past).returning(jobs.c.id)
-        ).scalars()
-        ids = list(gone)
+        gone = delete(jobs).where(jobs.c.id.in_(chosen), *past).returning(jobs.c.id)
+        ids = list(connection.execute(gone).scalars())
         deleted_jobs += len(ids)
         if ids:
-            deleted_results += _deleted(
-                connection, delete(results).where(results.c.job_id.in_(ids))
-            )
+            their_results = delete(results).where(results.c.job_id.in_(ids))
+            deleted_results += _deleted(connection, their_results)
     return deleted_jobs, deleted_results
 
 
 def prune_orphan_results(
     connection: Connection, retention: Retention, now: dt.datetime, *, count_only: bool
 ) -> int:
-    """Results past retention whose job is gone (superseded): a chunk of them."""
+    """Results past retention whose job is gone (superseded)."""
     no_job = ~exists().where(jobs.c.id == results.c.job_id)
     found = 0
-    for kinds, cutoff in retention.result_cutoffs(now):
-        past = [results.c.produced_at < cutoff, no_job]
-        if kinds is not None:
-            past.append(kinds)
-        if count_only:
-            found += _count(connection, select(results.c.job_id).where(*past))
-            continue
-        chosen = _chunk(connection, select(results.c.job_id).where(*past))
-        if chosen:
-            statement = delete(results).where(results.c.job_id.in_(chosen), *past)
-            found += _deleted(connection, statement)
+    for kinds, cutoff in retention.cutoffs(now, results.c.kind):
+        past = [results.c.produced_at < cutoff, no_job, *kinds]
+        found += _prune(connection, results.c.job_id, past, count_only)
     return found
 
 
 def fold_usage(
     connection: Connection, retention: Retention, now: dt.datetime, *, count_only: bool
 ) -> int:
-    """A chunk of users' daily token usage past retention, folded into the day's totals of no
-    one (M2 counts stay right; who used them is gone). Returns the user rows folded."""
+    """Users' daily token usage past retention, folded into the day's totals of no one (M2)."""
     cutoff = _before(now, retention.days).date()
     past = and_(usage.c.day < cutoff, usage.c.user_id != NO_ONE)
     if count_only:
@@ -141,40 +94,39 @@ def fold_usage(
     gone = connection.execute(
         delete(usage)
         .where(tuple_(*key).in_(keys), past)
-        .returning(usage.c.day, usage.c.kind, *SUMMED)
+        .returning(usage.c.day, usage.c.kind, *(usage.c[name] for name in tallies.SUMMED))
     ).all()
-    totals: dict[tuple[Any, str], list[int]] = {}
+    totals: dict[tuple[Any, str], Counter[str]] = defaultdict(Counter)
     for row in gone:
-        summed = totals.setdefault((row.day, row.kind), [0] * len(SUMMED_NAMES))
-        for n, name in enumerate(SUMMED_NAMES):
-            summed[n] += int(row._mapping[name])
+        totals[row.day, row.kind].update({name: int(row._mapping[name]) for name in tallies.SUMMED})
     for (day, kind), summed in sorted(totals.items()):
         statement = schema.upsert(connection, usage).values(
-            day=day, user_id=NO_ONE, kind=kind, **dict(zip(SUMMED_NAMES, summed, strict=True))
+            day=day, user_id=NO_ONE, kind=kind, **{name: summed[name] for name in tallies.SUMMED}
         )
-        added = {name: usage.c[name] + statement.excluded[name] for name in SUMMED_NAMES}
+        added = {name: usage.c[name] + statement.excluded[name] for name in tallies.SUMMED}
         connection.execute(statement.on_conflict_do_update(index_elements=list(key), set_=added))
     return len(gone)
 
 
-SUMMED_NAMES = ("answers", "unknown", "prompt_tokens", "completion_tokens")
-SUMMED = tuple(usage.c[name] for name in SUMMED_NAMES)
-
-
 def prune_people(connection: Connection, *, count_only: bool) -> int:
-    """People with nothing left in the store: a chunk of them, no longer known (their old runs
-    in the history can no longer be tied to them)."""
+    """People with nothing left in the store, no longer known (D2)."""
     nothing_left = and_(
         ~exists().where(jobs.c.user_id == people.c.user_id),
         ~exists().where(results.c.user_id == people.c.user_id),
         ~exists().where(usage.c.user_id == people.c.user_id),
     )
+    return _prune(connection, people.c.user_id, [nothing_left], count_only)
+
+
+def _prune(connection: Connection, key: Any, past: list[Any], count_only: bool) -> int:
+    """A chunk of the rows `past` picks, deleted by `key` and re-checked as they go."""
+    query = select(key).where(*past)
     if count_only:
-        return _count(connection, select(people.c.user_id).where(nothing_left))
-    chosen = _chunk(connection, select(people.c.user_id).where(nothing_left))
+        return _count(connection, query)
+    chosen = _chunk(connection, query)
     if not chosen:
         return 0
-    return _deleted(connection, delete(people).where(people.c.user_id.in_(chosen), nothing_left))
+    return _deleted(connection, delete(key.table).where(key.in_(chosen), *past))
 
 
 def _chunk(connection: Connection, query: Any) -> list[Any]:
@@ -183,8 +135,7 @@ def _chunk(connection: Connection, query: Any) -> list[Any]:
 
 
 def _skip_locked(connection: Connection, query: Any) -> Any:
-    """`query` locking what it reads, past rows another pruner holds (PostgreSQL; SQLite's
-    write lock already serialises pruners)."""
+    """`query` past rows another pruner holds (PostgreSQL: SQLite serialises its writers)."""
     if connection.dialect.name == "postgresql":
         return query.with_for_update(skip_locked=True)
     return query
@@ -198,30 +149,17 @@ def _deleted(connection: Connection, statement: Any) -> int:
     return int(connection.execute(statement).rowcount or 0)
 
 
-@dataclasses.dataclass(frozen=True)
-class Erased:
-    """What forgetting a user removed from the store, by table, and what is left to do."""
-
-    jobs: int
-    results: int
-    usage_rows: int
-    calls_cut: int  # calls of the user in flight, cut: they hold the gateway (H1)
-    pseudonym: str | None  # what the run history knew the user as (None: never seen there)
-
-
-def forget(connection: Connection, settings: StoreConfig, now: dt.datetime, user_id: str) -> Erased:
-    """Every row of the user, in a transaction that holds the gate lock (D3)."""
+def forget(tx: lease.Gated, user_id: str) -> Forgotten:
+    """Every row of the user (D3)."""
+    connection = tx.connection
     mine = jobs.c.user_id == user_id
-    running = connection.execute(
-        select(*(jobs.c[name] for name in lease.RUNNING_COLUMNS)).where(
-            mine, jobs.c.status == Status.RUNNING
-        )
-    ).all()
+    running = connection.execute(lease.RUNNING.where(mine)).all()
     for row in running:
-        lease.cut(connection, settings, now, row, CutCause.CANCELLED, job_gone=True)
+        lease.cut(tx, row, CutCause.CANCELLED, job_gone=True)
     ids = select(jobs.c.id).where(mine).scalar_subquery()
     connection.execute(update(holds).where(holds.c.job_id.in_(ids)).values(job_id=None))
-    erased = Erased(
+    erased = Forgotten(
+        user_id,
         jobs=_deleted(connection, delete(jobs).where(mine)),
         results=_deleted(connection, delete(results).where(results.c.user_id == user_id)),
         usage_rows=_deleted(connection, delete(usage).where(usage.c.user_id == user_id)),
@@ -230,7 +168,7 @@ def forget(connection: Connection, settings: StoreConfig, now: dt.datetime, user
     )
     if erased.pseudonym is not None:
         connection.execute(delete(people).where(people.c.user_id == user_id))
-        connection.execute(insert(erasures).values(pseudonym=erased.pseudonym, forgotten_at=now))
+        connection.execute(insert(erasures).values(pseudonym=erased.pseudonym, forgotten_at=tx.now))
     return erased
 
 

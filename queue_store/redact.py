@@ -1,14 +1,6 @@
-"""Redaction of secrets in every form they can be echoed in (G5).
-
-A gateway may echo our bearer token in an error body: plainly, JSON-escaped (`sk-abc\\/def=`, or
-every character as `\\u0073...`), URL-encoded, in a bytes repr, escaped twice, any mixture of
-these, or inside the base64 of `user:token` of a basic-auth header. A URL setting may carry
-`user:password@` or `?password=`. `Redactor` is given the secrets (`Settings.secrets()`) and
-removes every such form from a text; the store applies it to every error it stores, the flows
-to every message, log line and run-history entry they write.
-
-Pure Python: no Prefect, no httpx.
-"""
+"""Redaction of secrets in every form a gateway may echo them in (G5): plain, JSON-escaped,
+URL-encoded, in a bytes repr, escaped twice, any mixture of these, or inside base64; and URL
+credentials. Pure Python: no Prefect, no httpx."""
 
 from __future__ import annotations
 
@@ -18,14 +10,9 @@ import re
 from collections.abc import Iterable
 
 REDACTED = "[redacted]"
-# Secrets shorter than this are not searched for: redacting "ab" would mangle
-# ordinary text, and such a token protects nothing anyway.
-MIN_SECRET_LENGTH = 4
-# The part of a base64 rendering that depends on the secret alone must be at
-# least this long to be searched for.
-MIN_BASE64_CORE = 6
-# Backslashes an escape may stand behind: JSON inside JSON inside JSON needs 7.
-MAX_ESCAPE_BACKSLASHES = 8
+MIN_SECRET_LENGTH = 4  # shorter ones are not searched for: "ab" would mangle text, protect nothing
+MIN_BASE64_CORE = 6  # the shortest base64 stretch of the secret alone that is searched for
+MAX_ESCAPE_BACKSLASHES = 8  # an escape may stand behind: JSON in JSON in JSON needs 7
 
 _CREDENTIALS_IN_URL = re.compile(r"(?<=://)[^/@\s\"']*@")
 # URL query parameters that carry a password (libpq reads `password`).
@@ -33,40 +20,22 @@ PASSWORD_PARAMETERS = frozenset({"password", "passwd", "pwd", "sslpassword"})
 _PASSWORD_IN_QUERY = re.compile(
     r"(?i)([?&](?:" + "|".join(sorted(PASSWORD_PARAMETERS)) + r")=)[^&\s\"']*"
 )
-# Characters with a short escape of their own in JSON or a Python repr.
-_SHORT_ESCAPES = {
-    '"': '"',
-    "'": "'",
-    "\\": "\\",
-    "/": "/",
-    "\b": "b",
-    "\f": "f",
-    "\n": "n",
-    "\r": "r",
-    "\t": "t",
-}
+# Characters with a short escape in JSON or a Python repr, and the letter after the backslash.
+_SHORT_ESCAPES = dict(zip("\"'\\/\b\f\n\r\t", "\"'\\/bfnrt", strict=True))
 
 
 def _hex(value: int, width: int) -> str:
-    """A pattern for `value` in hexadecimal, either case."""
+    """`value` in hexadecimal, either case."""
     digits = f"{value:0{width}x}"
     return "".join(f"[{d}{d.upper()}]" if d.isalpha() else d for d in digits)
 
 
 def _character(c: str) -> str:
-    """A pattern for one character of a secret, in every escape a text can give it.
-
-    As it is; JSON's `\\uXXXX` (a surrogate pair beyond the BMP), a Python bytes repr's `\\xNN`
-    per UTF-8 byte, or a short escape such as `\\/` and `\\"`, each behind up to
-    `MAX_ESCAPE_BACKSLASHES` backslashes (a JSON string inside a JSON string, and so on);
-    percent-encoded per UTF-8 byte, either case; `+` for a space. Characters are matched one by
-    one, so any mixture of these is found: an encoder that escapes only some characters, or a
-    log that escaped it twice.
-
-    The runs of backslashes are bounded, and taken whole except for a backslash of the secret
-    itself (which may share its run with the escape of the next character, `\\\\\\u003c`), so
-    the time to search a text stays linear in its length whatever the text holds.
-    """
+    """A pattern for one character of a secret in every escape a text can give it: JSON's
+    `\\uXXXX`, a bytes repr's `\\xNN`, a short escape, each behind up to `MAX_ESCAPE_BACKSLASHES`;
+    percent-encoding; `+` for a space. Matched one by one, so any mixture is found."""
+    # Runs of backslashes are bounded, and taken whole but for a backslash of the secret itself
+    # (which may share its run with the next character's escape): search time stays linear.
     units = c.encode("utf-16-be")
     raw = c.encode("utf-8")
     escape = rf"\\{{1,{MAX_ESCAPE_BACKSLASHES}}}+"
@@ -88,37 +57,19 @@ def _character(c: str) -> str:
     return "(?:" + "|".join(options) + ")"
 
 
-def _spelled(text: str) -> str:
-    """A pattern for `text` with each character in any of its escapes."""
-    return "".join(_character(c) for c in text)
-
-
 def _base64_cores(secret: bytes) -> set[str]:
     """The stretch of base64 text that depends only on `secret`, at each of the 3 alignments."""
     cores: set[str] = set()
     for encode in (base64.b64encode, base64.urlsafe_b64encode):
         for offset in range(3):
             encoded = encode(b"\0" * offset + secret + b"\0\0\0").decode("ascii")
-            # Characters mixing prefix bytes, or trailing/padding bytes, vary
-            # with the surrounding text: keep only the ones that do not.
+            # Characters that mix in the bytes around the secret vary with the text: not those.
             start = -(-offset * 4 // 3)  # ceil(offset * 4 / 3)
             end = ((offset + len(secret)) * 4) // 3
             core = encoded[start:end]
             if len(core) >= MIN_BASE64_CORE:
                 cores.add(core)
     return cores
-
-
-def forms_of(secret: str) -> set[str]:
-    """The renderings of `secret` that `Redactor` searches for, before escaping.
-
-    The secret itself and the base64 stretches that encode only it; each is
-    then matched with every character in any escape (`_character`), which
-    covers JSON, URL and repr encodings and their mixtures.
-    """
-    if len(secret) < MIN_SECRET_LENGTH:
-        return set()
-    return {secret} | _base64_cores(secret.encode())
 
 
 _USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*)://([^/@\s\"':]*)(:[^/@\s\"']*)?@")
@@ -132,8 +83,7 @@ def _masked(found: re.Match[str]) -> str:
 
 
 def mask_url(url: str) -> str:
-    """A URL (or a text holding URLs) with its credentials masked: a database's
-    `user:***@`, a gateway's `***@`, and `password=***`."""
+    """A URL, or a text holding URLs, with its credentials masked."""
     return _PASSWORD_IN_QUERY.sub(r"\1***", _USERINFO.sub(_masked, url))
 
 
@@ -141,13 +91,14 @@ class Redactor:
     """Removes given secrets, in all their forms, and URL credentials from text."""
 
     def __init__(self, secrets: Iterable[str] = ()) -> None:
-        forms: set[str] = set()
+        forms: set[str] = set()  # each secret and the base64 stretches that encode only it
         for secret in secrets:
-            if secret:
-                forms |= forms_of(secret)
+            if len(secret) >= MIN_SECRET_LENGTH:
+                forms |= {secret} | _base64_cores(secret.encode())
         # Longest first, so a form that contains another is removed whole.
         ordered = sorted(forms, key=lambda form: (-len(form), form))
-        self._pattern = re.compile("|".join(map(_spelled, ordered))) if ordered else None
+        spelled = ("".join(map(_character, form)) for form in ordered)
+        self._pattern = re.compile("|".join(spelled)) if ordered else None
 
     def __call__(self, text: str) -> str:
         if self._pattern is not None:
@@ -156,8 +107,6 @@ class Redactor:
 
 
 class RedactingFilter(logging.Filter):
-    """A logging filter that redacts every record's message (its arguments included)."""
-
     def __init__(self, redactor: Redactor) -> None:
         super().__init__()
         self._redact = redactor
@@ -170,9 +119,7 @@ class RedactingFilter(logging.Filter):
         redacted = self._redact(message)
         if redacted != message or record.args:
             record.msg, record.args = redacted, None
-        if record.exc_text:
-            # Another handler formatted the traceback first and cached it in
-            # the record: formatters print that cache as it is.
+        if record.exc_text:  # a traceback another handler cached: formatters print it as it is
             record.exc_text = self._redact(record.exc_text)
         elif record.exc_info and record.exc_info[1] is not None:
             record.exc_text = self._redact(logging.Formatter().formatException(record.exc_info))

@@ -1,10 +1,5 @@
-"""The enqueue rules (R1-R6, FIX4, FIX7) as a pure decision over one row.
-
-`decide` looks at a job's row and what a caller asks for, and says what the
-job's status is after the call and which columns must change (None: nothing,
-and nothing is written). It never touches the database, so every rule can be
-read, and tested, as a table. The rule codes are explained in docs/rules.md.
-"""
+"""The enqueue rules (R1-R6, FIX4, FIX7) as a pure decision over one row: no database, so every
+rule can be read, and tested, as a table."""
 
 from __future__ import annotations
 
@@ -20,19 +15,14 @@ WORKER_LOST = (
     "(the worker crashed, stalled or was cut off from the database)"
 )
 
-
-# No claim on a job: what every way back into the queue writes.
-UNCLAIMED: dict[str, Any] = {
-    "holder": None,
-    "worker": None,
-    "claimed_at": None,
-    "heartbeat_at": None,
-    "call_started_at": None,
-}
+# A claim that ends empties its token, worker and lease times; with no claim at all (every way
+# back into the queue), `claimed_at` is empty too.
+CLAIM_ENDED: dict[str, Any] = dict.fromkeys(("holder", "worker", "heartbeat_at", "call_started_at"))
+UNCLAIMED: dict[str, Any] = {**CLAIM_ENDED, "claimed_at": None}
 
 
 def queued_anew(now: dt.datetime, **more: Any) -> dict[str, Any]:
-    """A finished job back in the queue as if new: no claim, no attempts, no error (R5, R10)."""
+    """A finished job back in the queue as if new (R5, R10)."""
     return {
         "status": Status.PENDING,
         **UNCLAIMED,
@@ -54,8 +44,7 @@ class Decision:
 
 
 def lapsed(row: Any, now: dt.datetime, settings: StoreConfig) -> bool:
-    """A running row whose claim is dead: not renewed within the lease, or past the claim timeout
-    (a missing `heartbeat_at` or `claimed_at` is not live)."""
+    """A running row whose claim is dead (FIX3); a missing `heartbeat_at` or `claimed_at` is."""
     if row.heartbeat_at is None or row.claimed_at is None:
         return True
     renewed: dt.datetime = row.heartbeat_at
@@ -68,7 +57,7 @@ def lapsed(row: Any, now: dt.datetime, settings: StoreConfig) -> bool:
 def decide(
     row: Any, fingerprint: str | None, priority: int, now: dt.datetime, settings: StoreConfig
 ) -> Decision:
-    """What an enqueue of an existing job does (R3-R6)."""
+    """What an enqueue of an existing job does (R3-R6): its status, and the changes to write."""
     stale = fingerprint is not None and fingerprint != row.fingerprint
     # Given up: its attempts spent, or its claims lost with their worker too often (H2).
     exhausted = row.attempts >= settings.max_attempts or row.losses >= settings.max_attempts
@@ -78,8 +67,7 @@ def decide(
     if row.status == Status.RUNNING:
         if not lapsed(row, now, settings):
             return Decision(Status.RUNNING)  # R3: promoting it would not speed it up
-        # R6 for a dead claim (and FIX4 on its last attempt): taking the job
-        # back is a lease decision, made under the gate lock on its clock.
+        # R6 for a dead claim (FIX4 on its last attempt): taking it back is a lease decision (L3).
         fails = exhausted or row.losses + 1 >= settings.max_attempts
         return Decision(Status.FAILED if fails and not stale else Status.PENDING, reap_first=True)
 
@@ -99,8 +87,7 @@ def decide(
         requested = now if asked_now else None
         return Decision(Status.PENDING, queued_anew(now, **requeue, requested_at=requested))
 
-    # R6: (re-)queue; promote, never demote.
-    changes = {**requeue, "attempts": 0 if stale else row.attempts}
+    changes = {**requeue, "attempts": 0 if stale else row.attempts}  # R6: promote, never demote
     if stale:
         changes["losses"] = 0
     if row.status in (Status.DONE, Status.FAILED):

@@ -1,9 +1,5 @@
-"""The store's tables and the indexes its hot queries need.
-
-`ai_jobs` keeps the original queue's table name and columns so an existing
-database can be adopted in place (see `migrations/`). Times are stored as naive
-UTC on every backend and handed out timezone-aware.
-"""
+"""The store's tables and the indexes its hot queries need. `ai_jobs` keeps the original queue's
+name and columns, so its database is adopted in place (N5)."""
 
 from __future__ import annotations
 
@@ -29,11 +25,11 @@ from sqlalchemy import (
     Text,
     TypeDecorator,
     text,
+    update,
 )
 from sqlalchemy.dialects import postgresql, sqlite
 
-# The migration this code expects; `JobStore` refuses an older database.
-SCHEMA_REVISION = "0008"
+SCHEMA_REVISION = "0008"  # the migration this code expects; `JobStore` refuses an older database
 VERSION_TABLE = "insight_queue_version"
 
 GATE_ROW_ID = 1
@@ -63,8 +59,7 @@ class UTCDateTime(TypeDecorator[dt.datetime]):
 
 
 class JSONText(TypeDecorator[Any]):
-    """JSON kept as text, an exact round trip on every backend: SQLite gives a column declared
-    JSON numeric affinity and would turn a bare `1.0` result into `1`."""
+    """JSON as text, an exact round trip: SQLite gives JSON columns numeric affinity (1.0 -> 1)."""
 
     impl = Text
     cache_ok = True
@@ -90,47 +85,31 @@ jobs = Table(
     Column("status", String(16), nullable=False),
     Column("attempts", Integer, nullable=False, server_default=text("0")),
     Column("error", Text),
-    # The claim's fencing token: every write a worker makes about its job names
-    # it, so a worker whose claim was taken over changes nothing.
-    Column("holder", String(200)),
-    # The worker part of the token, for recovering exactly one worker's claims.
-    Column("worker", String(150)),
+    Column("holder", String(200)),  # the claim's fencing token, named by every write (FIX2)
+    Column("worker", String(150)),  # the token's worker part, to recover one worker's claims
     Column("claimed_at", UTCDateTime),
     Column("heartbeat_at", UTCDateTime),
-    # When the job last entered the queue: its age for the claim order.
-    Column("queued_at", UTCDateTime),
+    Column("queued_at", UTCDateTime),  # when it last entered the queue: its age in claim order
     Column("created_at", UTCDateTime, nullable=False),
     Column("updated_at", UTCDateTime, nullable=False),
-    # When the last attempt ended; the failed cooldown counts from here.
-    Column("finished_at", UTCDateTime),
+    Column("finished_at", UTCDateTime),  # the last attempt's end; R5's cooldown counts from it
     Column("flow_run_id", String(64)),
-    # Bumped by every write; an enqueue writes only if nobody wrote in between.
+    # Bumped by every write; an enqueue writes only if nobody wrote in between (FIX7).
     Column("revision", Integer, nullable=False, server_default=text("0")),
-    # When a screen asked for it while it waited: how long a user waits.
-    Column("requested_at", UTCDateTime),
-    # First "gateway unavailable" of its current streak: tells an outage from
-    # a job the gateway keeps failing while it answers others (G2).
-    Column("unavailable_since", UTCDateTime),
-    # The job's turn in the fair order (R8b): users alternate within a priority.
-    Column("turn", BigInteger, nullable=False, server_default=text("0")),
-    # When the claim's call started (the store's clock at the renewal right
-    # before it): a call cut on our side holds the gateway from here (H1).
-    Column("call_started_at", UTCDateTime),
-    # Claims lost with their worker since the job last entered the queue: a
-    # lost claim spends no attempt (H2), but a job cannot lose them for ever.
+    Column("requested_at", UTCDateTime),  # when a screen asked for it while it waited
+    Column("unavailable_since", UTCDateTime),  # first "unavailable" of its streak (G2)
+    Column("turn", BigInteger, nullable=False, server_default=text("0")),  # fair order (R8b)
+    Column("call_started_at", UTCDateTime),  # a call cut on our side holds from here (H1)
+    # Claims lost with their worker since it last entered the queue (H2, FIX4).
     Column("losses", Integer, nullable=False, server_default=text("0")),
-    # The token of the last claim that ended (settled, or taken over): its
-    # worker's late word is still heard: a stop after a takeover (H2, whoever
-    # writes first), or the run history's id arriving after the result.
+    # The token of the last claim that ended: its worker's late stop (H2) or run id (N4) is heard.
     Column("last_holder", String(200)),
 )
 
-# The queue in claim order: status, priority, age, and the id that breaks ties.
-# The claim takes the first pending entry; a place in line is a count of a
-# range of entries, and every part of that count (the id included) is in the
-# index, so neither touches the table. `kind` rides along for the ETA.
+# The queue in claim order (FIFO). The claim takes the first pending entry and a place counts a
+# range of entries, so neither touches the table; `kind` rides along for the ETA.
 Index("ix_ai_jobs_queue", jobs.c.status, jobs.c.priority, jobs.c.queued_at, jobs.c.id, jobs.c.kind)
-# The claim's liveness checks: only the few running rows, whatever the backlog.
+# The claim's liveness checks read only the few running rows, whatever the backlog.
 Index(
     "ix_ai_jobs_running",
     jobs.c.status,
@@ -139,8 +118,7 @@ Index(
     sqlite_where=text("status = 'running'"),
     postgresql_where=text("status = 'running'"),
 )
-# The queue in the fair order (AI_JOB_ORDER=fair): priority, turn, then age.
-Index(
+Index(  # the queue in the fair order (R8b)
     "ix_ai_jobs_fair",
     jobs.c.status,
     jobs.c.priority,
@@ -149,10 +127,8 @@ Index(
     jobs.c.id,
     jobs.c.kind,
 )
-# list_jobs, retry_failed, pending_count(user) and supersede.
-Index("ix_ai_jobs_user", jobs.c.user_id, jobs.c.kind, jobs.c.status)
-# Retention: the finished jobs past their time, oldest first, in bounded chunks.
-Index("ix_ai_jobs_finished", jobs.c.status, jobs.c.finished_at)
+Index("ix_ai_jobs_user", jobs.c.user_id, jobs.c.kind, jobs.c.status)  # list_jobs, supersede
+Index("ix_ai_jobs_finished", jobs.c.status, jobs.c.finished_at)  # retention, oldest first
 
 results = Table(
     "ai_job_results",
@@ -165,20 +141,16 @@ results = Table(
     Column("output", JSONText, nullable=False),
     Column("produced_at", UTCDateTime, nullable=False),
     Column("duration_seconds", Float),
-    # The run history entry of the generation that produced it.
-    Column("flow_run_id", String(64)),
+    Column("flow_run_id", String(64)),  # the run that produced it
     Column("size_bytes", Integer),
-    # The answer's usage; NULL when the gateway sent none (unknown, never zero).
-    Column("prompt_tokens", BigInteger),
+    Column("prompt_tokens", BigInteger),  # NULL: the gateway did not say (unknown, never zero)
     Column("completion_tokens", BigInteger),
 )
 
-# Recent durations per kind, for the ETA; a user's results, to forget them.
 Index("ix_ai_job_results_kind", results.c.kind, results.c.produced_at)
-Index("ix_ai_job_results_user", results.c.user_id)
+Index("ix_ai_job_results_user", results.c.user_id)  # to forget a user
 
-# One row: the deployment-wide guard of the gateway. Claims lock it, so the
-# concurrency count and the claim are one atomic step on every backend.
+# One row, the deployment-wide guard of the gateway: claims lock it (FIX1).
 gate = Table(
     "ai_job_gate",
     metadata,
@@ -188,21 +160,16 @@ gate = Table(
     Column("pause_reason", Text),
     Column("outages_in_a_row", Integer, nullable=False, server_default=text("0")),
     Column("pause_kind", String(16)),
-    # Last time the gateway answered a call (any answer but unavailable,
-    # rate-limited or refused): evidence that it is up (G2).
-    Column("last_answer_at", UTCDateTime),
-    # SQLite only: the anchor of the host's monotonic clock (see clock.py).
-    Column("clock_boot_id", String(64)),
+    Column("last_answer_at", UTCDateTime),  # the gateway's last answer: it is up (G2)
+    Column("clock_boot_id", String(64)),  # SQLite only: the host clock's anchor (`clock`)
     Column("clock_anchor_wall", UTCDateTime),
     Column("clock_anchor_mono", Float),
-    # The turn being served in the fair order: the last claimed job's, among prefetch jobs
-    # and among interactive ones (screens take turns by user too).
+    # The turn being served in the fair order, among prefetch and among interactive jobs (R8b).
     Column("turn", BigInteger, nullable=False, server_default=text("0")),
     Column("interactive_turn", BigInteger, nullable=False, server_default=text("0")),
 )
 
-# The mean call duration per kind, kept as a moving average by every finish:
-# the ETA reads one small row per kind instead of scanning results.
+# The mean call duration per kind, kept by every finish: ETAs read it instead of the results.
 kind_durations = Table(
     "ai_job_kind_durations",
     metadata,
@@ -211,8 +178,7 @@ kind_durations = Table(
     Column("samples", Integer, nullable=False),
 )
 
-# Tokens the gateway's answers used, per day, user and kind; `unknown` counts the answers that
-# did not say. Past retention a user's rows become the day's totals (user_id "": no one's).
+# Tokens the answers used per day, user and kind (M2); past retention, no one's (user_id "").
 usage = Table(
     "ai_job_usage_days",
     metadata,
@@ -226,8 +192,7 @@ usage = Table(
 )
 Index("ix_ai_job_usage_days_user", usage.c.user_id)
 
-# Each user's pseudonym: all that the run history (Prefect) ever sees of them. Forgetting a
-# user deletes the row, and with it who the pseudonym was.
+# Each user's pseudonym, all the run history ever sees of them (D4).
 people = Table(
     "ai_job_people",
     metadata,
@@ -236,8 +201,7 @@ people = Table(
     Column("created_at", UTCDateTime, nullable=False),
 )
 
-# Pseudonyms of forgotten users whose runs in the run history are still to be deleted (the
-# history was away when they were forgotten).
+# Pseudonyms of forgotten users whose runs the run history still holds (D3).
 erasures = Table(
     "ai_job_erasures",
     metadata,
@@ -245,8 +209,7 @@ erasures = Table(
     Column("forgotten_at", UTCDateTime, nullable=False),
 )
 
-# Counters and histograms for /metrics, kept by the writes that settle
-# attempts and claim screens' jobs: every API process reads the same figures.
+# Counters and histograms for /metrics (M1, `queue_store.tallies`).
 tallies = Table(
     "ai_job_tallies",
     metadata,
@@ -255,13 +218,10 @@ tallies = Table(
     Column("outcome", String(32), primary_key=True),
     Column("count", BigInteger, nullable=False, server_default=text("0")),
     Column("total", Float, nullable=False, server_default=text("0")),
-    # Cumulative counts per bound of the histogram, as JSON.
     Column("buckets", Text, nullable=False, server_default=text("'[]'")),
 )
 
-# Calls cut on our side that the gateway may still be working on (H1): each
-# holds one unit of AI_JOB_CONCURRENCY until `until`, on the store's clock.
-# `job_id` is only for showing which job; it is emptied when its user is forgotten.
+# Calls cut on our side that the gateway may still be working on (H1); `job_id` is only shown.
 holds = Table(
     "ai_job_holds",
     metadata,
@@ -273,8 +233,7 @@ holds = Table(
     Column("until", UTCDateTime, nullable=False),
 )
 
-# Consumers that said they are alive: the operator's view, and how a screen's
-# trigger knows a warm consumer will take its job without a new run.
+# Consumers that said they are alive (W1): a screen's trigger starts no run if one stands by.
 workers = Table(
     "ai_job_workers",
     metadata,
@@ -292,13 +251,21 @@ T = TypeVar("T")
 
 
 def from_row(cls: type[T], row: Row[Any], **values: Any) -> T:
-    """A dataclass of the store's from a row's columns of the same names; `values` win."""
+    """A dataclass from a row's columns of the same names; `values` win."""
     names = {field.name for field in dataclasses.fields(cls)}  # type: ignore[arg-type]
     found = {name: value for name, value in row._mapping.items() if name in names}
     return cls(**{**found, **values})
 
 
+def update_gate(connection: Connection, **values: Any) -> None:
+    connection.execute(update(gate).where(gate.c.id == GATE_ROW_ID).values(**values))
+
+
+def update_job(connection: Connection, job_id: str, **values: Any) -> None:
+    connection.execute(update(jobs).where(jobs.c.id == job_id).values(**values))
+
+
 def upsert(connection: Connection, table: Table) -> Any:
-    """An INSERT into `table` in the connection's own dialect, which knows ON CONFLICT."""
+    """An INSERT in the connection's own dialect, which knows ON CONFLICT."""
     dialect = postgresql if connection.dialect.name == "postgresql" else sqlite
     return dialect.insert(table)

@@ -1,9 +1,5 @@
-"""One settings object, read from the environment by pydantic-settings.
-
-`Settings` reads `AI_JOBS` and `AI_JOB_*`, its `gateway` `AI_GATEWAY_*`, its `api`
-`AI_API_*`; unset or empty means the default, and a bad value is one line naming
-its variable. No Prefect or httpx: `flows` reads the gateway settings as data.
-"""
+"""One settings object, read from the environment (`AI_JOB_*`, `AI_GATEWAY_*`, `AI_API_*`) by
+pydantic-settings; unset or empty means the default; a bad value is one line naming its variable."""
 
 from __future__ import annotations
 
@@ -25,33 +21,24 @@ KIB, MIB = 1 << 10, 1 << 20
 _MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 
 
-def default_data_dir() -> Path:
-    """Where the embedded default keeps its SQLite file and Prefect home."""
-    return Path(platformdirs.user_data_dir("insight-queue", appauthor=False))
-
-
-_COMMON = SettingsConfigDict(
-    frozen=True,
-    extra="forbid",
-    env_ignore_empty=True,
-    populate_by_name=True,
-    validate_default=True,
-    allow_inf_nan=False,
-)
-
-
-def _config(prefix: str) -> SettingsConfigDict:
-    return {**_COMMON, "env_prefix": prefix}
-
-
 def _f(default: Any, help: str, variable: str | AliasChoices | None = None, **checks: Any) -> Any:
-    """A setting: its default, its help, and its variable where it does not follow the prefix
-    (the first of several names, the others still read)."""
+    """A setting, with its variable where it does not follow the prefix (the first is shown)."""
     alias = AliasChoices(variable) if isinstance(variable, str) else variable
     return Field(default=default, validation_alias=alias, description=help, **checks)
 
 
 class _Checked(BaseSettings):
+    """Settings whose errors are one line naming the variable; subclasses add their prefix."""
+
+    model_config = SettingsConfigDict(
+        frozen=True,
+        extra="forbid",
+        env_ignore_empty=True,
+        populate_by_name=True,
+        validate_default=True,
+        allow_inf_nan=False,
+    )
+
     def __init__(self, **values: Any) -> None:
         try:
             super().__init__(**values)
@@ -60,7 +47,7 @@ class _Checked(BaseSettings):
 
 
 class GatewaySettings(_Checked):
-    model_config = _config("AI_GATEWAY_")
+    model_config = SettingsConfigDict(env_prefix="AI_GATEWAY_")
 
     url: str = _f("http://127.0.0.1:8765", "base URL of the LLM gateway")
     path: str = _f("/v1/chat/completions", "path of the chat-completions endpoint")
@@ -70,9 +57,7 @@ class GatewaySettings(_Checked):
     read_timeout: float = _f(1080.0, "seconds for the whole call (capped by the claim)", gt=0)
     max_answer_bytes: int = _f(MIB, "largest answer read; a longer one is cut off", ge=KIB)
     cut_hold_seconds: float | None = _f(
-        None,
-        "a call cut on our side holds the gateway this long from its start",
-        ge=0,
+        None, "a call cut on our side holds the gateway this long from its start", ge=0
     )
 
     @field_validator("path")
@@ -96,10 +81,9 @@ MIN_SECRET_BYTES = 32  # of a screen token's HS256 secret (RFC 7518: at least th
 
 
 class ApiSettings(_Checked):
-    """The HTTP API's callers and edges. Unset credentials are made once and kept in the data
-    directory (`insight-queue api` says where); nothing is open without one."""
+    """The HTTP API's callers and edges; unset credentials are made once, in the data directory."""
 
-    model_config = _config("AI_API_")
+    model_config = SettingsConfigDict(env_prefix="AI_API_")
 
     operator_token: SecretStr = _f(
         SecretStr(""),
@@ -161,9 +145,9 @@ def _listed(text: str) -> list[str]:
 
 
 class Settings(_Checked):
-    """Every setting; `Settings()` reads the environment, keyword arguments (field names) win."""
+    """`Settings()` reads the environment; keyword arguments (field names) win."""
 
-    model_config = _config("AI_JOB_")
+    model_config = SettingsConfigDict(env_prefix="AI_JOB_")
 
     enabled: bool = _f(True, "false/0/no disables the consumer (never the store)", "AI_JOBS")
     database_url: str = _f("", "the store: sqlite:///... or postgresql://...")
@@ -201,7 +185,9 @@ class Settings(_Checked):
     @field_validator("data_dir", mode="before")
     @classmethod
     def _expand(cls, value: Path | str | None) -> Path:
-        return default_data_dir() if value is None else Path(value).expanduser()
+        if value is None:
+            return Path(platformdirs.user_data_dir("insight-queue", appauthor=False))
+        return Path(value).expanduser()
 
     @field_validator("plugins")
     @classmethod
@@ -231,44 +217,36 @@ class Settings(_Checked):
 
     @property
     def lease_margin(self) -> float:
-        """Seconds a worker stops before its claim could lapse (a sixth of the lease by default)."""
         if self.lease_margin_seconds is None:
             return self.lease_seconds / 6
         return self.lease_margin_seconds
 
     @property
     def call_timeout(self) -> float:
-        """Seconds one gateway call may take in all, never longer than one attempt may last."""
+        """Seconds one gateway call may take in all (G3)."""
         return min(self.gateway.read_timeout, self.claim_timeout_seconds - self.lease_margin)
 
     @property
     def cut_hold(self) -> float:
-        """Seconds from a call's start that a call cut on our side still holds the gateway (H1):
-        by default the read timeout, the longest the gateway is expected to work on one call."""
+        """Seconds from its start that a call cut on our side holds the gateway (H1)."""
         hold = self.gateway.cut_hold_seconds
         return self.gateway.read_timeout if hold is None else hold
 
     @property
     def store(self) -> StoreConfig:
-        """What the store decides with: its rules' numbers, and no secret."""
-        return StoreConfig(
-            **{f.name: getattr(self, f.name) for f in dataclasses.fields(StoreConfig)}
-        )
+        """What the store's rules read, and no secret."""
+        names = (field.name for field in dataclasses.fields(StoreConfig))
+        return StoreConfig(**{name: getattr(self, name) for name in names})
 
     @property
     def plugin_modules(self) -> list[str]:
-        return [name.strip() for name in self.plugins.split(",") if name.strip()]
+        return _listed(self.plugins)
 
     def secrets(self) -> list[str]:
-        """Every secret these settings hold, as text may echo it: the tokens, and the user, the
-        password and `user:password` of each URL (libpq also takes `?password=`)."""
+        """Every secret held, as text may echo it: tokens, and URLs' users and passwords."""
         api = self.api
-        found = [
-            self.gateway.token.get_secret_value(),
-            api.operator_token.get_secret_value(),
-            api.service_token.get_secret_value(),
-            api.screen_secret.get_secret_value(),
-        ]
+        tokens = (self.gateway.token, api.operator_token, api.service_token, api.screen_secret)
+        found = [token.get_secret_value() for token in tokens]
         for url in (self.gateway.url, self.database_url):
             parts = urllib.parse.urlsplit(url) if "://" in url else None
             if parts is None:
@@ -284,7 +262,7 @@ class Settings(_Checked):
         return [secret for secret in found if secret]
 
     def public(self) -> dict[str, Any]:
-        """Every setting by its variable, as shown to people: secrets and URL credentials masked."""
+        """Every setting by its variable, secrets and URL credentials masked."""
         shown: dict[str, Any] = {}
         for variable, _, value in _entries(self):
             if isinstance(value, SecretStr):
@@ -314,8 +292,6 @@ class Settings(_Checked):
 
 @dataclasses.dataclass(frozen=True)
 class StoreConfig:
-    """The settings the store's rules read (`Settings.store`), under the same names: no secret."""
-
     concurrency: int
     gap_seconds: float
     max_attempts: int
@@ -340,7 +316,7 @@ def _variable(model: type[BaseSettings], name: str) -> str:
 
 
 def _entries(settings: BaseSettings | None = None) -> Iterator[tuple[str, str, Any]]:
-    """(variable, help, value) of every setting, nested ones included, in declaration order."""
+    """(variable, help, value) of every setting, nested ones included."""
     for model, instance in (
         (Settings, settings),
         (GatewaySettings, getattr(settings, "gateway", None)),
@@ -353,7 +329,6 @@ def _entries(settings: BaseSettings | None = None) -> Iterator[tuple[str, str, A
 
 
 def variables() -> dict[str, str]:
-    """Every setting's variable and its help, in declaration order."""
     return {variable: help for variable, help, _ in _entries()}
 
 

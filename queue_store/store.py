@@ -1,17 +1,5 @@
-"""JobStore: every rule of the queue, one method per verb.
-
-The store alone decides what the gateway works on next and guards it for the whole deployment;
-flows call these methods and never see SQL. It must not import Prefect, httpx or anything from
-`flows`. Arguments are checked in `validation` before the database is touched (FIX8), enqueue
-decisions are pure (`rules`), the lease's SQL is in `lease`, places and ETAs in `places`, the
-reads for people in `views`: this module holds the transactions that tie them together. Its
-callers name the role they use (`ports`).
-
-Concurrency: lease decisions (claim, renew, reap, settle, pause, recover) lock the one
-`ai_job_gate` row first, then read the clock: one order, one clock. A worker's every write names
-its claim's token in `holder` (FIX2). `enqueue` reads first and writes only when something
-changes (FIX7), as a compare-and-swap on `revision`, which every write bumps (a heartbeat too).
-"""
+"""JobStore: the screens' and workers' verbs, as transactions over `rules`, `lease`, `bulk` and
+`views`. Flows call these and never see SQL; it must not import Prefect, httpx or `flows`."""
 
 from __future__ import annotations
 
@@ -21,14 +9,7 @@ import socket
 from collections.abc import Iterable, Sequence
 from typing import Any, Literal, overload
 
-from sqlalchemy import (
-    Connection,
-    Row,
-    delete,
-    insert,
-    select,
-    update,
-)
+from sqlalchemy import Connection, Row, delete, insert, select, update
 from sqlalchemy.exc import IntegrityError
 
 from queue_store import bulk, lease, people, places, schema, validation, views
@@ -50,31 +31,17 @@ from queue_store.models import (
 from queue_store.operations import OperatorActions
 from queue_store.redact import Redactor
 from queue_store.rules import decide, lapsed
-from queue_store.schema import from_row
+from queue_store.schema import from_row, jobs, results, workers
 from queue_store.tallies import tally_attempt
 
-jobs = schema.jobs
-results = schema.results
-gate = schema.gate
-workers = schema.workers
-
-# An enqueue that keeps losing its compare-and-swap is being raced by writers
-# on the same key; a few rounds always settle it.
-MAX_ENQUEUE_ROUNDS = 8
-# Requests per transaction of `enqueue_many`; a user's run of requests may
-# stretch a chunk up to the most.
-BULK_CHUNK = 500
-MAX_BULK_CHUNK = 2000
-# A worker not seen for this many leases is forgotten.
-FORGET_WORKERS_AFTER_LEASES = 60
+MAX_ENQUEUE_ROUNDS = 8  # compare-and-swaps (FIX7) lost to a race on the key; a few settle it
+BULK_CHUNK = 500  # requests per transaction of `enqueue_many`
+MAX_BULK_CHUNK = 2000  # a user's run of requests may stretch a chunk up to this
+FORGET_WORKERS_AFTER_LEASES = 60  # a worker not seen for this many leases is forgotten
 
 
 class JobStore(OperatorActions):
-    """The queue. Thread-safe; one instance per process is enough. It satisfies every role of
-    `ports`: the screens' and workers' verbs are here, the operator's in `operations`, the
-    database and its transactions in `base` (`JobStore(url, settings=..., create=...)`)."""
-
-    # -- R1-R6: enqueue ------------------------------------------------------
+    """The queue, thread-safe: one per process. It plays every role of `ports`."""
 
     def enqueue(
         self,
@@ -84,8 +51,7 @@ class JobStore(OperatorActions):
         fingerprint: str | None = None,
         priority: int = PREFETCH,
     ) -> Status:
-        """Queue one generation, or promote it; returns the job's status after the call. A screen
-        calls this on every poll: a call that changes nothing writes nothing."""
+        """Queue one generation, or promote it (R1-R6); returns the job's status after the call."""
         user_id, kind, subject = validation.key(user_id, kind, subject)
         fingerprint = validation.fingerprint(fingerprint)
         priority = validation.priority(priority)
@@ -107,7 +73,7 @@ class JobStore(OperatorActions):
         row: Row[Any] | None,
         now: dt.datetime,
     ) -> Status | None:
-        """Act on the row as read: the job's status afterwards, or None to read it again."""
+        """The job's status after acting on the row as read, or None to read it again."""
         if row is None:
             try:
                 with self._write("enqueue") as connection:
@@ -128,35 +94,32 @@ class JobStore(OperatorActions):
         if decision.changes is None:
             return decision.status
         changes = dict(decision.changes)
+        promoted = changes.get("priority", row.priority)
         with self._write("enqueue") as connection:
-            if "queued_at" in changes or changes.get("priority", row.priority) != row.priority:
+            if "queued_at" in changes or promoted != row.priority:
                 # Into the queue again, or promoted: a turn of its own (R8b).
                 changes["turn"] = places.next_turn(
-                    connection, self._settings, row.user_id, changes.get("priority", row.priority)
+                    connection, self._settings, row.user_id, promoted
                 )
             written = connection.execute(
                 update(jobs)
                 .where(jobs.c.id == row.id, jobs.c.revision == row.revision)
                 .values(**changes, updated_at=now, revision=row.revision + 1)
             ).rowcount
-            if written == 1 and changes.get("priority", row.priority) <= INTERACTIVE:
+            if written == 1 and promoted <= INTERACTIVE:
                 places.cap_interactive(connection, self._settings, row.user_id, now)
         return decision.status if written == 1 else None
 
     def _take_back(self, jid: str) -> None:
-        """Reap one job whose claim looked lapsed, if it still is (a lease decision)."""
-        with self._gated("enqueue") as (connection, now, _state):
+        """Reap one job whose claim looked lapsed, if it still is."""
+        with self._gated("enqueue") as tx:
             query = select(jobs).where(jobs.c.id == jid, jobs.c.status == Status.RUNNING)
-            row = connection.execute(query).one_or_none()
-            if row is not None and lapsed(row, now, self._settings):
-                lease.reap(connection, self._settings, now, [row])
+            row = tx.connection.execute(query).one_or_none()
+            if row is not None and lapsed(row, tx.now, self._settings):
+                lease.reap(tx, [row])
 
     def enqueue_many(self, requests: Iterable[EnqueueRequest]) -> list[Status]:
-        """`enqueue` (and `supersede` where asked) for many keys, for backfills (see `bulk`).
-
-        Returns each request's status, in order, as the same `enqueue` calls would. Every
-        request is checked before anything is written (FIX8); then one transaction per chunk
-        of about `BULK_CHUNK`, a user's requests given together in one chunk."""
+        """`enqueue` (and `supersede`, R7) for many keys, all checked before anything is written."""
         checked = [_checked_request(r) for r in requests]
         statuses: list[Status] = []
         last: dt.datetime | None = None
@@ -177,14 +140,14 @@ class JobStore(OperatorActions):
         raise DatabaseError("enqueue_many: its jobs kept changing under this call; retry")
 
     def _try_chunk(self, chunk: Sequence[EnqueueRequest], after: dt.datetime | None) -> bulk.Plan:
-        # The read locks nothing. PostgreSQL writes in the same transaction (a chunk that writes
-        # nothing commits nothing); SQLite takes the write lock in a transaction of its own, only
-        # for a chunk that changes something: a read transaction cannot take it safely.
+        # The read locks nothing. PostgreSQL writes in the same transaction; SQLite takes the write
+        # lock in one of its own, only to change something: a read transaction cannot take it.
         with self._read("enqueue_many") as connection:
             now = self._now(connection)
             rows = bulk.read(connection, chunk)
             turns = bulk.Turns(connection, self._settings, {r.user_id for r in chunk})
-            start = bulk.starting_after(now, after)
+            # A chunk's first time: now, but never at or before the previous chunk's last.
+            start = now if after is None or now > after else after + dt.timedelta(microseconds=1)
             decided = bulk.plan(chunk, rows, start, self._settings, turns)
             if decided.writes_nothing:
                 return decided
@@ -204,10 +167,7 @@ class JobStore(OperatorActions):
         for user in sorted({r.user_id for r in chunk if r.priority <= INTERACTIVE}):
             places.cap_interactive(connection, self._settings, user, now)
 
-    # -- reads: jobs, a screen's poll, a user's queue -----------------------------
-
     def jobs(self, ids: Iterable[str]) -> dict[str, Job]:
-        """The jobs with these ids, by id, in one read (ids with no job are left out)."""
         wanted = sorted({validation.job_id(i) for i in ids})
         with self._read("jobs") as connection:
             rows = connection.execute(views.WITH_PSEUDONYM.where(jobs.c.id.in_(wanted))).all()
@@ -253,18 +213,14 @@ class JobStore(OperatorActions):
         known: str | None = None,
         queue: bool = True,
     ) -> JobState | None:
-        """A screen's poll: queue the job at the front (R1-R6), then its state (P1); one read
-        transaction when nothing changes. While `known`, the version the screen has, still
-        holds (and no run is needed), the result is not loaded: `unchanged`.
-
-        `queue=False` only reads (the CLI's `status` and `result`): None if there is no job,
-        and `fresh` is judged against `fingerprint`, or the job's own without one."""
+        """A screen's poll (P1). `queue=False` only reads: None without a job, and `fresh` is judged
+        against `fingerprint`, or the job's own without one."""
         user_id, kind, subject = validation.key(user_id, kind, subject)
         fingerprint = validation.fingerprint(fingerprint)
         jid = job_id(user_id, kind, subject)
         for _ in range(MAX_ENQUEUE_ROUNDS):
             with self._read("poll") as connection:
-                row = views.job_and_result(connection, jid)
+                row = connection.execute(views.JOB_AND_RESULT, {"jid": jid}).one_or_none()
                 now = self._now(connection)
                 if row is None and not queue:
                     return None
@@ -281,9 +237,7 @@ class JobStore(OperatorActions):
         raise DatabaseError(f"poll: job {jid[:12]}… kept changing under this call; retry")
 
     def has_work(self, *, or_running: bool = False) -> bool:
-        """Whether a claim could find something: a queued job, or a lapsed claim (only a claim
-        takes one back). Two indexed reads, never a write. `or_running`: any claim counts, for
-        a drain that stays until every call is over (a live claim may be a dead worker's)."""
+        """Whether a claim could find work; `or_running`: any claim counts (W2)."""
         with self._read("has_work") as connection:
             queued = select(jobs.c.id).where(jobs.c.status == Status.PENDING).limit(1)
             if connection.execute(queued).first() is not None:
@@ -294,38 +248,21 @@ class JobStore(OperatorActions):
             now = self._now(connection)
             return any(lapsed(row, now, self._settings) for row in running)
 
-    # -- R8, R9, FIX1, FIX6: claim -------------------------------------------
-
     def claim_next(self, worker: str) -> Claim:
-        """Take the highest-priority runnable job, if the gateway guard allows a call now; its
-        `holder` is a fresh token `<worker>/<nonce>`, for every later write about it."""
+        """The next job, if the gate allows a call now (R8, R9, FIX1, FIX6)."""
         worker = validation.worker(worker)
-        with self._gated("claim_next") as (connection, now, state):
-            return lease.claim(connection, self._settings, now, state, worker)
-
-    # -- FIX2, FIX3, L3: the holder's writes ------------------------------------
+        with self._gated("claim_next") as tx:
+            return lease.claim(tx, worker)
 
     def heartbeat(
         self, jid: str, holder: str, *, calling: bool = False, flow_run_id: str | None = None
     ) -> Renewal:
-        """Renew the claim. Anything but RENEWED means: stop the call now. `calling`: the
-        gateway call starts right after this renewal (a cut call holds the gateway from then).
-        `flow_run_id`: the attempt's entry in the run history (N4), recorded on the job, also
-        once the attempt has ended (then on the result it produced too)."""
+        """Renew the claim (FIX3); anything but RENEWED means: stop the call now."""
         jid = validation.job_id(jid)
         holder = validation.holder(holder)
-        if flow_run_id is not None:
-            flow_run_id = validation.run_id(flow_run_id)
-        with self._gated("heartbeat") as (connection, now, _state):
-            return lease.renew(
-                connection,
-                self._settings,
-                now,
-                jid,
-                holder,
-                calling=calling,
-                flow_run_id=flow_run_id,
-            )
+        flow_run_id = None if flow_run_id is None else validation.run_id(flow_run_id)
+        with self._gated("heartbeat") as tx:
+            return lease.renew(tx, jid, holder, calling=calling, flow_run_id=flow_run_id)
 
     def finish(
         self,
@@ -337,22 +274,19 @@ class JobStore(OperatorActions):
         flow_run_id: str | None = None,
         usage: Usage | None = None,
     ) -> Status:
-        """Record the attempt's result: the job is done, and the result becomes the key's latest
-        (N1), with the tokens the answer said it used (`usage`; None: unknown, M2). Raises
-        `ClaimLost`, having changed nothing, if the claim was taken over."""
+        """The job is done and its result the key's latest (N1), or `ClaimLost` (FIX2)."""
         jid = validation.job_id(jid)
         holder = validation.holder(holder)
-        output, _ = validation.result(result, self._settings.max_result_bytes)
+        most = self._settings.max_result_bytes
+        output, _ = validation.result(result, most)
         # An answer may quote our secrets (a gateway echoing its token): stored without (G5).
-        output, size = validation.result(
-            _redacted(output, self._redact), self._settings.max_result_bytes
-        )
+        output, size = validation.result(_redacted(output, self._redact), most)
         if duration_seconds is not None:
             duration_seconds = validation.seconds("duration_seconds", duration_seconds)
-        if flow_run_id is not None:
-            flow_run_id = validation.run_id(flow_run_id)
+        flow_run_id = None if flow_run_id is None else validation.run_id(flow_run_id)
 
-        with self._gated("finish") as (connection, now, _state):
+        with self._gated("finish") as tx:
+            connection, now = tx.connection, tx.now
             row = lease.held_row(connection, jid, holder)
             if row is None:
                 raise ClaimLost(jid, holder)
@@ -378,7 +312,7 @@ class JobStore(OperatorActions):
                 connection.execute(insert(results).values(job_id=row.id, **values))
             if duration_seconds is not None:
                 places.record_duration(connection, row.kind, duration_seconds)
-            lease.settle_done(connection, now, row, flow_run_id)
+            lease.settle_done(tx, row, flow_run_id)
             tally_attempt(connection, now, row, "done", duration_seconds, usage or True)
         return Status.DONE
 
@@ -394,11 +328,7 @@ class JobStore(OperatorActions):
         duration_seconds: float | None = None,
         answer: Usage | bool = False,
     ) -> Settlement:
-        """Settle an attempt that ended without a result, by the rule for `failure`.
-
-        The rules are in docs/rules.md (N2, G1-G4). Raises `ClaimLost`, having changed nothing,
-        if the claim was taken over. `duration_seconds`: how long the call took, if one was
-        made; `answer`: the tokens an answer said it used, True if one came that did not say."""
+        """Settle an attempt that ended without a result (N2, G1-G4), or raise `ClaimLost`."""
         jid = validation.job_id(jid)
         holder = validation.holder(holder)
         if not isinstance(failure, Failure):
@@ -406,34 +336,27 @@ class JobStore(OperatorActions):
         error = self._error(error)
         if retry_after is not None:
             retry_after = validation.seconds("retry_after", retry_after)
-        if flow_run_id is not None:
-            flow_run_id = validation.run_id(flow_run_id)
+        flow_run_id = None if flow_run_id is None else validation.run_id(flow_run_id)
         if duration_seconds is not None:
             duration_seconds = validation.seconds("duration_seconds", duration_seconds)
-        with self._gated("fail") as (connection, now, state):
-            row = lease.held_row(connection, jid, holder)
+        with self._gated("fail") as tx:
+            row = lease.held_row(tx.connection, jid, holder)
             if row is None and failure is Failure.STOPPED:
-                late = lease.late_stop(connection, self._settings, now, jid, holder, error)
+                late = lease.late_stop(tx, jid, holder, error)
                 if late is not None:
                     return late
             if row is None:
                 raise ClaimLost(jid, holder)
             if flow_run_id is not None:
-                connection.execute(
-                    update(jobs).where(jobs.c.id == jid).values(flow_run_id=flow_run_id)
-                )
-            settled = lease.settle_failure(
-                connection, self._settings, now, state, row, failure, error, retry_after
-            )
-            tally_attempt(connection, now, row, failure, duration_seconds, answer)
+                schema.update_job(tx.connection, jid, flow_run_id=flow_run_id)
+            settled = lease.settle_failure(tx, row, failure, error, retry_after)
+            tally_attempt(tx.connection, tx.now, row, failure, duration_seconds, answer)
             return settled
-
-    # -- presence of consumers ----------------------------------------------------
 
     def presence(
         self, name: str, role: str, info: dict[str, Any] | None = None, *, leaving: bool = False
     ) -> None:
-        """Say that this consumer is alive (every few seconds), or, `leaving`, that it stops."""
+        """Say that this consumer is alive (W1), or, `leaving`, that it stops."""
         name = validation.worker(name)
         role = validation.text("role", role, 32)
         if leaving:
@@ -448,9 +371,7 @@ class JobStore(OperatorActions):
             values: dict[str, Any] = {"seen_at": now, "info": info or {}}
             process = {"host": host, "pid": pid, "role": role, "started_at": now}
             if row is not None:
-                if (row.host, row.pid) != (host, pid):
-                    # A stable name taken up by a new process (serve restarted
-                    # after a crash): the row describes the new one.
+                if (row.host, row.pid) != (host, pid):  # a new process took up the name
                     values |= process
                 connection.execute(update(workers).where(workers.c.name == name).values(**values))
             else:
@@ -480,6 +401,3 @@ def _checked_request(request: object) -> EnqueueRequest:
     fingerprint = validation.fingerprint(request.fingerprint)
     priority = validation.priority(request.priority)
     return EnqueueRequest(*key, fingerprint, priority, bool(request.supersede))
-
-
-__all__ = ["JobStore"]

@@ -1,10 +1,5 @@
-"""What the store counts for operators: attempts, call and wait times, tokens (M1, M2).
-
-Kept by the writes that settle an attempt or claim a screen's job, inside their transaction
-(which holds the gate lock), so every API process reads the same figures and a scrape reads
-small tables, whatever the backlog. A histogram is kept as Prometheus keeps one: a count, a sum,
-and a count per upper bound, cumulative.
-"""
+"""What the store counts for operators (M1, M2), in the transactions that settle and claim.
+A histogram is kept as Prometheus keeps one: a count, a sum, and cumulative counts per bound."""
 
 from __future__ import annotations
 
@@ -15,11 +10,8 @@ from typing import Any
 
 from sqlalchemy import Connection, func, insert, select, update
 
-from queue_store import schema
 from queue_store.models import Tally, Usage, UsageRow
-
-tallies = schema.tallies
-usage = schema.usage
+from queue_store.schema import tallies, usage
 
 ATTEMPTS = "attempts"  # every settled attempt, by kind and outcome
 CALL_SECONDS = "call_seconds"  # attempts that called the gateway: how long the call took
@@ -29,7 +21,6 @@ BOUNDS = {
     CALL_SECONDS: (1.0, 5.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1020.0, 1800.0),
     SCREEN_WAIT_SECONDS: (1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0),
 }
-# What `usage_by` sums of the answers' usage.
 SUMMED = ("answers", "unknown", "prompt_tokens", "completion_tokens")
 
 
@@ -44,26 +35,20 @@ def count(connection: Connection, name: str, kind: str, outcome: str, value: flo
         values = {"name": name, "kind": kind, "outcome": outcome, "count": 1, "total": value}
         connection.execute(insert(tallies).values(**values, buckets=buckets))
     else:
-        count, total = row._mapping["count"] + 1, row.total + value
-        connection.execute(
-            update(tallies).where(*key).values(count=count, total=total, buckets=buckets)
-        )
+        added = {"count": row._mapping["count"] + 1, "total": row.total + value}
+        connection.execute(update(tallies).where(*key).values(**added, buckets=buckets))
 
 
 def spent_tokens(
     connection: Connection, day: dt.date, user_id: str, kind: str, used: Usage | None
 ) -> None:
-    """Add an answer's usage to its day's, user's and kind's; an answer that did not say is
-    unknown."""
+    """Add an answer's usage to its day's, user's and kind's (None: unknown)."""
     key = (usage.c.day == day, usage.c.user_id == user_id, usage.c.kind == kind)
     row = connection.execute(select(usage).where(*key)).one_or_none()
-    values = {
-        "answers": (row.answers if row else 0) + 1,
-        "unknown": (row.unknown if row else 0) + (used is None),
-        "prompt_tokens": (row.prompt_tokens if row else 0) + (used.prompt_tokens if used else 0),
-        "completion_tokens": (row.completion_tokens if row else 0)
-        + (used.completion_tokens if used else 0),
-    }
+    before = row._mapping if row is not None else dict.fromkeys(SUMMED, 0)
+    spent = used or Usage(0, 0)
+    added = (1, used is None, spent.prompt_tokens, spent.completion_tokens)  # SUMMED's order
+    values = {name: before[name] + n for name, n in zip(SUMMED, added, strict=True)}
     if row is None:
         connection.execute(insert(usage).values(day=day, user_id=user_id, kind=kind, **values))
     else:
@@ -78,8 +63,7 @@ def tally_attempt(
     seconds: float | None,
     answer: Usage | bool,
 ) -> None:
-    """Count a settled attempt of the job `row`, its call's time and its answer's tokens (M1,
-    M2). `answer`: the tokens the answer said it used, True if one came that did not say."""
+    """Count a settled attempt, its call's time and its answer's tokens (True: it did not say)."""
     count(connection, ATTEMPTS, row.kind, str(outcome))
     if seconds is not None:
         count(connection, CALL_SECONDS, row.kind, str(outcome), seconds)

@@ -1,8 +1,5 @@
-"""Input checks: every public argument of the store, before the database is touched (FIX8).
-
-Each check returns the value as the store will use it, or raises
-`InvalidArgument` naming the argument. Nothing here reads or writes data.
-"""
+"""Input checks of every public argument, before the database is touched (FIX8): each returns the
+value as the store uses it, or raises `InvalidArgument` naming the argument."""
 
 from __future__ import annotations
 
@@ -27,9 +24,7 @@ from queue_store.models import (
 MAX_LIST_LIMIT = 1000
 MAX_SECONDS = 10 * 365 * 24 * 3600.0  # longest pause or duration the store accepts
 
-# A worker's name is the part of a claim token before "/": no "/" in it, so
-# no name can be a prefix of another worker's token.
-_WORKER_NAME = re.compile(r"[A-Za-z0-9._:@+=-]+")
+_WORKER_NAME = re.compile(r"[A-Za-z0-9._:@+=-]+")  # no "/": none prefixes another's claim token
 
 
 def text(name: str, value: object, max_length: int) -> str:
@@ -51,10 +46,8 @@ def text(name: str, value: object, max_length: int) -> str:
 
 
 def user_id(value: object) -> str:
-    """A user id as the store accepts it, or `InvalidArgument` naming `user_id`."""
     checked = text("user_id", value, MAX_ID_LENGTH)
-    # The id hashes "user|kind|subject": a "|" in the first two parts would let
-    # two different keys (and two users) share one job.
+    # The id hashes "user|kind|subject": a "|" in the first two parts would let two keys share it.
     if "|" in checked:
         raise InvalidArgument("user_id", "must not contain '|'")
     return checked
@@ -72,8 +65,7 @@ def key(user: object, kind_: object, subject: object) -> tuple[str, str, str]:
 
 
 def fingerprint(value: object) -> str | None:
-    # An empty fingerprint means "none given", as it did in the original.
-    if value is None or value == "":
+    if value is None or value == "":  # "none given", as in the original queue
         return None
     return text("fingerprint", value, MAX_FINGERPRINT_LENGTH)
 
@@ -135,7 +127,7 @@ def run_id(value: object) -> str:
 
 
 def result(value: object, max_bytes: int) -> tuple[Any, int]:
-    """The result and its size as stored JSON, or `InvalidArgument` naming `result`."""
+    """The result and its size as stored JSON."""
     try:
         encoded = json.dumps(value, ensure_ascii=True, allow_nan=False)
     except (TypeError, ValueError, RecursionError) as exc:

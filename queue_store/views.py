@@ -1,8 +1,5 @@
 """The store's reads for people: a job's state for its screen, a user's queue, the whole queue.
-
-Each function runs inside a transaction the store opened, with `now` read from the store's
-clock, and returns the typed data of `models`. Nothing here writes.
-"""
+Each runs in a transaction the store opened; nothing here writes."""
 
 from __future__ import annotations
 
@@ -29,22 +26,14 @@ from queue_store.models import (
     Status,
     Worker,
 )
-from queue_store.schema import from_row
+from queue_store.schema import from_row, holds, jobs, people, results, workers
 from queue_store.settings import StoreConfig
-
-jobs = schema.jobs
-results = schema.results
-gate = schema.gate
-workers = schema.workers
-holds = schema.holds
-people = schema.people
 
 # What a poll reads of the latest result before it knows whether to load it.
 RESULT_META = (
     results.c.fingerprint.label("result_fingerprint"),
     results.c.produced_at.label("result_produced_at"),
 )
-# A job with what the run history knows its user as (D4).
 WITH_PSEUDONYM = select(jobs, people.c.pseudonym).outerjoin(
     people, people.c.user_id == jobs.c.user_id
 )
@@ -81,13 +70,8 @@ HELD = (
     .where(holds.c.until > bindparam("now"))
     .order_by(holds.c.until)
 )
-# Failed jobs shown by the queue view, and rows of tokens by user and kind.
-RECENT_FAILURES = 20
-USAGE_SHOWN = 20
-
-
-def gate_row(connection: Connection) -> Row[Any]:
-    return lease.gate_row(connection)
+RECENT_FAILURES = 20  # failed jobs the queue view shows
+USAGE_SHOWN = 20  # rows of tokens by user and kind
 
 
 def gate_state(row: Row[Any], now: dt.datetime, alive: dict[str, str] | None = None) -> GateState:
@@ -98,7 +82,7 @@ def gate_state(row: Row[Any], now: dt.datetime, alive: dict[str, str] | None = N
 def workers_alive(
     connection: Connection, settings: StoreConfig, now: dt.datetime
 ) -> dict[str, str]:
-    after = now - dt.timedelta(seconds=settings.lease_seconds)
+    after = now - dt.timedelta(seconds=settings.lease_seconds)  # alive: seen within a lease (W1)
     return {name: role for name, role in connection.execute(WORKERS_ALIVE, {"after": after})}
 
 
@@ -106,10 +90,6 @@ def outlook(
     connection: Connection, settings: StoreConfig, now: dt.datetime, row: Row[Any]
 ) -> places.Outlook:
     return places.outlook(connection, settings, now, row, lease.running_rows(connection))
-
-
-def job_and_result(connection: Connection, jid: str) -> Row[Any] | None:
-    return connection.execute(JOB_AND_RESULT, {"jid": jid}).one_or_none()
 
 
 def job_state(
@@ -120,10 +100,9 @@ def job_state(
     fingerprint: str | None,
     known: str | None = None,
 ) -> JobState:
-    """A job as its screen sees it (P1): place and ETA, the latest result unless the screen's
-    version `known` still holds, whether it is fresh, the gate, and whether a run is needed."""
+    """A job as its screen sees it (P1); its result is not loaded while `known` still holds."""
     job = from_row(Job, row)
-    state_row = gate_row(connection)
+    state_row = lease.gate_row(connection)
     position: Position | None = None
     run_needed = False
     if job.status in (Status.RUNNING, Status.PENDING):  # a finished job has no place
@@ -133,11 +112,22 @@ def job_state(
         else:
             ahead = places.ahead_of(connection, settings, job)
             position = view.waiting(*ahead, job.kind)
-            run_needed = view.in_flight == 0 and not _consumer_alive(connection, settings, now)
+            if view.in_flight == 0:  # and no consumer standing by
+                since = {"after": now - dt.timedelta(seconds=settings.lease_seconds)}
+                run_needed = connection.execute(CONSUMER_SEEN, since).first() is None
     produced = row.result_produced_at
-    fresh = produced is not None and _fresh(row.result_fingerprint, produced, fingerprint, job)
+    # Fresh: it answers the data asked about, and no newer request came since (N1).
+    fresh = (
+        produced is not None
+        and fingerprint in (None, row.result_fingerprint)
+        and (job.status == Status.DONE or produced >= job.queued_at)
+    )
     gate_now = gate_state(state_row, now)
-    version = _version(job.status, position, fresh, produced, gate_now)
+    # The version: what the screen is shown, but for the ETA's countdown.
+    place = (position.ahead, position.ahead_exact, position.in_flight) if position else None
+    pause = (gate_now.pause_kind, gate_now.pause_reason) if gate_now.paused else None
+    shown = repr((str(job.status), place, fresh, produced and produced.isoformat(), pause))
+    version = hashlib.sha256(shown.encode()).hexdigest()[:20]
     if known == version and not run_needed:
         return JobState(job, position, None, fresh, gate_now, run_needed, version, True)
     result = None
@@ -147,16 +137,9 @@ def job_state(
     return JobState(job, position, result, fresh, gate_now, run_needed, version)
 
 
-def _consumer_alive(connection: Connection, settings: StoreConfig, now: dt.datetime) -> bool:
-    alive_after = now - dt.timedelta(seconds=settings.lease_seconds)
-    return connection.execute(CONSUMER_SEEN, {"after": alive_after}).first() is not None
-
-
 def user_jobs(
     connection: Connection, settings: StoreConfig, now: dt.datetime, user_id: str, limit: int
 ) -> list[ListedJob]:
-    """The user's queue in the order the worker will take it (R11): running, pending, failed,
-    done; within each, the claim order. Pending and running entries carry place and ETA."""
     by_status = case(
         (jobs.c.status == Status.RUNNING, 0),
         (jobs.c.status == Status.PENDING, 1),
@@ -166,7 +149,7 @@ def user_jobs(
     query = WITH_PSEUDONYM.where(jobs.c.user_id == user_id)
     query = query.order_by(by_status, *places.order(settings)).limit(limit)
     listed = [from_row(Job, r) for r in connection.execute(query)]
-    view = outlook(connection, settings, now, gate_row(connection))
+    view = outlook(connection, settings, now, lease.gate_row(connection))
     found = places.positions(connection, view, now, listed)
     return [ListedJob(j, found.get(j.id)) for j in listed]
 
@@ -175,16 +158,19 @@ def queue_view(
     connection: Connection, settings: StoreConfig, now: dt.datetime, limit: int
 ) -> QueueView:
     """The whole queue (N3) and what /metrics shows (M1), in one read."""
-    state = gate_row(connection)
+    state = lease.gate_row(connection)
     running = _listed(connection, Status.RUNNING, jobs.c.claimed_at)
     waiting = _listed(connection, Status.PENDING, *places.order(settings), limit=limit)
-    failed_total = connection.execute(
-        select(func.count()).select_from(jobs).where(jobs.c.status == Status.FAILED)
-    ).scalar_one()
+    failed = select(func.count()).select_from(jobs).where(jobs.c.status == Status.FAILED)
+    failed_total = connection.execute(failed).scalar_one()
     failures = _listed(connection, Status.FAILED, jobs.c.finished_at.desc(), limit=RECENT_FAILURES)
     view = outlook(connection, settings, now, state)
     running_entries, waiting_entries = places.queue_entries(view, now, running, waiting)
-    present = _workers(connection, settings, now)
+    after = now - dt.timedelta(seconds=settings.lease_seconds)
+    present = [
+        from_row(Worker, row, alive=row.seen_at >= after, info=row.info or {})
+        for row in connection.execute(select(workers).order_by(workers.c.seen_at.desc()))
+    ]
     (usage_total,) = tallies.usage_by(connection)
     alive = {w.name: w.role for w in present if w.alive}
     holding = held(connection, now)
@@ -210,8 +196,7 @@ def queue_view(
 
 
 def _waiting_by_class(connection: Connection) -> dict[str, tuple[int, dt.datetime | None]]:
-    """Pending jobs by class and the oldest's time: one pass over the queue index's entries,
-    by priority as the index is ordered."""
+    """Pending jobs by class and the oldest's time, in one pass over the queue index."""
     waiting: dict[str, tuple[int, dt.datetime | None]]
     waiting = dict.fromkeys(("interactive", "prefetch"), (0, None))
     for priority, count, oldest in connection.execute(WAITING_BY_PRIORITY):
@@ -222,25 +207,14 @@ def _waiting_by_class(connection: Connection) -> dict[str, tuple[int, dt.datetim
     return waiting
 
 
-def _workers(connection: Connection, settings: StoreConfig, now: dt.datetime) -> list[Worker]:
-    """Consumers that said they are alive, newest first; `alive` within one lease."""
-    alive_after = now - dt.timedelta(seconds=settings.lease_seconds)
-    return [
-        from_row(Worker, row, alive=row.seen_at >= alive_after, info=row.info or {})
-        for row in connection.execute(select(workers).order_by(workers.c.seen_at.desc()))
-    ]
-
-
 def _listed(
     connection: Connection, status: Status, *order: Any, limit: int | None = None
 ) -> list[Job]:
-    """The jobs of one status in this order (the first `limit`)."""
     query = WITH_PSEUDONYM.where(jobs.c.status == status).order_by(*order).limit(limit)
     return [from_row(Job, row) for row in connection.execute(query)]
 
 
 def held(connection: Connection, now: dt.datetime) -> list[Hold]:
-    """The holds of cut calls in force (H1), earliest end first, with their jobs."""
     return [
         Hold(
             CutCause(row.hold_cause),
@@ -251,26 +225,3 @@ def held(connection: Connection, now: dt.datetime) -> list[Hold]:
         )
         for row in connection.execute(HELD, {"now": now})
     ]
-
-
-def _fresh(
-    result_fingerprint: str | None, produced: dt.datetime, asked: str | None, job: Job
-) -> bool:
-    """Whether a result answers the data `asked` describes, with no newer request since."""
-    if asked is not None and asked != result_fingerprint:
-        return False
-    return job.status == Status.DONE or produced >= job.queued_at
-
-
-def _version(
-    status: Status,
-    position: Position | None,
-    fresh: bool,
-    produced: dt.datetime | None,
-    gate_now: GateState,
-) -> str:
-    """A short tag of what a screen is shown, but for the ETA's countdown."""
-    place = (position.ahead, position.ahead_exact, position.in_flight) if position else None
-    pause = (gate_now.pause_kind, gate_now.pause_reason) if gate_now.paused else None
-    shown = repr((str(status), place, fresh, produced and produced.isoformat(), pause))
-    return hashlib.sha256(shown.encode()).hexdigest()[:20]

@@ -1,13 +1,5 @@
-"""Create the store, or adopt the original queue's `ai_jobs` table in place.
-
-An empty database gets every table. A database that already has the original `ai_jobs` (its
-thirteen columns, times as ISO text) keeps its rows: the new columns are added and filled from
-the old ones, the text times become real timestamps, and running rows get a heartbeat equal to
-their claim so that the old process, which will never renew it, loses them after one lease.
-
-Revision ID: 0001
-Revises:
-"""
+"""Create the store, or adopt the original queue's `ai_jobs` in place, keeping its rows (N5): its
+text times become timestamps, and its running rows a heartbeat that lapses after one lease."""
 
 from __future__ import annotations
 

@@ -1,14 +1,5 @@
-"""Index the running jobs, so liveness checks never scan the queue.
-
-Every claim counts the live claims and reaps the dead ones (`status = 'running'` plus heartbeat
-and claim times). Once statistics say nearly every row is pending, SQLite stops using the queue
-index for `status = 'running'` and scans the whole table: about 30 ms a claim at 100k pending. A
-partial index over the handful of running rows keeps those queries at microseconds on both
-backends.
-
-Revision ID: 0002
-Revises: 0001
-"""
+"""Index the running jobs: once nearly every row is pending, SQLite stopped using the queue index
+for `status = 'running'` and scanned the table, about 30 ms a claim at 100k pending."""
 
 from __future__ import annotations
 

@@ -1,13 +1,5 @@
-"""Leases on one clock, the gateway's signals, results with their run, worker presence.
-
-Adds `ai_jobs.worker`, `requested_at` and `unavailable_since`; `ai_job_results.flow_run_id`
-and `size_bytes`; `ai_job_gate.pause_kind`, `last_answer_at` and the SQLite clock anchor;
-the tables `ai_job_kind_durations` and `ai_job_workers` (what each is for: `schema.py`).
-Running rows keep their claim; their worker is filled from the token.
-
-Revision ID: 0003
-Revises: 0002
-"""
+"""Leases on one clock, the gateway's signals, results with their run, worker presence
+(`schema.py` says what each column is for). Running rows keep their claim."""
 
 from __future__ import annotations
 

@@ -1,14 +1,5 @@
-"""Put the id, the claim order's tie-break, in the queue index.
-
-A job's place in line is the number of pending jobs before it in claim order (priority, age,
-id). Without the id in `ix_ai_jobs_queue`, counting the jobs before one read each of them from
-the table (SQLite) or sorted them again (PostgreSQL); with it, they are a range of index
-entries, counted in place, and the queue's head comes out of the index in order. The claim takes
-the first entry, as before.
-
-Revision ID: 0004
-Revises: 0003
-"""
+"""Put the id, the claim order's tie-break, in the queue index: a place in line is then a range of
+index entries counted in place, not rows read from the table (SQLite) or sorted (PostgreSQL)."""
 
 from __future__ import annotations
 

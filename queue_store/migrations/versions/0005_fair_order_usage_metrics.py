@@ -1,13 +1,5 @@
-"""Users take turns, token usage is kept, and the store keeps what metrics read.
-
-Adds `ai_jobs.turn` (the fair order, R8b; 0 for interactive jobs and under fifo) with its index
-`ix_ai_jobs_fair`, `ai_job_gate.turn`, `ai_job_results.prompt_tokens` and `completion_tokens`
-(NULL: unknown), and the tables `ai_job_usage` and `ai_job_tallies` (what each is for:
-`schema.py`). Jobs already queued keep their place: their turn is 0, before any new one.
-
-Revision ID: 0005
-Revises: 0004
-"""
+"""Users take turns (R8b), token usage is kept (M2), and the store keeps what metrics read (M1).
+Jobs already queued keep their place: their turn is 0, before any new one."""
 
 from __future__ import annotations
 

@@ -1,12 +1,4 @@
-"""A call cut on our side holds the gateway until the gateway is done with it (H1, H2).
-
-Adds `ai_jobs.call_started_at` (when the claim's call started), `ai_jobs.losses` (claims lost
-with their worker since the job last entered the queue), `ai_jobs.last_holder` (the token of
-the last claim that ended), and the table `ai_job_holds` (what each is for: `schema.py`).
-
-Revision ID: 0006
-Revises: 0005
-"""
+"""A call cut on our side holds the gateway until the gateway is done with it (H1, H2)."""
 
 from __future__ import annotations
 

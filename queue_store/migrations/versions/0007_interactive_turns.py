@@ -1,12 +1,5 @@
-"""Screens take turns by user too (A3).
-
-Adds `ai_job_gate.interactive_turn`, the turn being served among interactive jobs (what
-`ai_job_gate.turn` is for prefetch jobs). Interactive jobs already waiting keep turn 0: they
-go before any screen that asks from now on, which is their place by age anyway.
-
-Revision ID: 0007
-Revises: 0006
-"""
+"""Screens take turns by user too (A3); interactive jobs already waiting keep turn 0, their place
+by age anyway."""
 
 from __future__ import annotations
 

@@ -1,14 +1,5 @@
-"""Health data kept no longer than it serves, and forgotten on request (D2, D3, D4).
-
-Adds `ai_job_people` (each user's pseudonym, all the run history ever sees of them; deleting
-the row is forgetting who it was), `ai_job_erasures` (pseudonyms whose run history is still to
-be deleted), the index `ix_ai_jobs_finished` that retention reads, and moves token usage to
-daily totals per user and kind (`ai_job_usage_days`; what was counted before today is today's).
-Every user with a job, a result or usage gets a pseudonym.
-
-Revision ID: 0008
-Revises: 0007
-"""
+"""Health data kept no longer than it serves, and forgotten on request (D2, D3, D4): token usage
+becomes daily (what was counted before is today's), and every user known gets a pseudonym."""
 
 from __future__ import annotations
 
