@@ -1,8 +1,5 @@
-"""The commands of a machine beside Prefect: `worker`, `consume`, `drain`, `setup-limit`.
-
-Prefect is imported inside the commands, never at module level, so the
-store's verbs start without it.
-"""
+"""The commands of a machine beside Prefect: `worker`, `consume`, `drain`, `setup-limit`. They
+import Prefect when they run, never at module level."""
 
 from __future__ import annotations
 
@@ -16,10 +13,10 @@ from collections.abc import Callable
 import click
 
 from deployments import processes, table
-from deployments.cli import fails_cleanly, settings_from
+from deployments.cli import command, open_store, settings_from
 from deployments.prefect_api import api_url
 from deployments.stack import executable
-from queue_store import JobStore, Settings
+from queue_store import Settings
 
 # How often a machine's worker looks for flow runs (Prefect's default is 10 s):
 # a drain that a lost machine's work needs starts within seconds.
@@ -33,21 +30,20 @@ def _require_prefect(settings: Settings) -> None:
             "no Prefect server: set PREFECT_API_URL, or run `insight-queue serve` "
             "for this data directory"
         )
-    processes.export_to_children(
-        overrides={"PREFECT_API_URL": url}, PREFECT_SERVER_ALLOW_EPHEMERAL_MODE="false"
-    )
+    # The processes this command starts inherit it.
+    os.environ["PREFECT_API_URL"] = url
+    os.environ.setdefault("PREFECT_SERVER_ALLOW_EPHEMERAL_MODE", "false")
 
 
-def _stand_by(settings: Settings, role: str, beside: Callable[[], None] | None = None) -> None:
-    """A warm consumer in this process until SIGTERM, SIGINT or SIGHUP; `beside` runs
-    once it stands by (in a thread of its own, stopped by the caller's own means)."""
+def _stand_by(settings: Settings, beside: Callable[[], None] | None = None) -> None:
+    """A warm consumer until SIGTERM, SIGINT or SIGHUP; `beside` runs once it stands by."""
     from flows.flows import prefect_consumer
     from flows.runtime import Runtime
 
     _require_prefect(settings)
     runtime = Runtime.open(settings)
     runtime.redact_logs()
-    consumer, ledger = prefect_consumer(runtime, role, standby=True)
+    consumer, ledger = prefect_consumer(runtime, "consumer", standby=True)
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
@@ -68,61 +64,43 @@ def _stand_by(settings: Settings, role: str, beside: Callable[[], None] | None =
     click.echo(json.dumps(consumer.summary.as_dict()))
 
 
-@click.command("consume")
-@click.pass_context
-@fails_cleanly
+@command("consume")
 def consume_command(ctx: click.Context) -> None:
-    """Stand by and run queued jobs until stopped (a warm consumer beside Prefect workers).
-
-    Every attempt goes to the run history of the Prefect server named by
-    PREFECT_API_URL, and holds a `gateway` slot. SIGTERM, SIGINT or SIGHUP stop
-    it: the call in flight is stopped and its job handed back.
-    """
-    _stand_by(settings_from(ctx), "consumer")
+    """Stand by and run queued jobs until SIGTERM, SIGINT or SIGHUP (a warm consumer beside
+    Prefect workers, reporting to PREFECT_API_URL); a stop hands the job in flight back."""
+    _stand_by(settings_from(ctx))
 
 
-@click.command("worker")
+@command("worker")
 @click.option("--pool", default=table.POOL, show_default=True, help="the process work pool")
 @click.option(
     "--limit", type=click.IntRange(1), default=None, help="flow runs of the pool at once here"
 )
-@click.pass_context
-@fails_cleanly
 def worker_command(ctx: click.Context, pool: str, limit: int | None) -> None:
-    """One machine of a work pool: Prefect's process worker, and a warm consumer beside it.
-
-    The consumer takes a screen's job within a fraction of a second, and the
-    jobs a lost machine left once their lease runs out; the worker runs the
-    pool's flow runs (backfills following their jobs, drains). SIGTERM, SIGINT
-    or SIGHUP stop both: the call in flight is stopped and its job handed
-    back, and the worker stops with its runs.
-    """
-    settings = settings_from(ctx)
+    """One machine of a work pool: Prefect's process worker for the pool's runs, and a warm
+    consumer beside it. SIGTERM, SIGINT or SIGHUP stop both, the job in flight handed back."""
     started: list[subprocess.Popen[bytes]] = []
 
     def start_worker() -> None:
-        command = [executable("prefect"), "worker", "start", "--pool", pool, "--type", "process"]
+        args = [executable("prefect"), "worker", "start", "--pool", pool, "--type", "process"]
         env = {"PREFECT_WORKER_QUERY_SECONDS": WORKER_QUERY_SECONDS, **os.environ}
         started.append(
-            processes.start([*command, *(["--limit", str(limit)] if limit else [])], env=env)
+            processes.start([*args, *(["--limit", str(limit)] if limit else [])], env=env)
         )
 
     try:
-        _stand_by(settings, "consumer", beside=start_worker)
+        _stand_by(settings_from(ctx), beside=start_worker)
     finally:
         for process in started:
             processes.interrupt_group(process)
 
 
-@click.command("drain")
+@command("drain")
 @click.option("--max-jobs", type=click.IntRange(1), default=None, help="stop after this many")
-@click.pass_context
-@fails_cleanly
 def drain_command(ctx: click.Context, max_jobs: int | None) -> None:
     """Run queued jobs in priority order until nothing is runnable (as a `drain` flow run)."""
-    settings = settings_from(ctx)
-    _require_prefect(settings)
-    with JobStore(settings.database_url, settings=settings) as store:
+    _require_prefect(settings_from(ctx))
+    with open_store(ctx, write=True) as store:
         standing = store.gate_state().standing_by
     if standing:
         click.echo(f"a consumer is standing by ({', '.join(standing)}): it takes queued work")
@@ -132,21 +110,18 @@ def drain_command(ctx: click.Context, max_jobs: int | None) -> None:
     click.echo(json.dumps(asyncio.run(drain(max_jobs)), indent=2, default=str))
 
 
-@click.command("setup-limit")
+@command("setup-limit")
 @click.option(
     "--repair",
     is_flag=True,
     help="give back slots counted as taken but held by no task run (only with no consumer alive)",
 )
-@click.pass_context
-@fails_cleanly
 def setup_limit_command(ctx: click.Context, repair: bool) -> None:
     """Create or update the `gateway` tag concurrency limit to AI_JOB_CONCURRENCY.
 
-    A Prefect server with in-memory leases forgets who holds slots when it
-    restarts, but not that they are taken: `--repair` sets the count back.
-    A consumer's slot has no task run, so Prefect cannot tell it from such a
-    leak: `--repair` refuses while any consumer says it is alive.
+    A Prefect server with in-memory leases forgets who holds slots when it restarts, but not
+    that they are taken: `--repair` sets the count back. It refuses while a consumer is alive:
+    a consumer's slot has no task run, so Prefect cannot tell it from such a leak.
     """
     from flows.limits import ensure_gateway_limit, repair_gateway_slots
 
@@ -154,7 +129,7 @@ def setup_limit_command(ctx: click.Context, repair: bool) -> None:
     _require_prefect(settings)
     limit = ensure_gateway_limit(settings.concurrency)
     if repair:
-        with JobStore(settings.database_url, settings=settings) as store:
+        with open_store(ctx, write=True) as store:
             alive = list(store.gate_state().workers)
         if alive:
             raise click.ClickException(

@@ -1,10 +1,5 @@
-"""The store's verbs on the command line: `db`, `enqueue`, `status`, `jobs`, `queue`, ...
-
-They need nothing but the store, so they start without importing Prefect. Every error becomes
-one line on stderr and a non-zero exit, never a traceback. JSON output uses the store's one
-vocabulary (snake_case keys, ISO 8601 UTC times). Read-only commands never create a database or
-a directory.
-"""
+"""The store's verbs on the command line (`db`, `enqueue`, `status`, `jobs`, `queue`, ...): they
+never import Prefect, and the read-only ones never create a database or a directory."""
 
 from __future__ import annotations
 
@@ -16,26 +11,28 @@ import click
 
 from deployments.cli import (
     EXIT_FAILURE,
+    command,
     echo_json,
     fails_cleanly,
     json_option,
+    key_arguments,
     open_store,
-    priority_option,
+    registry,
     settings_from,
 )
 from deployments.render import as_json as as_json_text
 from deployments.render import describe_gate, printable, render_jobs, render_queue
-from queue_store import GateState, InvalidArgument, JobStore, StoreError, job_id, migrate
+from queue_store import GateState, InvalidArgument, StoreError, job_id, migrate
 from queue_store.models import INTERACTIVE, PREFETCH, iso
 from queue_store.redact import mask_url
 
 
 @click.group("db")
-def db_group() -> None:
+def db_command() -> None:
     """The store's schema."""
 
 
-@db_group.command("upgrade")
+@db_command.command("upgrade")
 @click.pass_context
 @fails_cleanly
 def db_upgrade(ctx: click.Context) -> None:
@@ -45,25 +42,26 @@ def db_upgrade(ctx: click.Context) -> None:
     click.echo(f"{mask_url(settings.database_url)} is at schema revision {revision}")
 
 
-@db_group.command("status")
+@db_command.command("status")
 @click.pass_context
 @fails_cleanly
 def db_status(ctx: click.Context) -> None:
     """Say whether the schema is current (creates nothing)."""
-    settings = settings_from(ctx)
-    JobStore(settings.database_url, settings=settings, create=False).close()  # checks the schema
-    click.echo(f"{mask_url(settings.database_url)}: schema is current")
+    open_store(ctx, write=False).close()  # opening checks the schema
+    click.echo(f"{mask_url(settings_from(ctx).database_url)}: schema is current")
 
 
-@click.command("enqueue")
-@click.argument("user_id")
-@click.argument("kind")
-@click.argument("subject")
+@command("enqueue")
+@key_arguments
 @click.option("--fingerprint", default=None, help="hash of the data the insight is made from")
-@priority_option
+@click.option("--interactive", is_flag=True, help=f"a screen is waiting: priority {INTERACTIVE}")
+@click.option(
+    "--priority",
+    type=click.IntRange(0, 1_000_000),
+    default=None,
+    help=f"lower runs first (interactive {INTERACTIVE}, prefetch {PREFETCH})",
+)
 @json_option
-@click.pass_context
-@fails_cleanly
 def enqueue_command(
     ctx: click.Context,
     user_id: str,
@@ -77,9 +75,7 @@ def enqueue_command(
     """Queue one generation, or promote it; prints the job's status."""
     if interactive and priority is not None:
         raise InvalidArgument("priority", "give --interactive or --priority, not both")
-    # How the command that mounts these verbs checks a kind, once the plugins are loaded.
-    if callable(check := (ctx.find_root().obj or {}).get("check_kind")):
-        check(kind)
+    registry().check_kind(kind)
     chosen = INTERACTIVE if interactive else PREFETCH if priority is None else priority
     with open_store(ctx, write=True) as store:
         status = store.enqueue(user_id, kind, subject, fingerprint, chosen)
@@ -91,12 +87,8 @@ def enqueue_command(
         click.echo(status)
 
 
-@click.command("status")
-@click.argument("user_id")
-@click.argument("kind")
-@click.argument("subject")
-@click.pass_context
-@fails_cleanly
+@command("status")
+@key_arguments
 def status_command(ctx: click.Context, user_id: str, kind: str, subject: str) -> None:
     """One job's status, place in line, ETA and latest result, as JSON."""
     with open_store(ctx, write=False) as store:
@@ -107,24 +99,19 @@ def status_command(ctx: click.Context, user_id: str, kind: str, subject: str) ->
     echo_json(state.as_dict(settings_from(ctx).max_attempts))
 
 
-@click.command("jobs")
+@command("jobs")
 @click.option("--user", "user_id", required=True, help="whose queue to show")
 @click.option("--limit", type=click.IntRange(1, 1000), default=60, show_default=True)
 @json_option
-@click.pass_context
-@fails_cleanly
 def jobs_command(ctx: click.Context, user_id: str, limit: int, as_json: bool) -> None:
     """The user's queue in the order the worker will take it."""
     with open_store(ctx, write=False) as store:
         found = store.list_jobs(user_id, limit)
     listed = [entry.as_dict(settings_from(ctx).max_attempts) for entry in found]
-    if as_json:
-        echo_json(listed)
-        return
-    click.echo(render_jobs(listed))
+    click.echo(as_json_text(listed) if as_json else render_jobs(listed))
 
 
-@click.command("queue")
+@command("queue")
 @click.option(
     "--limit",
     type=click.IntRange(1, 1000),
@@ -134,7 +121,6 @@ def jobs_command(ctx: click.Context, user_id: str, limit: int, as_json: bool) ->
 )
 @click.option(
     "--watch",
-    "watch",
     type=click.FloatRange(0.5, 3600),
     default=None,
     is_flag=False,
@@ -143,17 +129,12 @@ def jobs_command(ctx: click.Context, user_id: str, limit: int, as_json: bool) ->
     help="refresh in place every SECONDS (default 2) until Ctrl-C",
 )
 @json_option
-@click.pass_context
-@fails_cleanly
 def queue_command(ctx: click.Context, limit: int, watch: float | None, as_json: bool) -> None:
     """The whole queue at a glance: every user, in the order the worker takes them."""
     with open_store(ctx, write=False) as store:
         if watch is None:
             view = store.queue_view(limit)
-            if as_json:
-                echo_json(view.as_dict())
-            else:
-                click.echo(render_queue(view))
+            click.echo(as_json_text(view.as_dict()) if as_json else render_queue(view))
             return
         try:
             while True:
@@ -170,10 +151,8 @@ def queue_command(ctx: click.Context, limit: int, watch: float | None, as_json: 
             click.echo()
 
 
-@click.command("retry-failed")
+@command("retry-failed")
 @click.argument("user_id")
-@click.pass_context
-@fails_cleanly
 def retry_failed_command(ctx: click.Context, user_id: str) -> None:
     """Put every failed job of the user back in the queue now."""
     with open_store(ctx, write=True) as store:
@@ -184,10 +163,8 @@ def retry_failed_command(ctx: click.Context, user_id: str) -> None:
     )
 
 
-@click.command("requeue")
+@command("requeue")
 @click.option("--kind", "kinds", multiple=True, help="only this kind (repeatable); default all")
-@click.pass_context
-@fails_cleanly
 def requeue_command(ctx: click.Context, kinds: tuple[str, ...]) -> None:
     """Queue every finished job again, for every user: after a prompt change."""
     with open_store(ctx, write=True) as store:
@@ -195,12 +172,8 @@ def requeue_command(ctx: click.Context, kinds: tuple[str, ...]) -> None:
     click.echo(f"queued {queued} finished job(s) again at prefetch priority")
 
 
-@click.command("result")
-@click.argument("user_id")
-@click.argument("kind")
-@click.argument("subject")
-@click.pass_context
-@fails_cleanly
+@command("result")
+@key_arguments
 def result_command(ctx: click.Context, user_id: str, kind: str, subject: str) -> None:
     """The latest result for a key, as JSON (also while a newer one is being made)."""
     with open_store(ctx, write=False) as store:
@@ -212,17 +185,14 @@ def result_command(ctx: click.Context, user_id: str, kind: str, subject: str) ->
     echo_json(result.as_dict())
 
 
-@click.command("settings")
+@command("settings")
 @json_option
-@click.pass_context
-@fails_cleanly
 def settings_command(ctx: click.Context, as_json: bool) -> None:
     """Every setting with its environment variable and value (secrets masked), and claiming."""
-    settings = settings_from(ctx)
-    by_variable = settings.public()
+    by_variable = settings_from(ctx).public()
     gate: GateState | None = None
     try:
-        with JobStore(settings.database_url, settings=settings, create=False) as store:
+        with open_store(ctx, write=False) as store:
             gate = store.gate_state()
     except StoreError as exc:
         gate_line = f"claiming: unknown ({exc})"
@@ -237,11 +207,9 @@ def settings_command(ctx: click.Context, as_json: bool) -> None:
     click.echo(gate_line)
 
 
-@click.command("pause", context_settings={"ignore_unknown_options": True})
+@command("pause", context_settings={"ignore_unknown_options": True})
 @click.argument("seconds", type=click.FloatRange(0, 7 * 24 * 3600))
 @click.option("--reason", default="paused by an operator", show_default=True)
-@click.pass_context
-@fails_cleanly
 def pause_command(ctx: click.Context, seconds: float, reason: str) -> None:
     """Stop every worker from claiming for SECONDS (0 to 604800)."""
     with open_store(ctx, write=True) as store:
@@ -249,9 +217,7 @@ def pause_command(ctx: click.Context, seconds: float, reason: str) -> None:
     click.echo(f"claiming paused until {iso(gate.paused_until)}")
 
 
-@click.command("resume")
-@click.pass_context
-@fails_cleanly
+@command("resume")
 def resume_command(ctx: click.Context) -> None:
     """Lift a pause (an operator's, or one the gateway's answers caused)."""
     with open_store(ctx, write=True) as store:
@@ -259,10 +225,8 @@ def resume_command(ctx: click.Context) -> None:
     click.echo("claiming resumed")
 
 
-@click.command("recover")
+@command("recover")
 @click.option("--worker", default=None, help="also take back this worker's own claims")
-@click.pass_context
-@fails_cleanly
 def recover_command(ctx: click.Context, worker: str | None) -> None:
     """Take back claims whose worker is gone (never a live one)."""
     with open_store(ctx, write=True) as store:
@@ -273,7 +237,7 @@ def recover_command(ctx: click.Context, worker: str | None) -> None:
         click.echo(f"  {printable(job.run_name)} ({who})")
 
 
-@click.command("prune")
+@command("prune")
 @click.option("--dry-run", is_flag=True, help="count what would be deleted, delete nothing")
 @click.option(
     "--days",
@@ -281,14 +245,11 @@ def recover_command(ctx: click.Context, worker: str | None) -> None:
     default=None,
     help="keep this many days (default AI_JOB_RETENTION_DAYS)",
 )
-@click.pass_context
-@fails_cleanly
 def prune_command(ctx: click.Context, dry_run: bool, days: float | None) -> None:
     """Delete what is past retention: finished jobs and their results, who used tokens (kept as
-    daily totals), people with nothing left (JSON). Also a scheduled run of `serve` and
-    `deploy`, which deletes the run history of forgotten users too."""
-    settings = settings_from(ctx)
-    by_kind = (ctx.find_root().obj or {}).get("retention", lambda: {})()
+    daily totals), people with nothing left (JSON). Also an hourly run of `serve` and `deploy`,
+    which erases the run history of forgotten users too."""
+    by_kind = registry().retention()
     with open_store(ctx, write=not dry_run) as store:
         pruned = store.prune(retention_days=days, by_kind=by_kind, dry_run=dry_run)
-    echo_json(pruned.as_dict() | {"retention_days": days or settings.retention_days})
+    echo_json(pruned.as_dict() | {"retention_days": days or settings_from(ctx).retention_days})
