@@ -1,26 +1,17 @@
-"""The operator's queue page: `templates/queue.html` by Jinja2, styled by `static/queue.css`.
-
-No script and no external asset. Every value that comes from the app or the gateway (user ids,
-kinds, subjects, errors, worker names) is autoescaped, its control and bidirectional characters
-shown as escapes (so "\\u202eevil" cannot read as "live"), and isolated from the text around it.
-The page refreshes itself with a meta refresh; on a narrow screen each table row becomes a card.
-"""
+"""The operator's queue page: `templates/queue.html` by Jinja2, styled by `static/queue.css`, with
+no script. Every value from the app or the gateway is autoescaped and shown with its control and
+bidirectional characters as escapes, so "\\u202eevil" cannot read as "live"."""
 
 from __future__ import annotations
 
 import datetime as dt
-import re
 import urllib.parse
 
 import jinja2
 
+from deployments.render import printable
 from queue_store import QueueView
 
-# C0 and C1 controls, DEL, the Unicode line and paragraph separators, and the
-# bidirectional controls (marks, embeddings, overrides, isolates).
-_CONTROL = re.compile(
-    "[\x00-\x1f\x7f-\x9f\u2028\u2029\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]"
-)
 PAUSE_CAUSES = {
     "operator": "by an operator",
     "outage": "the gateway was unreachable",
@@ -28,11 +19,6 @@ PAUSE_CAUSES = {
     "rate_limit": "the gateway asked to slow down",
     "refused": "the gateway refused our credentials",
 }
-
-
-def shown(value: object) -> str:
-    """A value from the app with its control characters as escapes (autoescaping follows)."""
-    return _CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), str(value))
 
 
 def duration(seconds: float | None) -> str:
@@ -58,10 +44,14 @@ def _clock_text(at: dt.datetime, now: dt.datetime) -> str:
 
 
 def safe_ui_url(url: str | None) -> str | None:
-    """The Prefect UI's address if it is a plain http(s) URL; anything else is not linked."""
+    """The Prefect UI's address if it is a plain http(s) URL (else nothing is linked), without
+    the user and password a `PREFECT_API_URL` may carry: a browser needs none."""
     parts = urllib.parse.urlsplit(url or "")
-    if parts.scheme not in ("http", "https") or not parts.netloc:
+    host = parts.netloc.rpartition("@")[2]
+    if parts.scheme not in ("http", "https") or not host:
         return None
+    if host != parts.netloc:
+        url = urllib.parse.urlunsplit(parts._replace(netloc=host))
     return str(url).rstrip("/")
 
 
@@ -69,10 +59,9 @@ _templates = jinja2.Environment(
     loader=jinja2.PackageLoader("deployments", "templates"),
     autoescape=jinja2.select_autoescape(["html"]),
     undefined=jinja2.StrictUndefined,
-    trim_blocks=False,
 )
 _templates.filters.update(
-    shown=shown,
+    shown=lambda value: printable(str(value)),
     duration=duration,
     iso=lambda at: at.astimezone(dt.UTC).isoformat(timespec="seconds"),
     clock_text=_clock_text,
