@@ -1,16 +1,6 @@
-"""Who is calling, and what they may do: every route knows its caller (A1, A2, A3).
-
-Three callers, each with its own credential, and nothing open without one:
-
-- a screen acts for one user: a signed, expiring token naming the user (`ScreenTokens`);
-- the app's backend and its post-sync hook act for any user: the service token;
-- the operator: the queue, its actions, `/metrics` and the page: the operator token.
-
-Tokens are compared in constant time. Credentials a browser sends by itself (the page's Basic)
-count only for the page, and only from the same site; a bearer token is never sent by a browser
-on its own, so it needs no such check. Each credential has a rate (requests a minute): past it,
-`429` with `Retry-After`.
-"""
+"""Who is calling (A1-A3): a screen for one user, the app's backend (service token) for any user,
+the operator for the queue; each credential within its rate. Tokens are compared in constant time;
+credentials a browser sends by itself (the page's Basic) count only from the same site."""
 
 from __future__ import annotations
 
@@ -87,8 +77,7 @@ class Rates:
 
     def _forget_full(self, now: float) -> None:
         for key, (tokens, at) in list(self._buckets.items()):
-            role = Role(key.partition(":")[0])
-            rate = self._per_second[role]
+            rate = self._per_second[Role(key.partition(":")[0])]
             if tokens + (now - at) * rate >= max(1.0, rate * BURST_SECONDS):
                 del self._buckets[key]
 
@@ -99,7 +88,6 @@ class Gatekeeper:
     def __init__(self, credentials: Credentials, settings: ApiSettings) -> None:
         self._operator = _digest(credentials.operator_token)
         self._service = _digest(credentials.service_token)
-        # A credential that is not set matches nothing.
         self._screens = credentials.screens
         self.rates = Rates(
             {
@@ -118,10 +106,12 @@ class Gatekeeper:
             return self._bearer(credential)
         if scheme.lower() == "basic" and basic and credential:
             password = _basic_password(credential)
-            if password is not None and from_this_site(request):
-                digest = _digest(password)
-                if hmac.compare_digest(digest, self._operator):
-                    return Caller(Role.OPERATOR)
+            if (
+                password is not None
+                and from_this_site(request)
+                and hmac.compare_digest(_digest(password), self._operator)
+            ):
+                return Caller(Role.OPERATOR)
         raise Refused(401, BEARER_NEEDED, "authorization", challenge=True)
 
     def _bearer(self, token: str) -> Caller:
@@ -175,7 +165,7 @@ def _basic_password(credential: str) -> str | None:
 
 def _digest(token: str) -> bytes:
     """Digests of equal length, so a comparison takes the same time whatever was sent; an
-    empty token's is random, matching nothing."""
+    unset token's is random, matching nothing."""
     if not token:
         return secrets.token_bytes(hashlib.sha256().digest_size)
     return hashlib.sha256(token.encode("utf-8", "surrogateescape")).digest()

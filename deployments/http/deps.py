@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated
 
 from fastapi import Depends, Request
+from pydantic import BaseModel, ConfigDict
 
 from deployments.http.access import Caller, Gatekeeper, Role, from_this_site
 from deployments.http.errors import Refused
@@ -14,6 +16,10 @@ from deployments.triggers import Triggers
 from queue_store import OperatorStore
 
 JSON_TYPES = ("application/json",)
+
+
+class Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 def path_text(request: Request, name: str) -> str:
@@ -28,29 +34,20 @@ def triggers(request: Request) -> Triggers:
 
 
 def operations(request: Request) -> OperatorStore:
-    """The operator's view of the store (`Triggers.operator`)."""
     return triggers(request).operator
 
 
-def _gatekeeper(request: Request) -> Gatekeeper:
-    found: Gatekeeper = request.app.state.gatekeeper
+def _caller(request: Request, *, basic: bool = False) -> Caller:
+    """Whoever calls, by their credential (401 without one), within their rate (429)."""
+    gatekeeper: Gatekeeper = request.app.state.gatekeeper
+    found = gatekeeper.identify(request, basic=basic)
+    gatekeeper.admit(found)
     return found
 
 
-def _checked(request: Request, caller: Caller) -> Caller:
-    _gatekeeper(request).admit(caller)
-    return caller
-
-
-def caller(request: Request) -> Caller:
-    """Whoever calls, by their bearer token (401 without one), within their rate (429)."""
-    return _checked(request, _gatekeeper(request).identify(request))
-
-
 def for_user(request: Request) -> str:
-    """The path's user, if the caller may act for them: the service, or a screen of that user
-    (a screen's token on another user's path is 403)."""
-    found = caller(request)
+    """The path's user, if the caller may act for them: the service, or a screen of that user."""
+    found = _caller(request)
     user_id = path_text(request, "user_id")
     if not found.may_act_for(user_id):
         who = "this screen's token names another user" if found.role is Role.SCREEN else ""
@@ -58,29 +55,25 @@ def for_user(request: Request) -> str:
     return user_id
 
 
-def service(request: Request) -> Caller:
-    """The app's backend: the service token."""
-    found = caller(request)
-    if found.role is not Role.SERVICE:
-        raise Refused(403, f"this route is the app's: the {found.role} credential cannot call it")
-    return found
+def only(role: Role, refusal: str, *, basic: bool = False) -> Callable[[Request], Caller]:
+    """The caller, if it has `role` (403 otherwise, `refusal` naming the caller's role)."""
+
+    def check(request: Request) -> Caller:
+        found = _caller(request, basic=basic)
+        if found.role is not role:
+            raise Refused(403, refusal.format(role=found.role))
+        return found
+
+    return check
 
 
-def operator(request: Request) -> Caller:
-    """The operator: the operator token, as a bearer token."""
-    found = caller(request)
-    if found.role is not Role.OPERATOR:
-        raise Refused(403, f"this route is the operator's: the {found.role} credential cannot")
-    return found
-
-
-def page_operator(request: Request) -> Caller:
-    """The page: the operator token as a bearer token, or as Basic's password from the same
-    site (a browser asks for it once and sends it by itself)."""
-    found = _checked(request, _gatekeeper(request).identify(request, basic=True))
-    if found.role is not Role.OPERATOR:
-        raise Refused(403, f"the page is the operator's: the {found.role} credential cannot")
-    return found
+service = only(Role.SERVICE, "this route is the app's: the {role} credential cannot call it")
+operator = only(Role.OPERATOR, "this route is the operator's: the {role} credential cannot")
+# The page also takes the operator token as Basic's password, from the same site: a browser
+# asks for it once and sends it by itself.
+page_operator = only(
+    Role.OPERATOR, "the page is the operator's: the {role} credential cannot", basic=True
+)
 
 
 def same_site(request: Request) -> None:

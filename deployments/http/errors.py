@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -24,7 +24,8 @@ NO_STORE = {"Cache-Control": "no-store"}
 
 
 class Refused(Exception):
-    """A request refused with a 4xx, naming the field it is about."""
+    """A request refused with a 4xx, naming the field it is about; `challenge` asks for a
+    credential."""
 
     def __init__(
         self,
@@ -43,7 +44,6 @@ class Refused(Exception):
 def problem(
     status: int, message: str, field: str | None = None, headers: Mapping[str, str] | None = None
 ) -> JSONResponse:
-    """A refusal: one line of JSON, naming the field it is about where there is one."""
     line = " ".join(message.split())
     if len(line) > MAX_MESSAGE_CHARACTERS:
         line = line[: MAX_MESSAGE_CHARACTERS - 1] + "…"
@@ -58,34 +58,27 @@ def unavailable(error: str) -> JSONResponse:
     return JSONResponse(body, 503, headers)
 
 
-def challenged(response: Response) -> Response:
-    """Ask for a bearer token, or Basic credentials (a browser prompts for those)."""
-    response.headers.append("WWW-Authenticate", f'Bearer realm="{REALM}"')
-    response.headers.append("WWW-Authenticate", f'Basic realm="{REALM}", charset="UTF-8"')
+async def _refused(request: Request, exc: Refused) -> Response:
+    response = problem(exc.status, exc.message, exc.field, exc.headers)
+    if exc.challenge:  # a bearer token, or Basic credentials (a browser prompts for those)
+        response.headers.append("WWW-Authenticate", f'Bearer realm="{REALM}"')
+        response.headers.append("WWW-Authenticate", f'Basic realm="{REALM}", charset="UTF-8"')
     return response
 
 
-async def _refused(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, Refused)
-    response = problem(exc.status, exc.message, exc.field, exc.headers)
-    return challenged(response) if exc.challenge else response
-
-
-async def _invalid(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, InvalidArgument)
+async def _invalid(request: Request, exc: InvalidArgument) -> Response:
     return problem(422, str(exc), exc.argument)
 
 
-async def _misconfigured(request: Request, exc: Exception) -> Response:
+async def _misconfigured(request: Request, exc: Misconfigured) -> Response:
     return problem(500, f"the server is misconfigured: {exc}")
 
 
-async def _unavailable(request: Request, exc: Exception) -> Response:
+async def _unavailable(request: Request, exc: Unavailable) -> Response:
     return unavailable(str(exc))
 
 
-async def _http_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, HTTPException)
+async def _http_error(request: Request, exc: HTTPException) -> Response:
     messages = {404: "no such route", 405: "method not allowed on this route"}
     if exc.status_code == 400:  # FastAPI could not read the body
         return problem(400, "body: not valid JSON", "body")
@@ -95,8 +88,7 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     return problem(exc.status_code, message, headers=exc.headers)
 
 
-async def _validation_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, RequestValidationError)
+async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
     first: Mapping[str, Any] = next(iter(exc.errors()), {})
     location = [str(p) for p in first.get("loc", ()) if p not in ("path", "query", "header")]
     if first.get("type") == "json_invalid":
@@ -113,7 +105,7 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
     return problem(500, "internal error; the server's log has the details")
 
 
-HANDLERS = {
+HANDLERS: dict[type[Exception], Callable[[Request, Any], Awaitable[Response]]] = {
     Refused: _refused,
     InvalidArgument: _invalid,
     Misconfigured: _misconfigured,

@@ -1,10 +1,5 @@
-"""The edge's middleware: exact paths, bounded bodies, known hosts only, CORS for the app's pages.
-
-Starlette's `TrustedHostMiddleware` answers `400` for a `Host` that is neither loopback nor in
-`AI_API_ALLOWED_HOSTS` (a page of another site that resolves its name to this machine, DNS
-rebinding, gets nothing); Starlette's `CORSMiddleware` lets the app's own origins
-(`AI_API_CORS_ORIGINS`) call with a screen's bearer token, preflight included.
-"""
+"""The edge's middleware: exact paths, bounded headers and bodies, known hosts only (Starlette's
+`TrustedHostMiddleware`: DNS rebinding gets a 400), CORS for the app's own origins."""
 
 from __future__ import annotations
 
@@ -35,8 +30,7 @@ ENCODED_SLASHES = "insight_queue.encoded_slashes"
 
 
 def add_edges(app: FastAPI, hosts: Sequence[str], origins: Sequence[str]) -> None:
-    """The middleware of the standalone app, outermost last: hosts, then CORS, then paths and
-    bodies."""
+    """The standalone app's middleware, outermost last: hosts, CORS, then paths and bodies."""
     app.add_middleware(StrictPaths)
     app.add_middleware(LimitedBodies)
     if origins:
@@ -84,9 +78,8 @@ class StrictPaths:
 
 
 class LimitedBodies:
-    """Request headers of at most `MAX_HEADER_BYTES` in all (431 past it; the server refuses
-    longer ones before it has read them), bodies of at most `MAX_BODY_BYTES` (413 past it,
-    before it is all read), and `X-Content-Type-Options: nosniff` on every answer."""
+    """Headers of at most `MAX_HEADER_BYTES` in all (431), bodies of at most `MAX_BODY_BYTES`
+    (413, before all is read), and `X-Content-Type-Options: nosniff` on every answer."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app

@@ -1,4 +1,4 @@
-"""The operator's routes: the queue, its actions, `/metrics`, and the page; the operator token
+"""The operator's routes: the queue, its actions, `/metrics` and the page; the operator token
 only (the page also takes it as Basic's password, from the same site)."""
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ConfigDict
 from starlette.responses import HTMLResponse, JSONResponse, Response
 
 from deployments import metrics, queue_page
 from deployments.http.deps import (
+    Body,
     OperationsDep,
     TriggersDep,
     Writes,
@@ -43,10 +43,6 @@ PAGE_HEADERS = {
 }
 
 Limit = Annotated[int, Query(ge=1, le=1000)]
-
-
-class Body(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class PauseRequest(Body):
@@ -101,7 +97,6 @@ def operator_router(store: OperatorStore, ui_url: Callable[[], str | None]) -> A
 
     @router.delete("/v1/users/{user_id}", dependencies=[*only, *Writes])
     async def forget(request: Request, triggers: TriggersDep) -> Response:
-        """Erase the user (D3): the store's part at once, Prefect's when it can."""
         state = await run_in_threadpool(triggers.forget, path_text(request, "user_id"))
         return JSONResponse(state.as_dict(), headers=NO_STORE)
 

@@ -1,9 +1,5 @@
-"""A screen's poll (P1): the insight's state with an ETag, a 304 while nothing changed, and
-`Retry-After` while it waits; for the standalone app and for a host app that mounts it.
-
-`insights_router` is the poll for a host app: its `current_user` dependency yields the calling
-user's id after the host's own authentication, so a user only ever polls their own insights.
-"""
+"""The app's routes: a screen's poll (P1: ETag, 304 while nothing changed, `Retry-After` while it
+waits), for the standalone app and for a host app that mounts it, and the post-sync hook."""
 
 from __future__ import annotations
 
@@ -17,17 +13,31 @@ from fastapi import APIRouter, Depends, Header, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from starlette.responses import JSONResponse, Response
 
-from deployments.http.deps import path_text, single_values
-from deployments.http.errors import unavailable
+from deployments.http.deps import (
+    Body,
+    TriggersDep,
+    Writes,
+    for_user,
+    path_text,
+    same_site,
+    service,
+    single_values,
+)
+from deployments.http.errors import NO_STORE, unavailable
 from deployments.triggers import InsightState, Triggers
 from queue_store import Status
 
 INSIGHT_PATH = "/v1/insights/{kind}/{subject}"
+USER_INSIGHT_PATH = "/v1/users/{user_id}/insights/{kind}/{subject}"
 # Retry-After for a job that is not finished: a quarter of its ETA, within these
 # bounds; a screen sees its result at most a quarter of the wait after it is ready.
 RETRY_FRACTION = 0.25
 RETRY_MIN_SECONDS = 2
 RETRY_MAX_SECONDS = 30
+
+
+class BackfillRequest(Body):
+    sync_id: str | None = None
 
 
 def retry_after(state: InsightState) -> int | None:
@@ -67,8 +77,7 @@ def etag_matches(if_none_match: str, tag: str) -> bool:
 
 
 def insight_response(state: InsightState, if_none_match: str | None, timing: str) -> Response:
-    """A poll's answer: 200 (or 304, before any body is made) with ETag, Retry-After and
-    `timing` as its Server-Timing."""
+    """200, or 304 before any body is made, with ETag, Retry-After and Server-Timing."""
     if state.status == Status.UNKNOWN:
         response = unavailable(state.error or "the store cannot be reached")
         response.headers["Server-Timing"] = timing
@@ -88,10 +97,8 @@ def insights_router(
     path: str = INSIGHT_PATH,
     dependencies: list[Any] | None = None,
 ) -> APIRouter:
-    """A screen's poll: `GET /v1/insights/{kind}/{subject}?fingerprint=` for a host app.
-
-    `current_user` is the host's dependency that yields the calling user's id (after its own
-    authentication): a user can only ever poll their own insights."""
+    """A screen's poll, `GET /v1/insights/{kind}/{subject}?fingerprint=` for a host app whose
+    `current_user` dependency yields the calling user's id after its own authentication."""
     router = APIRouter(dependencies=[Depends(single_values), *(dependencies or [])])
 
     # `current_user` as a default: FastAPI cannot resolve a local name from an annotation.
@@ -119,5 +126,33 @@ def insights_router(
         # How long the store took, waiting for a thread included.
         elapsed = (time.perf_counter() - started) * 1000
         return insight_response(state, if_none_match, f"store;dur={elapsed:.1f}")
+
+    return router
+
+
+def app_router(triggers: Triggers) -> APIRouter:
+    """The poll for a screen's own user (or the service, for any), and the post-sync hook's
+    backfill (the service only); both write, so pages of other sites are refused."""
+    router = APIRouter()
+    # Its own router: the poll's dependencies are not the backfill's.
+    router.include_router(
+        insights_router(
+            triggers, for_user, path=USER_INSIGHT_PATH, dependencies=[Depends(same_site)]
+        )
+    )
+
+    @router.post(
+        "/v1/users/{user_id}/backfills", status_code=202, dependencies=[Depends(service), *Writes]
+    )
+    async def backfill(
+        request: Request, triggers: TriggersDep, body: BackfillRequest | None = None
+    ) -> Response:
+        sync_id = body.sync_id if body else None
+        user_id = path_text(request, "user_id")
+        state = await run_in_threadpool(triggers.trigger_backfill, user_id, sync_id)
+        if state.error is not None and state.flow_run_id is None:
+            return unavailable(state.error)
+        answer = {"status": "started" if state.flow_run_id else "queued", **state.as_dict()}
+        return JSONResponse(answer, 202, NO_STORE)
 
     return router
