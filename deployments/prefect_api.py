@@ -1,13 +1,10 @@
-"""The app side's way to Prefect: find the server, and start a deployment's run, fast.
-
-The triggers must answer within seconds whatever Prefect's state, and an app should not pay for
-importing Prefect (about 2 s) to start one run: so this talks to Prefect's REST API with httpx,
-short timeouts and no retries. The server is `PREFECT_API_URL`, else the one `serve` runs for
-the same data directory (`serve.json`); never a temporary server of Prefect's own.
-"""
+"""The app side's way to Prefect: `PREFECT_API_URL`, else this data directory's `serve` (never a
+temporary server), and its REST API over httpx, fast whatever Prefect's state (importing Prefect
+takes about 2 s)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -47,7 +44,7 @@ class ServeState:
 
     @classmethod
     def read(cls, settings: Settings) -> ServeState | None:
-        """The state of a live `serve` of this data directory, or None."""
+        """The state of a live `serve`, or None."""
         state = cls.read_left(settings)
         return state if state is not None and _alive(state.pid) else None
 
@@ -70,25 +67,21 @@ class ServeState:
         path = self.path(settings)
         path.parent.mkdir(parents=True, exist_ok=True)
         temporary = path.with_suffix(".tmp")
-        temporary.write_text(json.dumps({**dataclasses.asdict(self), "leases": list(self.leases)}))
+        temporary.write_text(json.dumps(dataclasses.asdict(self)))
         temporary.replace(path)
 
     def remove(self, settings: Settings) -> None:
-        try:
-            current = json.loads(self.path(settings).read_text())
-        except (OSError, ValueError):
-            return
-        if current.get("pid") == self.pid:
+        left = self.read_left(settings)
+        if left is not None and left.pid == self.pid:
             self.path(settings).unlink(missing_ok=True)
 
 
 def _alive(pid: int) -> bool:
     try:
-        os.kill(pid, 0)
+        with contextlib.suppress(PermissionError):  # alive, another account's
+            os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
     return True
 
 
@@ -102,7 +95,6 @@ def api_url(settings: Settings) -> str | None:
 
 
 def ui_url(settings: Settings) -> str | None:
-    """The Prefect UI's address, for links."""
     configured = os.environ.get("PREFECT_UI_URL", "").strip()
     if configured:
         return configured.rstrip("/")
@@ -111,7 +103,7 @@ def ui_url(settings: Settings) -> str | None:
 
 
 class PrefectApi:
-    """Just what the triggers need of Prefect's REST API."""
+    """Just what the triggers need of Prefect's REST API: short timeouts, no retries but 503's."""
 
     def __init__(self, base_url: str, *, timeout: float = TIMEOUT_SECONDS) -> None:
         self.base_url = base_url.rstrip("/")
