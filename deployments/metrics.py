@@ -1,9 +1,5 @@
-"""`GET /metrics`: the queue in Prometheus' text format, read from the store (M1).
-
-A collector on a registry of its own (never the process-global one) reads
-`JobStore.queue_view(0)` at every scrape, so every API process reports the same
-figures. `docs/alerts.yml` has example alert rules.
-"""
+"""`GET /metrics`: the queue in Prometheus' text format, read from the store at every scrape (M1),
+by a collector on a registry of its own (never the process-global one)."""
 
 from __future__ import annotations
 
@@ -24,8 +20,6 @@ PREFIX = "insight_queue"
 
 
 class StoreCollector(Collector):
-    """The store's figures as Prometheus metrics, read at every scrape."""
-
     def __init__(self, store: OperatorStore) -> None:
         self._store = store
 
@@ -40,41 +34,25 @@ class StoreCollector(Collector):
             waiting.add_metric([name], count)
             oldest.add_metric([name], (gate.now - since).total_seconds() if since else 0.0)
         yield from (waiting, oldest)
-        yield GaugeMetricFamily(
-            f"{PREFIX}_calls_in_flight", "Calls at the gateway now", value=seen.in_flight
-        )
-        yield GaugeMetricFamily(
-            f"{PREFIX}_calls_held",
-            "Calls cut on our side that still hold the gateway",
-            value=len(seen.holds),
-        )
-        yield GaugeMetricFamily(
-            f"{PREFIX}_hold_seconds_left",
-            "Seconds until the last hold of a cut call ends",
-            value=max((h.seconds_left(gate.now) for h in seen.holds), default=0.0),
-        )
-        paused = GaugeMetricFamily(
-            f"{PREFIX}_paused", "1 while claiming is paused, by its cause", labels=["cause"]
-        )
+        hold_left = max((h.seconds_left(gate.now) for h in seen.holds), default=0.0)
+        for name, text, value in (
+            ("calls_in_flight", "Calls at the gateway now", seen.in_flight),
+            ("calls_held", "Calls cut on our side that still hold the gateway", len(seen.holds)),
+            ("hold_seconds_left", "Seconds until the last hold of a cut call ends", hold_left),
+        ):
+            yield GaugeMetricFamily(f"{PREFIX}_{name}", text, value=value)
+        text = "1 while claiming is paused, by its cause"
+        paused = GaugeMetricFamily(f"{PREFIX}_paused", text, labels=["cause"])
         for cause in PauseKind:
             paused.add_metric([cause.value], float(gate.paused and gate.pause_kind is cause))
         yield paused
-        yield GaugeMetricFamily(
-            f"{PREFIX}_pause_seconds_left",
-            "Seconds until claiming resumes",
-            value=gate.pause_seconds_left,
-        )
+        text = "Seconds until claiming resumes"
+        yield GaugeMetricFamily(f"{PREFIX}_pause_seconds_left", text, value=gate.pause_seconds_left)
         yield from _tallies(seen.tallies)
-        used = CounterMetricFamily(
-            f"{PREFIX}_tokens",
-            "Tokens the gateway's answers said they used",
-            labels=["kind", "type"],
-        )
-        unknown = CounterMetricFamily(
-            f"{PREFIX}_answers_without_usage",
-            "Answers that did not say their tokens",
-            labels=["kind"],
-        )
+        text = "Tokens the gateway's answers said they used"
+        used = CounterMetricFamily(f"{PREFIX}_tokens", text, labels=["kind", "type"])
+        text = "Answers that did not say their tokens"
+        unknown = CounterMetricFamily(f"{PREFIX}_answers_without_usage", text, labels=["kind"])
         for row in seen.usage_by_kind:
             used.add_metric([row.kind, "prompt"], row.prompt_tokens)
             used.add_metric([row.kind, "completion"], row.completion_tokens)
@@ -83,19 +61,13 @@ class StoreCollector(Collector):
 
 
 def _tallies(kept: list[Tally]) -> Iterator[Metric]:
-    attempts = CounterMetricFamily(
-        f"{PREFIX}_attempts", "Settled attempts, by kind and outcome", labels=["kind", "outcome"]
-    )
-    calls = HistogramMetricFamily(
-        f"{PREFIX}_call_duration_seconds",
-        "How long calls to the gateway took, by kind and outcome",
-        labels=["kind", "outcome"],
-    )
-    waits = HistogramMetricFamily(
-        f"{PREFIX}_screen_wait_seconds",
-        "A screen's wait, from asking to its call's start",
-        labels=["kind"],
-    )
+    labels = ["kind", "outcome"]
+    text = "Settled attempts, by kind and outcome"
+    attempts = CounterMetricFamily(f"{PREFIX}_attempts", text, labels=labels)
+    text = "How long calls to the gateway took, by kind and outcome"
+    calls = HistogramMetricFamily(f"{PREFIX}_call_duration_seconds", text, labels=labels)
+    text = "A screen's wait, from asking to its call's start"
+    waits = HistogramMetricFamily(f"{PREFIX}_screen_wait_seconds", text, labels=["kind"])
     for tally in kept:
         if tally.name == tallies.ATTEMPTS:
             attempts.add_metric([tally.kind, tally.outcome], tally.count)
