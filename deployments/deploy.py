@@ -1,9 +1,5 @@
-"""Scale-out: the same flows on a Prefect `process` work pool, workers on several machines.
-
-A work pool with two queues, `interactive` before `backfill`, and the deployments of
-`deployments.table` under the names `serve` uses, so the triggers work unchanged; the store
-(PostgreSQL) keeps the gateway guarded whatever Prefect starts where.
-"""
+"""`insight-queue deploy`: the same flows on a Prefect `process` work pool, with workers on several
+machines; the store (on PostgreSQL) keeps the gateway guarded whatever Prefect starts where."""
 
 from __future__ import annotations
 
@@ -66,8 +62,8 @@ def ensure_pool(pool: str = table.POOL) -> None:
 def deploy(
     source: str, *, pool: str = table.POOL, job_variables: dict[str, Any] | None = None
 ) -> Deployed:
-    """Register every deployment of the table on the pool, its runs sending heartbeats, and
-    the automations that heal it. Returns the deployments' ids."""
+    """Register the table's deployments on the pool, their runs sending heartbeats, and the
+    automations that heal it."""
     from flows import flows
 
     ensure_pool(pool)
@@ -79,13 +75,7 @@ def deploy(
     }
     ids: dict[str, str] = {}
     for entry in table.DEPLOYMENTS:
-        flow_object = getattr(flows, entry.function)
-        remote = flow_object.from_source(source=source, entrypoint=entry.entrypoint)
-        extra: dict[str, Any] = {}
-        if entry.interval_seconds:
-            extra["interval"] = entry.interval_seconds
-        if entry.concurrency_limit:
-            extra["concurrency_limit"] = entry.concurrency_limit
+        remote = getattr(flows, entry.flow).from_source(source=source, entrypoint=entry.entrypoint)
         deployment_id = remote.deploy(
             name=table.DEPLOYMENT,
             work_pool_name=pool,
@@ -96,7 +86,8 @@ def deploy(
             build=False,
             push=False,
             print_next_steps=False,
-            **extra,
+            interval=entry.interval_seconds,
+            concurrency_limit=entry.concurrency_limit,
         )
         ids[entry.name] = str(deployment_id)
         logger.info("deployed %s to %s/%s", entry.name, pool, entry.queue)
@@ -105,11 +96,8 @@ def deploy(
 
 
 def automations(drain_deployment_id: str) -> list[Automation]:
-    """Prefect automations that end a lost machine's runs and restart its work elsewhere.
-
-    A run of ours silent for `CRASH_AFTER_SECONDS`, or Pending for `PENDING_SECONDS`, is
-    marked Crashed (nothing else would ever end it); a consumer that stops saying it is alive
-    without saying it stopped makes a `drain` run, which any live machine's worker picks up."""
+    """Prefect automations that end a lost machine's runs (W3: nothing else would) and start a
+    `drain` on any live machine when a consumer stops saying it is alive."""
     from prefect.automations import Automation
     from prefect.client.schemas.objects import StateType
     from prefect.events.actions import ChangeFlowRunState, RunDeployment

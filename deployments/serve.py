@@ -1,11 +1,6 @@
-"""`insight-queue serve`: the embedded default, from one laptop to one server.
-
-One process: a local Prefect server (unless `PREFECT_API_URL` names one), the warm consumer
-(not a run itself, so an idle hour adds nothing to the history), and the deployments on a
-Prefect runner. One serve per data directory (`serve.lock`; `serve.json` says where it is).
-Its worker name is stable for the data directory and host, so a restart takes back the
-previous serve's claims at once, even after a crash.
-"""
+"""`insight-queue serve`: in one process, a local Prefect server (unless `PREFECT_API_URL` names
+one), the warm consumer and the deployments on a Prefect runner. One serve per data directory
+(`serve.lock`); its worker name is stable, so a restart takes back its claims at once."""
 
 from __future__ import annotations
 
@@ -19,8 +14,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from deployments import processes, table
 from deployments.prefect_api import ServeState
@@ -31,10 +25,8 @@ from queue_store import Job, JobStore, Settings, files, migrate
 
 logger = logging.getLogger(__name__)
 
-# The runner looks for new flow runs this often (Prefect's default is 10 s).
-RUNNER_POLL_SECONDS = 1
-# Flow runs this process runs at once (each follows its jobs; the consumer works).
-RUN_LIMIT = 20
+RUNNER_POLL_SECONDS = 1  # how often the runner looks for flow runs (Prefect's default: 10 s)
+RUN_LIMIT = 20  # flow runs at once (each follows its jobs; the consumer does the work)
 STOP_CONSUMER_SECONDS = 8.0
 STOP_RUNNER_SECONDS = 5.0
 STOP_SERVER_SECONDS = 5.0
@@ -49,7 +41,6 @@ class ServeOptions:
     prefect_port: int = DEFAULT_PORT
     upgrade: bool = False  # run migrations on PostgreSQL too (SQLite always upgrades)
     ui: bool = True
-    hold_slot_when_idle: bool = True
 
 
 class AlreadyServing(RuntimeError):
@@ -65,9 +56,7 @@ def serve_worker(settings: Settings) -> str:
 @contextlib.contextmanager
 def _data_dir_lock(settings: Settings) -> Iterator[None]:
     files.private_directory(settings.data_dir)
-    path = settings.data_dir / "serve.lock"
-    handle: IO[str] = open(path, "a+")  # noqa: SIM115 - held for the life of serve
-    try:
+    with open(settings.data_dir / "serve.lock", "a+") as handle:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -81,19 +70,6 @@ def _data_dir_lock(settings: Settings) -> Iterator[None]:
         handle.write(str(os.getpid()))
         handle.flush()
         yield
-    finally:
-        handle.close()
-
-
-def configure_client(api_url: str, home: Path) -> None:
-    """Point this process, and the flow runs it starts, at one Prefect server."""
-    processes.export_to_children(
-        overrides=client_env(api_url, home), PREFECT_RUNNER_POLL_FREQUENCY=str(RUNNER_POLL_SECONDS)
-    )
-    # Prefect reads its settings once, when first imported: have it read them again.
-    from prefect.context import refresh_global_settings_context
-
-    refresh_global_settings_context()
 
 
 def prepare(
@@ -113,25 +89,12 @@ def prepare(
     # crashed serve's own are given back above; others lapse on their own.
     taken: list[Job] = runtime.store.recover(worker)
     if taken:
+        names = ", ".join(j.run_name for j in taken)
         logger.warning(
-            "took back %d claim(s) of a previous serve or of dead workers: %s",
-            len(taken),
-            ", ".join(j.run_name for j in taken),
+            "took back %d claim(s) of a previous serve or of dead workers: %s", len(taken), names
         )
-        mark_crashed(
-            [j.flow_run_id for j in taken if j.flow_run_id],
-            "the worker stopped while this call was in flight; its job was taken back",
-        )
-
-
-def _flush_prefect_logs(timeout: float = 3.0) -> None:
-    """Ship the runs' last log lines while the Prefect server is still up, for a bounded time."""
-    try:
-        from prefect.logging.handlers import APILogWorker
-
-        APILogWorker.drain_all(timeout=timeout)
-    except Exception as exc:  # noqa: BLE001 - history only; stopping goes on
-        logger.warning("could not flush the run logs to Prefect: %s", exc)
+        why = "the worker stopped while this call was in flight; its job was taken back"
+        mark_crashed([j.flow_run_id for j in taken if j.flow_run_id], why)
 
 
 def _prefect_away(error: BaseException | None) -> bool:
@@ -149,30 +112,49 @@ def _prefect_away(error: BaseException | None) -> bool:
     return False
 
 
-class _RunnerThread(threading.Thread):
-    """Prefect's runner for the deployments, in a thread with its own event loop: not in the
-    main thread, it installs no signal handler of its own, and serve decides how it stops."""
+class _LoopThread(threading.Thread):
+    """`main()` on an event loop of its own, in a daemon thread; `error` says how it ended."""
 
-    def __init__(self, *, served: bool = False) -> None:
-        super().__init__(name="prefect-runner", daemon=True)
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._runner: Any = None
+    def __init__(self, name: str) -> None:
+        super().__init__(name=name, daemon=True)
         self.error: BaseException | None = None
-        self.started_serving = threading.Event()
-        self._served_before = served
 
-    @property
-    def served(self) -> bool:
-        """Whether serve's runner got going (this one, or one before it)."""
-        return self._served_before or self.started_serving.is_set()
+    async def main(self) -> None:
+        raise NotImplementedError
 
     def run(self) -> None:
         try:
-            asyncio.run(self._main())
+            asyncio.run(self.main())
         except BaseException as exc:  # noqa: BLE001 - reported by serve
             self.error = exc
 
-    async def _main(self) -> None:
+
+class _ConsumerThread(_LoopThread):
+    def __init__(self, consumer: Consumer, ledger: Any) -> None:
+        super().__init__("consumer")
+        self.consumer = consumer
+        self._ledger = ledger
+
+    async def main(self) -> None:
+        try:
+            await self.consumer.run()
+        finally:
+            await self._ledger.flush(timeout=5.0)
+
+
+class _RunnerThread(_LoopThread):
+    """Prefect's runner for the deployments. Not in the main thread, it installs no signal
+    handler of its own: serve decides how it stops."""
+
+    def __init__(self, *, served: bool = False) -> None:
+        super().__init__("prefect-runner")
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._runner: Any = None
+        self.served = threading.Event()  # this runner, or one before it, got going
+        if served:
+            self.served.set()
+
+    async def main(self) -> None:
         from prefect.deployments.runner import RunnerDeployment
         from prefect.runner import Runner
 
@@ -183,17 +165,16 @@ class _RunnerThread(threading.Thread):
             name=f"insight-queue-{os.getpid()}", limit=RUN_LIMIT, pause_on_shutdown=False
         )
         for entry in table.DEPLOYMENTS:
-            scheduled = entry.interval_seconds if entry.scheduled_under_serve else None
             deployment = RunnerDeployment.from_flow(
-                getattr(flows, entry.function),
+                getattr(flows, entry.flow),
                 name=table.DEPLOYMENT,
                 tags=["insight-queue"],
                 description=entry.description,
                 concurrency_limit=entry.concurrency_limit,
-                interval=scheduled,
+                interval=entry.interval_seconds if entry.scheduled_under_serve else None,
             )
             await self._runner.add_deployment(deployment)
-        self.started_serving.set()
+        self.served.set()
         await self._runner.start()
 
     def stop(self, timeout: float) -> None:
@@ -203,140 +184,132 @@ class _RunnerThread(threading.Thread):
         self.join(timeout)
 
 
-class _ConsumerThread(threading.Thread):
-    def __init__(self, consumer: Consumer, ledger: Any) -> None:
-        super().__init__(name="consumer", daemon=True)
-        self.consumer = consumer
-        self._ledger = ledger
-        self.error: BaseException | None = None
-
-    def run(self) -> None:
-        async def main() -> None:
-            try:
-                await self.consumer.run()
-            finally:
-                await self._ledger.flush(timeout=5.0)
-
-        try:
-            asyncio.run(main())
-        except BaseException as exc:  # noqa: BLE001 - reported by serve
-            self.error = exc
-
-
 def serve(settings: Settings, options: ServeOptions) -> None:
     """Run until a signal; stop everything started, within seconds."""
-    from flows.flows import prefect_consumer
-
-    server: PrefectServer | None = None
-    state: ServeState | None = None
-    consumer_thread: _ConsumerThread | None = None
-    runner_thread: _RunnerThread | None = None
+    serving = _Serving(settings)
     with _data_dir_lock(settings):
         try:
             with contextlib.suppress(KeyboardInterrupt), processes.stop_signals():
-                api_url = os.environ.get("PREFECT_API_URL", "").strip()
-                home = settings.data_dir / "prefect"
-                if not api_url:
-                    port = processes.free_port(options.prefect_port)
-                    if port != options.prefect_port:
-                        print(
-                            f"port {options.prefect_port} is taken; the Prefect server uses {port}",
-                            flush=True,
-                        )
-                    server = PrefectServer(
-                        home,
-                        port,
-                        ui=options.ui,
-                        reuse=False,
-                        retention_days=settings.retention_days,
-                    ).start()
-                    api_url = server.api_url
-                elif not is_healthy(api_url):
-                    raise RuntimeError(f"PREFECT_API_URL={api_url} does not answer")
-                configure_client(api_url, home)
-                runtime = Runtime.open(settings)
-                runtime.redact_logs()
-                worker = serve_worker(settings)
-                left = ServeState.read_left(settings)
-                prepare(runtime, worker, options.upgrade, left.leases if left else ())
-                ui_url = api_url.removesuffix("/api")
-                state = ServeState(api_url, ui_url, os.getpid(), worker)
-                state.write(settings)
-
-                def record_leases(held: frozenset[str]) -> None:
-                    # Where a restart after a crash finds the slots to give back.
-                    dataclasses.replace(state, leases=tuple(sorted(held))).write(settings)
-
-                consumer, ledger = prefect_consumer(
-                    runtime,
-                    "consumer",
-                    worker=worker,
-                    on_change=record_leases,
-                    standby=True,
-                    hold_slot_when_idle=options.hold_slot_when_idle,
-                )
-                consumer_thread = _ConsumerThread(consumer, ledger)
-                consumer_thread.start()
-                runner_thread = _RunnerThread()
-                runner_thread.start()
-                print(f"insight-queue serving; Prefect UI at {ui_url}", flush=True)
-                pause = RUNNER_RESTART_SECONDS
-                started = time.monotonic()
-                while consumer_thread.is_alive():
-                    if runner_thread.is_alive():
-                        time.sleep(0.5)
-                        continue
-                    if not runner_thread.served and not _prefect_away(runner_thread.error):
-                        break  # it never got going: not an outage, a fault to report
-                    if time.monotonic() - started > RUNNER_RESTART_MAX_SECONDS:
-                        pause = RUNNER_RESTART_SECONDS  # it had been running a while
-                    logger.warning(
-                        "Prefect's runner stopped (%s); starting it again in %g s",
-                        runner_thread.error,
-                        pause,
-                    )
-                    time.sleep(pause)
-                    pause = min(pause * 2, RUNNER_RESTART_MAX_SECONDS)
-                    runner_thread = _RunnerThread(served=True)
-                    runner_thread.start()
-                    started = time.monotonic()
-                for thread in (consumer_thread, runner_thread):
-                    if thread.error is not None:
-                        raise RuntimeError(
-                            f"{thread.name} stopped: {thread.error}"
-                        ) from thread.error
+                serving.start(options)
+                serving.supervise()
         finally:
-            _stop(server, state, settings, consumer_thread, runner_thread)
+            serving.stop()
 
 
-def _stop(
-    server: PrefectServer | None,
-    state: ServeState | None,
-    settings: Settings,
-    consumer_thread: _ConsumerThread | None,
-    runner_thread: _RunnerThread | None,
-) -> None:
-    """Stop in order: the call in flight, the runner's runs, the Prefect server."""
-    if consumer_thread is not None:
-        logger.info("stopping: the consumer")
-        consumer_thread.consumer.stop("serve is stopping")
-        consumer_thread.join(STOP_CONSUMER_SECONDS)
-    if runner_thread is not None:
-        logger.info("stopping: Prefect's runner and its runs")
-        runner_thread.stop(STOP_RUNNER_SECONDS)
-    # Whatever the runner could not stop (the Prefect server may be gone
-    # already), and nothing else of ours, by PID.
-    own = {server.pid} if server is not None and server.pid else set()
-    for pid in processes.children():
-        if pid not in own:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, 15)
-    if state is not None:
-        state.remove(settings)
-    _flush_prefect_logs()
-    if server is not None:
-        # Everything that wrote to it has stopped: it need not wait for clients.
-        logger.info("stopping: the Prefect server")
-        server.stop(grace_seconds=STOP_SERVER_SECONDS)
-    with contextlib.suppress(Exception), JobStore(settings=settings) as store:
-        store.presence(serve_worker(settings), "consumer", leaving=True)
+class _Serving:
+    """What serve started, so that it stops in order whenever it is asked to."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.server: PrefectServer | None = None
+        self.state: ServeState | None = None
+        self.consumer_thread: _ConsumerThread | None = None
+        self.runner_thread: _RunnerThread | None = None
+
+    def start(self, options: ServeOptions) -> None:
+        from prefect.context import refresh_global_settings_context
+
+        from flows.flows import prefect_consumer
+
+        settings = self.settings
+        api_url = os.environ.get("PREFECT_API_URL", "").strip()
+        home = settings.data_dir / "prefect"
+        if not api_url:
+            port = processes.free_port(options.prefect_port)
+            if port != options.prefect_port:
+                taken = f"port {options.prefect_port} is taken; the Prefect server uses {port}"
+                print(taken, flush=True)
+            self.server = PrefectServer(
+                home, port, ui=options.ui, reuse=False, retention_days=settings.retention_days
+            ).start()
+            api_url = self.server.api_url
+        elif not is_healthy(api_url):
+            raise RuntimeError(f"PREFECT_API_URL={api_url} does not answer")
+        # This process and the flow runs it starts report to that server. Prefect reads its
+        # settings once, when first imported: have it read them again.
+        os.environ.update(client_env(api_url, home))
+        os.environ.setdefault("PREFECT_RUNNER_POLL_FREQUENCY", str(RUNNER_POLL_SECONDS))
+        refresh_global_settings_context()
+        runtime = Runtime.open(settings)
+        runtime.redact_logs()
+        worker = serve_worker(settings)
+        left = ServeState.read_left(settings)
+        prepare(runtime, worker, options.upgrade, left.leases if left else ())
+        ui_url = api_url.removesuffix("/api")
+        state = self.state = ServeState(api_url, ui_url, os.getpid(), worker)
+        state.write(settings)
+
+        def record_leases(held: frozenset[str]) -> None:
+            # Where a restart after a crash finds the slots to give back.
+            dataclasses.replace(state, leases=tuple(sorted(held))).write(settings)
+
+        consumer, ledger = prefect_consumer(
+            runtime,
+            "consumer",
+            worker=worker,
+            on_change=record_leases,
+            standby=True,
+            hold_slot_when_idle=True,  # a screen never waits for a slot
+        )
+        self.consumer_thread = _ConsumerThread(consumer, ledger)
+        self.consumer_thread.start()
+        self.runner_thread = _RunnerThread()
+        self.runner_thread.start()
+        print(f"insight-queue serving; Prefect UI at {ui_url}", flush=True)
+
+    def supervise(self) -> None:
+        """Until the consumer ends: a runner that stopped because Prefect was away starts again."""
+        assert self.consumer_thread is not None and self.runner_thread is not None
+        pause = RUNNER_RESTART_SECONDS
+        started = time.monotonic()
+        while self.consumer_thread.is_alive():
+            runner = self.runner_thread
+            if runner.is_alive():
+                time.sleep(0.5)
+                continue
+            if not runner.served.is_set() and not _prefect_away(runner.error):
+                break  # it never got going: not an outage, a fault to report
+            if time.monotonic() - started > RUNNER_RESTART_MAX_SECONDS:
+                pause = RUNNER_RESTART_SECONDS  # it had been running a while
+            logger.warning(
+                "Prefect's runner stopped (%s); starting it again in %g s", runner.error, pause
+            )
+            time.sleep(pause)
+            pause = min(pause * 2, RUNNER_RESTART_MAX_SECONDS)
+            self.runner_thread = _RunnerThread(served=True)
+            self.runner_thread.start()
+            started = time.monotonic()
+        for thread in (self.consumer_thread, self.runner_thread):
+            if thread.error is not None:
+                raise RuntimeError(f"{thread.name} stopped: {thread.error}") from thread.error
+
+    def stop(self) -> None:
+        """In order: the call in flight, the runner's runs, the Prefect server."""
+        if self.consumer_thread is not None:
+            logger.info("stopping: the consumer")
+            self.consumer_thread.consumer.stop("serve is stopping")
+            self.consumer_thread.join(STOP_CONSUMER_SECONDS)
+        if self.runner_thread is not None:
+            logger.info("stopping: Prefect's runner and its runs")
+            self.runner_thread.stop(STOP_RUNNER_SECONDS)
+        # Whatever the runner could not stop (the Prefect server may be gone
+        # already), and nothing else of ours, by PID.
+        own = {self.server.pid} if self.server is not None and self.server.pid else set()
+        for pid in processes.children():
+            if pid not in own:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, 15)
+        if self.state is not None:
+            self.state.remove(self.settings)
+        try:  # the runs' last log lines, while the Prefect server is still up
+            from prefect.logging.handlers import APILogWorker
+
+            APILogWorker.drain_all(timeout=3.0)
+        except Exception as exc:  # noqa: BLE001 - history only; stopping goes on
+            logger.warning("could not flush the run logs to Prefect: %s", exc)
+        if self.server is not None:
+            # Everything that wrote to it has stopped: it need not wait for clients.
+            logger.info("stopping: the Prefect server")
+            self.server.stop(grace_seconds=STOP_SERVER_SECONDS)
+        with contextlib.suppress(Exception), JobStore(settings=self.settings) as store:
+            store.presence(serve_worker(self.settings), "consumer", leaving=True)
