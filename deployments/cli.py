@@ -215,9 +215,8 @@ def deploy_command(ctx: click.Context, source: str, pool: str) -> None:
     `insight-queue worker --pool POOL` on each machine, with the same settings."""
     from deployments.deploy import deploy
 
-    deployed = deploy(source, pool=pool)
-    for name, deployment_id in deployed.deployments.items():
-        click.echo(f"{name}  {deployment_id}  (pool {deployed.pool})")
+    for name, deployment_id in deploy(source, pool).items():
+        click.echo(f"{name}  {deployment_id}  (pool {pool})")
 
 
 def _triggers(ctx: click.Context) -> Triggers:

@@ -4,11 +4,10 @@ machines; the store (on PostgreSQL) keeps the gateway guarded whatever Prefect s
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import datetime as dt
 import logging
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from deployments import table
 from flows.history import CONSUMER_ALIVE, CONSUMER_STOPPED, PROJECT_TAG, RUN_HEARTBEAT_SECONDS
@@ -31,13 +30,7 @@ FINAL_STATES = ("Completed", "Failed", "Crashed", "Cancelled", "TimedOut", "Cach
 logger = logging.getLogger(__name__)
 
 
-@dataclasses.dataclass(frozen=True)
-class Deployed:
-    pool: str
-    deployments: dict[str, str]  # name -> id
-
-
-def ensure_pool(pool: str = table.POOL) -> None:
+def ensure_pool(pool: str) -> None:
     """The `process` work pool and its two prioritised queues; idempotent."""
     from prefect import get_client
     from prefect.client.schemas.actions import WorkPoolCreate
@@ -59,20 +52,14 @@ def ensure_pool(pool: str = table.POOL) -> None:
                 client.update_work_queue(queue.id, priority=priority)
 
 
-def deploy(
-    source: str, *, pool: str = table.POOL, job_variables: dict[str, Any] | None = None
-) -> Deployed:
+def deploy(source: str, pool: str) -> dict[str, str]:
     """Register the table's deployments on the pool, their runs sending heartbeats, and the
-    automations that heal it."""
+    automations that heal it; returns the deployments' ids by name."""
     from flows import flows
 
     ensure_pool(pool)
     ensure_gateway_limit(Settings().concurrency)
-    variables = dict(job_variables or {})
-    variables["env"] = {
-        "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": str(int(RUN_HEARTBEAT_SECONDS)),
-        **variables.get("env", {}),
-    }
+    variables = {"env": {"PREFECT_FLOWS_HEARTBEAT_FREQUENCY": str(int(RUN_HEARTBEAT_SECONDS))}}
     ids: dict[str, str] = {}
     for entry in table.DEPLOYMENTS:
         remote = getattr(flows, entry.flow).from_source(source=source, entrypoint=entry.entrypoint)
@@ -92,7 +79,7 @@ def deploy(
         ids[entry.name] = str(deployment_id)
         logger.info("deployed %s to %s/%s", entry.name, pool, entry.queue)
     ensure_automations(ids[table.DRAIN.name])
-    return Deployed(pool, ids)
+    return ids
 
 
 def automations(drain_deployment_id: str) -> list[Automation]:
@@ -108,6 +95,7 @@ def automations(drain_deployment_id: str) -> list[Automation]:
     heartbeat = "prefect.flow-run.heartbeat"
 
     def crash(after: str, expect: set[str], within: float, why: str) -> Automation:
+        message = f"its machine was lost: {why} for {within:g} s"
         return Automation(
             name=f"{PROJECT_TAG}: crash runs {why}",
             description=f"A run of {PROJECT_TAG} {why} for {within:g} s: its machine is gone.",
@@ -121,21 +109,14 @@ def automations(drain_deployment_id: str) -> list[Automation]:
                 threshold=1,
                 within=dt.timedelta(seconds=within),
             ),
-            actions=[
-                ChangeFlowRunState(
-                    state=StateType.CRASHED, message=f"its machine was lost: {why} for {within:g} s"
-                )
-            ],
+            actions=[ChangeFlowRunState(state=StateType.CRASHED, message=message)],
         )
 
+    pending, running = "prefect.flow-run.Pending", "prefect.flow-run.Running"
+    drain = uuid.UUID(drain_deployment_id)
     return [
         crash(heartbeat, {heartbeat}, CRASH_AFTER_SECONDS, "that sent no heartbeat"),
-        crash(
-            "prefect.flow-run.Pending",
-            {"prefect.flow-run.Running"},
-            PENDING_SECONDS,
-            "that stayed pending",
-        ),
+        crash(pending, {running}, PENDING_SECONDS, "that stayed pending"),
         Automation(
             name=f"{PROJECT_TAG}: drain when a consumer is lost",
             description="A consumer stopped saying it is alive: a drain takes its work.",
@@ -148,31 +129,25 @@ def automations(drain_deployment_id: str) -> list[Automation]:
                 threshold=1,
                 within=dt.timedelta(seconds=CONSUMER_LOST_SECONDS),
             ),
-            actions=[
-                RunDeployment(
-                    source="selected", deployment_id=uuid.UUID(drain_deployment_id), parameters={}
-                )
-            ],
+            actions=[RunDeployment(source="selected", deployment_id=drain, parameters={})],
         ),
     ]
 
 
-def ensure_automations(drain_deployment_id: str) -> list[str]:
-    """Create or update the automations by name; idempotent. Returns their ids."""
+def ensure_automations(drain_deployment_id: str) -> None:
+    """Create or update the automations by name; idempotent."""
     from prefect.automations import Automation
     from prefect.utilities.asyncutils import run_coro_as_sync
 
-    async def upsert(wanted: Automation) -> str:
+    async def upsert(wanted: Automation) -> None:
         try:
             existing = await Automation.aread(name=wanted.name)
-        except ValueError:
-            return str((await wanted.acreate()).id)
+        except ValueError:  # none of that name yet
+            await wanted.acreate()
+            return
         wanted.id = existing.id
         await wanted.aupdate()
-        return str(existing.id)
 
-    ids = []
     for wanted in automations(drain_deployment_id):
-        ids.append(str(run_coro_as_sync(upsert(wanted))))
+        run_coro_as_sync(upsert(wanted))
         logger.info("automation %r in place", wanted.name)
-    return ids
