@@ -1,18 +1,24 @@
-"""The `insight-queue` command. Each command is imported when it runs, so the store's verbs never
-pay for Prefect or uvicorn; `--help` lists them from `COMMANDS` without importing any."""
+"""The `insight-queue` command, and its commands that run beside Prefect. A command's module is
+imported when it runs and Prefect inside it, so the store's verbs never pay for Prefect or uvicorn;
+`--help` lists them from `COMMANDS` without importing any."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import importlib
+import json
 import logging
 import os
+import signal
+import subprocess
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 import click
 
+from deployments import processes, table
 from deployments.render import as_json, printable
 from queue_store import (
     DatabaseError,
@@ -39,30 +45,25 @@ EXIT_BAD_INPUT = 2
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
-def fails_cleanly(command: Callable[P, R]) -> Callable[P, R]:
-    """The store's errors as one line on stderr: exit 2 for what the caller or the operator must
-    fix, 1 for what may pass (the database away)."""
-
-    @functools.wraps(command)
-    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
-        try:
-            return command(*args, **kwargs)
-        except StoreError as exc:
-            click.echo(f"error: {printable(str(exc))}", err=True)
-            bad_input = isinstance(exc, InvalidArgument | Misconfigured)
-            sys.exit(EXIT_BAD_INPUT if bad_input else EXIT_FAILURE)
-
-    return wrapper
-
-
 def command(
-    name: str, context_settings: dict[str, Any] | None = None
+    name: str, context_settings: dict[str, Any] | None = None, group: click.Group | None = None
 ) -> Callable[[Callable[..., None]], click.Command]:
-    """A click command that is given its context first and fails cleanly."""
+    """A click command (of `group`, if given) that is given its context first. The store's
+    errors become one line on stderr: exit 2 for what the caller or the operator must fix, 1 for
+    what may pass (the database away)."""
 
     def make(function: Callable[..., None]) -> click.Command:
-        made = click.pass_context(fails_cleanly(function))
-        return click.command(name, context_settings=context_settings)(made)
+        @functools.wraps(function)
+        def run(*args: Any, **kwargs: Any) -> None:
+            try:
+                function(*args, **kwargs)
+            except StoreError as exc:
+                click.echo(f"error: {printable(str(exc))}", err=True)
+                bad_input = isinstance(exc, InvalidArgument | Misconfigured)
+                sys.exit(EXIT_BAD_INPUT if bad_input else EXIT_FAILURE)
+
+        decorator = group.command if group is not None else click.command
+        return decorator(name, context_settings=context_settings)(click.pass_context(run))
 
     return make
 
@@ -94,8 +95,7 @@ def json_option(command: Callable[P, R]) -> Callable[P, R]:
 
 
 # name -> (module, one-line help); the command is the module's `<name>_command`.
-_CLI, _CONSUMERS = "deployments.cli", "deployments.consumers"
-_HTTP, _STORE = "deployments.http.serving", "deployments.store_commands"
+_CLI, _HTTP, _STORE = "deployments.cli", "deployments.http.serving", "deployments.store_commands"
 COMMANDS: dict[str, tuple[str, str]] = {
     "serve": (_CLI, "Run the embedded default: Prefect, the consumer, the deployments."),
     "api": (_HTTP, "Serve the HTTP API for screens and operators, and the queue page."),
@@ -103,10 +103,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "trigger-backfill": (_CLI, "What the post-sync hook calls."),
     "request-insight": (_CLI, "What a screen calls on every poll."),
     "deploy": (_CLI, "Scale-out: register the flows on a process work pool."),
-    "worker": (_CONSUMERS, "One machine of a work pool: Prefect's worker and a warm consumer."),
-    "consume": (_CONSUMERS, "Stand by and run queued jobs (beside Prefect workers)."),
-    "drain": (_CONSUMERS, "Run what is runnable now, then stop."),
-    "setup-limit": (_CONSUMERS, "Create or update the `gateway` tag limit."),
+    "worker": (_CLI, "One machine of a work pool: Prefect's worker and a warm consumer."),
+    "consume": (_CLI, "Stand by and run queued jobs (beside Prefect workers)."),
+    "drain": (_CLI, "Run what is runnable now, then stop."),
+    "setup-limit": (_CLI, "Create or update the `gateway` tag limit."),
     "db": (_STORE, "The store's schema: `db upgrade`, `db status`."),
     "enqueue": (_STORE, "Queue one generation, or promote it."),
     "status": (_STORE, "One job: status, place, ETA, latest result (JSON)."),
@@ -217,6 +217,133 @@ def deploy_command(ctx: click.Context, source: str, pool: str) -> None:
 
     for name, deployment_id in deploy(source, pool).items():
         click.echo(f"{name}  {deployment_id}  (pool {pool})")
+
+
+# How often a machine's worker looks for flow runs (Prefect's default is 10 s):
+# a drain that a lost machine's work needs starts within seconds.
+WORKER_QUERY_SECONDS = "2"
+
+
+def _require_prefect(settings: Settings) -> None:
+    from deployments.prefect_api import api_url
+
+    url = api_url(settings)
+    if url is None:
+        raise click.ClickException(
+            "no Prefect server: set PREFECT_API_URL, or run `insight-queue serve` "
+            "for this data directory"
+        )
+    # The processes this command starts inherit it.
+    os.environ["PREFECT_API_URL"] = url
+    os.environ.setdefault("PREFECT_SERVER_ALLOW_EPHEMERAL_MODE", "false")
+
+
+def _stand_by(settings: Settings, beside: Callable[[], None] | None = None) -> None:
+    """A warm consumer until SIGTERM, SIGINT or SIGHUP; `beside` runs once it stands by."""
+    from flows.flows import prefect_consumer
+    from flows.runtime import Runtime
+
+    _require_prefect(settings)
+    runtime = Runtime.open(settings)
+    runtime.redact_logs()
+    consumer, ledger = prefect_consumer(runtime, "consumer", standby=True)
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            loop.add_signal_handler(signum, consumer.stop, signum.name)
+        try:
+            await consumer.run()
+        finally:
+            await ledger.flush(timeout=5.0)
+
+    click.echo(f"{consumer.worker} standing by; Ctrl-C stops it", err=True)
+    try:
+        if beside is not None:
+            beside()
+        asyncio.run(main())
+    finally:
+        runtime.close()
+    click.echo(json.dumps(consumer.summary.as_dict()))
+
+
+@command("consume")
+def consume_command(ctx: click.Context) -> None:
+    """Stand by and run queued jobs until SIGTERM, SIGINT or SIGHUP (a warm consumer beside
+    Prefect workers, reporting to PREFECT_API_URL); a stop hands the job in flight back."""
+    _stand_by(settings_from(ctx))
+
+
+@command("worker")
+@click.option("--pool", default=table.POOL, show_default=True, help="the process work pool")
+@click.option(
+    "--limit", type=click.IntRange(1), default=None, help="flow runs of the pool at once here"
+)
+def worker_command(ctx: click.Context, pool: str, limit: int | None) -> None:
+    """One machine of a work pool: Prefect's process worker for the pool's runs, and a warm
+    consumer beside it. SIGTERM, SIGINT or SIGHUP stop both, the job in flight handed back."""
+    started: list[subprocess.Popen[bytes]] = []
+
+    def start_worker() -> None:
+        from deployments.stack import executable
+
+        args = [executable("prefect"), "worker", "start", "--pool", pool, "--type", "process"]
+        env = {"PREFECT_WORKER_QUERY_SECONDS": WORKER_QUERY_SECONDS, **os.environ}
+        started.append(
+            processes.start([*args, *(["--limit", str(limit)] if limit else [])], env=env)
+        )
+
+    try:
+        _stand_by(settings_from(ctx), beside=start_worker)
+    finally:
+        for process in started:
+            processes.interrupt_group(process)
+
+
+@command("drain")
+@click.option("--max-jobs", type=click.IntRange(1), default=None, help="stop after this many")
+def drain_command(ctx: click.Context, max_jobs: int | None) -> None:
+    """Run queued jobs in priority order until nothing is runnable (as a `drain` flow run)."""
+    _require_prefect(settings_from(ctx))
+    with open_store(ctx, write=True) as store:
+        standing = store.gate_state().standing_by
+    if standing:
+        click.echo(f"a consumer is standing by ({', '.join(standing)}): it takes queued work")
+        return
+    from flows.flows import drain
+
+    click.echo(json.dumps(asyncio.run(drain(max_jobs)), indent=2, default=str))
+
+
+@command("setup-limit")
+@click.option(
+    "--repair",
+    is_flag=True,
+    help="give back slots counted as taken but held by no task run (only with no consumer alive)",
+)
+def setup_limit_command(ctx: click.Context, repair: bool) -> None:
+    """Create or update the `gateway` tag concurrency limit to AI_JOB_CONCURRENCY.
+
+    A Prefect server with in-memory leases forgets who holds slots when it restarts, but not
+    that they are taken: `--repair` sets the count back. It refuses while a consumer is alive:
+    a consumer's slot has no task run, so Prefect cannot tell it from such a leak.
+    """
+    from flows.limits import ensure_gateway_limit, repair_gateway_slots
+
+    settings = settings_from(ctx)
+    _require_prefect(settings)
+    limit = ensure_gateway_limit(settings.concurrency)
+    if repair:
+        with open_store(ctx, write=True) as store:
+            alive = list(store.gate_state().workers)
+        if alive:
+            raise click.ClickException(
+                f"consumers are alive ({', '.join(alive)}): their slots would be given back too"
+            )
+    check = repair_gateway_slots(repair=repair)
+    state = "; repaired" if check.repaired else ""
+    held = f"held by task runs {check.live}{state}"
+    click.echo(f"gateway limit {limit}; slots counted {check.counted}, {held}")
 
 
 def _triggers(ctx: click.Context) -> Triggers:

@@ -13,7 +13,6 @@ from deployments.cli import (
     EXIT_FAILURE,
     command,
     echo_json,
-    fails_cleanly,
     json_option,
     key_arguments,
     open_store,
@@ -32,9 +31,7 @@ def db_command() -> None:
     """The store's schema."""
 
 
-@db_command.command("upgrade")
-@click.pass_context
-@fails_cleanly
+@command("upgrade", group=db_command)
 def db_upgrade(ctx: click.Context) -> None:
     """Create the schema, or upgrade it (an original ai_jobs table is adopted in place)."""
     settings = settings_from(ctx)
@@ -42,9 +39,7 @@ def db_upgrade(ctx: click.Context) -> None:
     click.echo(f"{mask_url(settings.database_url)} is at schema revision {revision}")
 
 
-@db_command.command("status")
-@click.pass_context
-@fails_cleanly
+@command("status", group=db_command)
 def db_status(ctx: click.Context) -> None:
     """Say whether the schema is current (creates nothing)."""
     open_store(ctx, write=False).close()  # opening checks the schema
