@@ -89,13 +89,7 @@ class Gatekeeper:
         self._operator = _digest(credentials.operator_token)
         self._service = _digest(credentials.service_token)
         self._screens = credentials.screens
-        self.rates = Rates(
-            {
-                Role.SCREEN: settings.screen_rate,
-                Role.SERVICE: settings.service_rate,
-                Role.OPERATOR: settings.operator_rate,
-            }
-        )
+        self.rates = Rates({role: getattr(settings, f"{role}_rate") for role in Role})
 
     def identify(self, request: Request, *, basic: bool = False) -> Caller:
         """The caller of `request`, or `Refused(401)`. `basic`: the page, where a browser may
@@ -133,12 +127,8 @@ class Gatekeeper:
         wait = self.rates.take(caller)
         if wait is not None:
             retry = max(1, math.ceil(wait))
-            raise Refused(
-                429,
-                f"too many requests for this {caller.role} credential; retry in {retry} s",
-                "authorization",
-                headers={"Retry-After": str(retry)},
-            )
+            message = f"too many requests for this {caller.role} credential; retry in {retry} s"
+            raise Refused(429, message, "authorization", headers={"Retry-After": str(retry)})
 
 
 def from_this_site(request: Request, allowed: tuple[str, ...] = ()) -> bool:

@@ -32,7 +32,6 @@ def create_app(
     (`AI_API_*`). `ui_url` gives the Prefect UI's address for the page's links."""
     settings = triggers.runtime.settings
     app = FastAPI(title="insight-queue", docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.triggers = triggers
     app.state.gatekeeper = Gatekeeper(credentials, settings.api)
     app.state.origins = tuple(settings.api.origins)
     add_error_handlers(app)
@@ -46,5 +45,5 @@ def create_app(
 
     app.include_router(app_router(triggers))
     links = ui_url or (lambda: prefect_api.ui_url(settings))
-    app.include_router(operator_router(triggers.operator, links))
+    app.include_router(operator_router(triggers, links))
     return app

@@ -1,10 +1,9 @@
-"""What a route is given: its caller, checked, and the services it works through, from
-`app.state` (never the raw store)."""
+"""What a route is given: its caller, checked (the gatekeeper from `app.state`), its path's
+values as sent, and a body only as JSON."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Annotated
 
 from fastapi import Depends, Request
 from pydantic import BaseModel, ConfigDict
@@ -12,8 +11,6 @@ from pydantic import BaseModel, ConfigDict
 from deployments.http.access import Caller, Gatekeeper, Role, from_this_site
 from deployments.http.errors import Refused
 from deployments.http.middleware import ENCODED_SLASHES, SLASH
-from deployments.triggers import Triggers
-from queue_store import OperatorStore
 
 JSON_TYPES = ("application/json",)
 
@@ -26,15 +23,6 @@ def path_text(request: Request, name: str) -> str:
     """A path parameter as the client meant it (an encoded slash is a slash)."""
     found = str(request.path_params[name])
     return found.replace(SLASH, "/") if request.scope.get(ENCODED_SLASHES) else found
-
-
-def triggers(request: Request) -> Triggers:
-    found: Triggers = request.app.state.triggers
-    return found
-
-
-def operations(request: Request) -> OperatorStore:
-    return triggers(request).operator
 
 
 def _caller(request: Request, *, basic: bool = False) -> Caller:
@@ -102,6 +90,4 @@ def single_values(request: Request) -> None:
             raise Refused(422, f"{name}: given more than once; give it once", name)
 
 
-TriggersDep = Annotated[Triggers, Depends(triggers)]
-OperationsDep = Annotated[OperatorStore, Depends(operations)]
 Writes = [Depends(json_only), Depends(same_site)]

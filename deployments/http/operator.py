@@ -14,18 +14,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import HTMLResponse, JSONResponse, Response
 
 from deployments import metrics, queue_page
-from deployments.http.deps import (
-    Body,
-    OperationsDep,
-    TriggersDep,
-    Writes,
-    operator,
-    page_operator,
-    path_text,
-    single_values,
-)
+from deployments.http.deps import Body, Writes, operator, page_operator, path_text, single_values
 from deployments.http.errors import NO_STORE, STORE_DOWN_RETRY_SECONDS, Refused
-from queue_store import OperatorStore, Unavailable
+from deployments.triggers import Triggers
+from queue_store import Unavailable
 from queue_store.models import iso
 
 # The queue page: default refresh, its bounds (0 turns it off), rows shown.
@@ -66,37 +58,36 @@ def refresh_seconds(refresh: Annotated[str | None, Query()] = None) -> int:
     return int(min(max(math.ceil(seconds), REFRESH_MIN_SECONDS), REFRESH_MAX_SECONDS))
 
 
-def operator_router(store: OperatorStore, ui_url: Callable[[], str | None]) -> APIRouter:
-    """The operator's routes; `/metrics` reads `store` at every scrape (M1)."""
+def operator_router(triggers: Triggers, ui_url: Callable[[], str | None]) -> APIRouter:
+    """The operator's routes; `/metrics` reads the store at every scrape (M1)."""
     router = APIRouter(dependencies=[Depends(single_values)])
+    store = triggers.operator
     scraped = metrics.registry_for(store)
     only = [Depends(operator)]
 
     @router.get("/v1/queue", dependencies=only)
-    async def queue(ops: OperationsDep, limit: Limit = QUEUE_LIMIT) -> Response:
-        view = await run_in_threadpool(ops.queue_view, limit)
+    async def queue(limit: Limit = QUEUE_LIMIT) -> Response:
+        view = await run_in_threadpool(store.queue_view, limit)
         return JSONResponse(view.as_dict(), headers=NO_STORE)
 
     @router.post("/v1/pause", dependencies=[*only, *Writes])
-    async def pause(ops: OperationsDep, body: PauseRequest) -> Response:
-        gate = await run_in_threadpool(ops.pause, body.seconds, body.reason)
+    async def pause(body: PauseRequest) -> Response:
+        gate = await run_in_threadpool(store.pause, body.seconds, body.reason)
         answer = {"paused_until": iso(gate.paused_until), "gate": gate.as_dict()}
         return JSONResponse(answer, headers=NO_STORE)
 
     @router.post("/v1/resume", dependencies=[*only, *Writes])
-    async def resume(ops: OperationsDep, body: Body | None = None) -> Response:
-        gate = await run_in_threadpool(ops.resume)
+    async def resume(body: Body | None = None) -> Response:
+        gate = await run_in_threadpool(store.resume)
         return JSONResponse({"gate": gate.as_dict()}, headers=NO_STORE)
 
     @router.post("/v1/users/{user_id}/retry-failed", dependencies=[*only, *Writes])
-    async def retry_failed(
-        request: Request, ops: OperationsDep, body: Body | None = None
-    ) -> Response:
-        done = await run_in_threadpool(ops.retry_failed, path_text(request, "user_id"))
+    async def retry_failed(request: Request, body: Body | None = None) -> Response:
+        done = await run_in_threadpool(store.retry_failed, path_text(request, "user_id"))
         return JSONResponse(done.as_dict(), headers=NO_STORE)
 
     @router.delete("/v1/users/{user_id}", dependencies=[*only, *Writes])
-    async def forget(request: Request, triggers: TriggersDep) -> Response:
+    async def forget(request: Request) -> Response:
         state = await run_in_threadpool(triggers.forget, path_text(request, "user_id"))
         return JSONResponse(state.as_dict(), headers=NO_STORE)
 
@@ -108,14 +99,13 @@ def operator_router(store: OperatorStore, ui_url: Callable[[], str | None]) -> A
     @router.get("/queue", dependencies=[Depends(page_operator)])
     async def page(
         request: Request,
-        ops: OperationsDep,
         refresh: Annotated[int, Depends(refresh_seconds)],
         limit: Limit = QUEUE_LIMIT,
     ) -> Response:
         stylesheet = str(request.url_for("static", path="queue.css").path)
         render = functools.partial(queue_page.render, ui_url=ui_url(), stylesheet=stylesheet)
         try:
-            view = await run_in_threadpool(ops.queue_view, limit)
+            view = await run_in_threadpool(store.queue_view, limit)
         except Unavailable as exc:
             shown = render(None, refresh=refresh or REFRESH_SECONDS, error=str(exc))
             headers = {**PAGE_HEADERS, "Retry-After": str(STORE_DOWN_RETRY_SECONDS)}

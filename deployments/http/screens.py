@@ -15,7 +15,6 @@ from starlette.responses import JSONResponse, Response
 
 from deployments.http.deps import (
     Body,
-    TriggersDep,
     Writes,
     for_user,
     path_text,
@@ -144,9 +143,7 @@ def app_router(triggers: Triggers) -> APIRouter:
     @router.post(
         "/v1/users/{user_id}/backfills", status_code=202, dependencies=[Depends(service), *Writes]
     )
-    async def backfill(
-        request: Request, triggers: TriggersDep, body: BackfillRequest | None = None
-    ) -> Response:
+    async def backfill(request: Request, body: BackfillRequest | None = None) -> Response:
         sync_id = body.sync_id if body else None
         user_id = path_text(request, "user_id")
         state = await run_in_threadpool(triggers.trigger_backfill, user_id, sync_id)
