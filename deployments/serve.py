@@ -30,8 +30,6 @@ RUN_LIMIT = 20  # flow runs at once (each follows its jobs; the consumer does th
 STOP_CONSUMER_SECONDS = 8.0
 STOP_RUNNER_SECONDS = 5.0
 STOP_SERVER_SECONDS = 5.0
-# Prefect's runner stops for good after a few polls that could not reach its server. serve starts
-# another after this pause, doubling up to the maximum, while its consumer goes on.
 RUNNER_RESTART_SECONDS = 2.0
 RUNNER_RESTART_MAX_SECONDS = 60.0
 
@@ -112,49 +110,60 @@ def _prefect_away(error: BaseException | None) -> bool:
     return False
 
 
-class _LoopThread(threading.Thread):
-    """`main()` on an event loop of its own, in a daemon thread; `error` says how it ended."""
-
-    def __init__(self, name: str) -> None:
-        super().__init__(name=name, daemon=True)
+class _ConsumerThread(threading.Thread):
+    def __init__(self, consumer: Consumer, ledger: Any) -> None:
+        super().__init__(name="consumer", daemon=True)
+        self.consumer = consumer
+        self._ledger = ledger
         self.error: BaseException | None = None
-
-    async def main(self) -> None:
-        raise NotImplementedError
 
     def run(self) -> None:
         try:
-            asyncio.run(self.main())
+            asyncio.run(self._consume())
         except BaseException as exc:  # noqa: BLE001 - reported by serve
             self.error = exc
 
-
-class _ConsumerThread(_LoopThread):
-    def __init__(self, consumer: Consumer, ledger: Any) -> None:
-        super().__init__("consumer")
-        self.consumer = consumer
-        self._ledger = ledger
-
-    async def main(self) -> None:
+    async def _consume(self) -> None:
         try:
             await self.consumer.run()
         finally:
             await self._ledger.flush(timeout=5.0)
 
 
-class _RunnerThread(_LoopThread):
+class _RunnerThread(threading.Thread):
     """Prefect's runner for the deployments. Not in the main thread, it installs no signal
-    handler of its own: serve decides how it stops."""
+    handler of its own: serve decides how it stops. It stops for good after a few polls that
+    could not reach its server: another starts after a pause, doubling up to the maximum."""
 
-    def __init__(self, *, served: bool = False) -> None:
-        super().__init__("prefect-runner")
+    def __init__(self) -> None:
+        super().__init__(name="prefect-runner", daemon=True)
+        self.error: BaseException | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._runner: Any = None
-        self.served = threading.Event()  # this runner, or one before it, got going
-        if served:
-            self.served.set()
+        self._served = False  # a runner got going once
+        self._stopping = threading.Event()
 
-    async def main(self) -> None:
+    def run(self) -> None:
+        pause = RUNNER_RESTART_SECONDS
+        while not self._stopping.is_set():
+            started = time.monotonic()
+            try:
+                asyncio.run(self._serve())
+                self.error = None
+            except BaseException as exc:  # noqa: BLE001 - reported by serve
+                self.error = exc
+            if self._stopping.is_set() or not (self._served or _prefect_away(self.error)):
+                return  # stopped, or it never got going: not an outage, a fault to report
+            if time.monotonic() - started > RUNNER_RESTART_MAX_SECONDS:
+                pause = RUNNER_RESTART_SECONDS  # it had been running a while
+            logger.warning(
+                "Prefect's runner stopped (%s); starting it again in %g s", self.error, pause
+            )
+            self._stopping.wait(pause)
+            pause = min(pause * 2, RUNNER_RESTART_MAX_SECONDS)
+            self._served = True
+
+    async def _serve(self) -> None:
         from prefect.deployments.runner import RunnerDeployment
         from prefect.runner import Runner
 
@@ -174,13 +183,15 @@ class _RunnerThread(_LoopThread):
                 interval=entry.interval_seconds if entry.scheduled_under_serve else None,
             )
             await self._runner.add_deployment(deployment)
-        self.served.set()
+        self._served = True
         await self._runner.start()
 
     def stop(self, timeout: float) -> None:
-        if self._loop is not None and self._runner is not None and self.is_alive():
-            with contextlib.suppress(RuntimeError):
-                asyncio.run_coroutine_threadsafe(self._runner.astop(), self._loop)
+        self._stopping.set()
+        loop, runner = self._loop, self._runner
+        if loop is not None and runner is not None and not loop.is_closed():
+            with contextlib.suppress(RuntimeError):  # the loop has just closed
+                asyncio.run_coroutine_threadsafe(runner.astop(), loop)
         self.join(timeout)
 
 
@@ -258,27 +269,10 @@ class _Serving:
         print(f"insight-queue serving; Prefect UI at {ui_url}", flush=True)
 
     def supervise(self) -> None:
-        """Until the consumer ends: a runner that stopped because Prefect was away starts again."""
+        """Until the consumer ends, or the runner with a fault."""
         assert self.consumer_thread is not None and self.runner_thread is not None
-        pause = RUNNER_RESTART_SECONDS
-        started = time.monotonic()
-        while self.consumer_thread.is_alive():
-            runner = self.runner_thread
-            if runner.is_alive():
-                time.sleep(0.5)
-                continue
-            if not runner.served.is_set() and not _prefect_away(runner.error):
-                break  # it never got going: not an outage, a fault to report
-            if time.monotonic() - started > RUNNER_RESTART_MAX_SECONDS:
-                pause = RUNNER_RESTART_SECONDS  # it had been running a while
-            logger.warning(
-                "Prefect's runner stopped (%s); starting it again in %g s", runner.error, pause
-            )
-            time.sleep(pause)
-            pause = min(pause * 2, RUNNER_RESTART_MAX_SECONDS)
-            self.runner_thread = _RunnerThread(served=True)
-            self.runner_thread.start()
-            started = time.monotonic()
+        while self.consumer_thread.is_alive() and self.runner_thread.is_alive():
+            time.sleep(0.5)
         for thread in (self.consumer_thread, self.runner_thread):
             if thread.error is not None:
                 raise RuntimeError(f"{thread.name} stopped: {thread.error}") from thread.error
