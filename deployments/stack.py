@@ -144,9 +144,3 @@ class PrefectServer:
         process, self.process = self.process, None
         if process is not None:
             processes.stop_group(process, grace_seconds=grace_seconds)
-
-    def __enter__(self) -> Self:
-        return self.start()
-
-    def __exit__(self, *_: object) -> None:
-        self.stop()

@@ -1,6 +1,5 @@
-"""What the app calls: the post-sync hook's `trigger_backfill`, a screen's `request_insight`, and
-`forget`. One `Triggers` per process, from any thread; each queues its work in the store first and
-starts a run only when the store says one is needed, so Prefect's state never holds it up."""
+"""What the app calls: `trigger_backfill`, `request_insight` and `forget`. Each writes the store
+first and starts a Prefect run only when the store says one is needed."""
 
 from __future__ import annotations
 
@@ -44,7 +43,7 @@ NO_SERVER = (
 
 @dataclasses.dataclass(frozen=True)
 class InsightState:
-    """What a screen gets back from every poll (the fields as README.md describes them)."""
+    """What a screen gets back from every poll (README.md, "Using it from an app")."""
 
     status: str  # pending | running | done | failed | unknown (the store was unreachable)
     ahead: int | None = None
@@ -108,7 +107,8 @@ class BackfillState:
 
 
 class Triggers:
-    """The app side: a runtime (store, registry) and the way to Prefect. Thread-safe."""
+    """The app side: a runtime (store, registry) and the way to Prefect; one per process, used
+    from any thread."""
 
     def __init__(self, runtime: Runtime, prefect_url: str | None = None) -> None:
         self.runtime = runtime
@@ -122,7 +122,6 @@ class Triggers:
 
     @classmethod
     def open(cls, settings: Settings | None = None, *, prefect_url: str | None = None) -> Self:
-        """On a runtime of their own, for these settings (default: the environment)."""
         return cls(Runtime.open(settings), prefect_url)
 
     @property
@@ -131,7 +130,6 @@ class Triggers:
 
     @property
     def operator(self) -> OperatorStore:
-        """The store as the operator uses it: the queue and its actions."""
         return self.runtime.store
 
     def close(self) -> None:
