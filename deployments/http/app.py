@@ -1,6 +1,5 @@
-"""The standalone HTTP API: `create_app` wires the edges, the callers and the routes of each
-audience (`screens`: the app's, `operator`: the operator's, `/healthz`: anyone's). Store calls run
-in the threadpool, never on the event loop."""
+"""The standalone HTTP API: the edges, the callers, and the routes of each audience (`screens`,
+`operator`, and `/healthz` for anyone). Store calls run in the threadpool, never on the loop."""
 
 from __future__ import annotations
 
@@ -28,8 +27,7 @@ def create_app(
     *,
     ui_url: Callable[[], str | None] | None = None,
 ) -> FastAPI:
-    """The app for these triggers and credentials; hosts, origins and rates are the settings'
-    (`AI_API_*`). `ui_url` gives the Prefect UI's address for the page's links."""
+    """Hosts, origins and rates are the settings'; `ui_url` gives the Prefect UI's address."""
     settings = triggers.runtime.settings
     app = FastAPI(title="insight-queue", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.gatekeeper = Gatekeeper(credentials, settings.api)

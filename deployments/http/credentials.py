@@ -1,7 +1,5 @@
-"""The API's credentials: the operator's and the service's tokens, and a screen's signed token (a
-JWT checked with PyJWT: HS256 with a shared secret, or RS256/ES256 with the app's public key or
-JWKS). A token or secret not set is made once and kept in `api-credentials.json` (0600) in the
-data directory, so every API process and the `token` command read the same."""
+"""The API's credentials: the operator's and the service's tokens, and a screen's JWT. What is not
+set is made once and kept in the data directory, so every API process reads the same."""
 
 from __future__ import annotations
 
@@ -31,7 +29,7 @@ class InvalidToken(Exception):
 
 
 class ScreenTokens:
-    """Checks (and, with a shared secret, makes) the tokens that let a screen act for a user."""
+    """Checks (and, with a shared secret, makes) the tokens that let a screen act for its user."""
 
     def __init__(
         self,
@@ -116,8 +114,7 @@ class Credentials:
 
     @classmethod
     def load(cls, settings: Settings, *, create: bool = True) -> Credentials:
-        """The credentials of these settings; what is not set comes from the data directory's
-        file, made when `create` and it is missing. With the app's keys, no secret is used."""
+        """What is not set comes from the data directory's file, made if `create`."""
         api = settings.api
         path = settings.data_dir / CREDENTIALS_FILE
         keys = api.screen_public_key is not None or api.screen_jwks is not None

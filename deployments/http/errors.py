@@ -23,22 +23,18 @@ REALM = "insight-queue"
 NO_STORE = {"Cache-Control": "no-store"}
 
 
-class Refused(Exception):
-    """A request refused with a 4xx, naming the field it is about; `challenge` asks for a
-    credential."""
+class Refused(HTTPException):
+    """A 4xx naming the field it is about; a 401 asks for a credential."""
 
     def __init__(
         self,
         status: int,
         message: str,
         field: str | None = None,
-        *,
-        challenge: bool = False,
-        headers: Mapping[str, str] | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.field = status, message, field
-        self.challenge, self.headers = challenge, dict(headers or {})
+        super().__init__(status, message, headers)
+        self.field = field
 
 
 def problem(
@@ -58,14 +54,6 @@ def unavailable(error: str) -> JSONResponse:
     return JSONResponse(body, 503, headers)
 
 
-async def _refused(request: Request, exc: Refused) -> Response:
-    response = problem(exc.status, exc.message, exc.field, exc.headers)
-    if exc.challenge:  # a bearer token, or Basic credentials (a browser prompts for those)
-        response.headers.append("WWW-Authenticate", f'Bearer realm="{REALM}"')
-        response.headers.append("WWW-Authenticate", f'Basic realm="{REALM}", charset="UTF-8"')
-    return response
-
-
 async def _invalid(request: Request, exc: InvalidArgument) -> Response:
     return problem(422, str(exc), exc.argument)
 
@@ -80,6 +68,12 @@ async def _unavailable(request: Request, exc: Unavailable) -> Response:
 
 async def _http_error(request: Request, exc: HTTPException) -> Response:
     messages = {404: "no such route", 405: "method not allowed on this route"}
+    if isinstance(exc, Refused):
+        response = problem(exc.status_code, exc.detail, exc.field, exc.headers)
+        if exc.status_code == 401:  # a bearer token, or Basic's (a browser prompts for those)
+            response.headers.append("WWW-Authenticate", f'Bearer realm="{REALM}"')
+            response.headers.append("WWW-Authenticate", f'Basic realm="{REALM}", charset="UTF-8"')
+        return response
     if exc.status_code == 400:  # FastAPI could not read the body
         return problem(400, "body: not valid JSON", "body")
     if exc.status_code == 413:
@@ -106,7 +100,6 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
 
 
 HANDLERS: dict[type[Exception], Callable[[Request, Any], Awaitable[Response]]] = {
-    Refused: _refused,
     InvalidArgument: _invalid,
     Misconfigured: _misconfigured,
     Unavailable: _unavailable,

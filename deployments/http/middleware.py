@@ -1,5 +1,5 @@
-"""The edge's middleware: exact paths, bounded headers and bodies, known hosts only (Starlette's
-`TrustedHostMiddleware`: DNS rebinding gets a 400), CORS for the app's own origins."""
+"""The edge's middleware: exact paths, bounded headers and bodies, known hosts only (DNS rebinding
+gets a 400), CORS for the app's own origins."""
 
 from __future__ import annotations
 
@@ -47,8 +47,7 @@ def add_edges(app: FastAPI, hosts: Sequence[str], origins: Sequence[str]) -> Non
 
 
 class StrictPaths:
-    """Paths and queries as exact text: invalid UTF-8 is refused, `%2F` stays in its value (a
-    host app that includes `insights_router` adds it too)."""
+    """Paths and queries as exact text: invalid UTF-8 is refused, `%2F` stays in its value."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -78,8 +77,7 @@ class StrictPaths:
 
 
 class LimitedBodies:
-    """Headers of at most `MAX_HEADER_BYTES` in all (431), bodies of at most `MAX_BODY_BYTES`
-    (413, before all is read), and `X-Content-Type-Options: nosniff` on every answer."""
+    """Headers (431) and bodies (413, before all is read) within bounds; nosniff on answers."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app

@@ -1,5 +1,4 @@
-"""The operator's routes: the queue, its actions, `/metrics` and the page; the operator token
-only (the page also takes it as Basic's password, from the same site)."""
+"""The operator's routes: the queue, its actions, `/metrics` and the page."""
 
 from __future__ import annotations
 
@@ -14,7 +13,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import HTMLResponse, JSONResponse, Response
 
 from deployments import metrics, queue_page
-from deployments.http.deps import Body, Writes, operator, page_operator, path_text, single_values
+from deployments.http.access import Body, Writes, operator, page_operator, path_text, single_values
 from deployments.http.errors import NO_STORE, STORE_DOWN_RETRY_SECONDS, Refused
 from deployments.triggers import Triggers
 from queue_store import Unavailable

@@ -1,5 +1,4 @@
-"""The app's routes: a screen's poll (P1: ETag, 304 while nothing changed, `Retry-After` while it
-waits), for the standalone app and for a host app that mounts it, and the post-sync hook."""
+"""The app's routes: a screen's poll (P1), also for a host app to mount, and the post-sync hook."""
 
 from __future__ import annotations
 
@@ -13,7 +12,7 @@ from fastapi import APIRouter, Depends, Header, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from starlette.responses import JSONResponse, Response
 
-from deployments.http.deps import (
+from deployments.http.access import (
     Body,
     Writes,
     for_user,
@@ -96,8 +95,7 @@ def insights_router(
     path: str = INSIGHT_PATH,
     dependencies: list[Any] | None = None,
 ) -> APIRouter:
-    """A screen's poll, `GET /v1/insights/{kind}/{subject}?fingerprint=` for a host app whose
-    `current_user` dependency yields the calling user's id after its own authentication."""
+    """A screen's poll; `current_user` is the host app's dependency yielding the caller's id."""
     router = APIRouter(dependencies=[Depends(single_values), *(dependencies or [])])
 
     # `current_user` as a default: FastAPI cannot resolve a local name from an annotation.
@@ -130,8 +128,7 @@ def insights_router(
 
 
 def app_router(triggers: Triggers) -> APIRouter:
-    """The poll for a screen's own user (or the service, for any), and the post-sync hook's
-    backfill (the service only); both write, so pages of other sites are refused."""
+    """The poll for a screen's own user (or the service's), and the backfill (the service's)."""
     router = APIRouter()
     # Its own router: the poll's dependencies are not the backfill's.
     router.include_router(

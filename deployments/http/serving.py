@@ -1,5 +1,4 @@
-"""`insight-queue api` and `token`: the HTTP API on uvicorn, with an h11 protocol that makes slow
-and oversized clients cheap (a reverse proxy in front adds TLS and its own limits)."""
+"""`insight-queue api` and `token`: the HTTP API on uvicorn, slow and oversized clients cheap."""
 
 from __future__ import annotations
 
@@ -39,10 +38,8 @@ HEADERS_TOO_LARGE = b"request header fields larger than 16 KB"
 
 
 class GuardedH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol, with what a bare uvicorn lacks: a request whose headers are not all
-    in within `HEADER_SECONDS` (a new connection, or the next request on a kept-alive one) is
-    closed, headers over `MAX_HEADER_BYTES` are `431`, and past `MAX_CONNECTIONS` the idle
-    connections that waited longest are closed."""
+    """uvicorn's h11 protocol, and what it lacks: a deadline for a request's headers (also the
+    next on a kept-alive connection), a 431, and past `MAX_CONNECTIONS` the longest idle closed."""
 
     def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
         super().__init__(config, *args, **kwargs)
@@ -119,7 +116,7 @@ class GuardedH11Protocol(H11Protocol):
 
 
 def app_from_env() -> FastAPI:
-    """The app for uvicorn's workers: settings from the environment, logs redacted here too."""
+    """The app for uvicorn's workers, from the environment, logs redacted."""
     anyio.to_thread.current_default_thread_limiter().total_tokens = STORE_THREADS
     settings = Settings()
     logging.basicConfig(level=logging.WARNING, format=LOG_FORMAT)
