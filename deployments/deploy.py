@@ -1,5 +1,5 @@
-"""`insight-queue deploy`: the same flows on a Prefect `process` work pool, with workers on several
-machines; the store (on PostgreSQL) keeps the gateway guarded whatever Prefect starts where."""
+"""`insight-queue deploy`: the flows on a Prefect `process` work pool, workers on several machines;
+the store (on PostgreSQL) guards the gateway whatever Prefect starts where."""
 
 from __future__ import annotations
 
@@ -7,15 +7,21 @@ import contextlib
 import datetime as dt
 import logging
 import uuid
-from typing import TYPE_CHECKING
+
+from prefect import get_client
+from prefect.automations import Automation
+from prefect.client.schemas.actions import WorkPoolCreate
+from prefect.client.schemas.objects import StateType
+from prefect.events.actions import ChangeFlowRunState, RunDeployment
+from prefect.events.schemas.automations import EventTrigger, Posture
+from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
+from prefect.utilities.asyncutils import run_coro_as_sync
 
 from deployments import table
+from flows import flows
 from flows.history import CONSUMER_ALIVE, CONSUMER_STOPPED, PROJECT_TAG, RUN_HEARTBEAT_SECONDS
 from flows.limits import ensure_gateway_limit
 from queue_store import Settings
-
-if TYPE_CHECKING:
-    from prefect.automations import Automation
 
 # A run that sent no heartbeat for this long is Crashed: three beats missed.
 CRASH_AFTER_SECONDS = 3 * RUN_HEARTBEAT_SECONDS
@@ -32,10 +38,6 @@ logger = logging.getLogger(__name__)
 
 def ensure_pool(pool: str) -> None:
     """The `process` work pool and its two prioritised queues; idempotent."""
-    from prefect import get_client
-    from prefect.client.schemas.actions import WorkPoolCreate
-    from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
-
     with get_client(sync_client=True) as client:
         try:
             client.read_work_pool(pool)
@@ -53,10 +55,7 @@ def ensure_pool(pool: str) -> None:
 
 
 def deploy(source: str, pool: str) -> dict[str, str]:
-    """Register the table's deployments on the pool, their runs sending heartbeats, and the
-    automations that heal it; returns the deployments' ids by name."""
-    from flows import flows
-
+    """The table's deployments on the pool (their runs send heartbeats), and the automations."""
     ensure_pool(pool)
     ensure_gateway_limit(Settings().concurrency)
     variables = {"env": {"PREFECT_FLOWS_HEARTBEAT_FREQUENCY": str(int(RUN_HEARTBEAT_SECONDS))}}
@@ -85,11 +84,6 @@ def deploy(source: str, pool: str) -> dict[str, str]:
 def automations(drain_deployment_id: str) -> list[Automation]:
     """Prefect automations that end a lost machine's runs (W3: nothing else would) and start a
     `drain` on any live machine when a consumer stops saying it is alive."""
-    from prefect.automations import Automation
-    from prefect.client.schemas.objects import StateType
-    from prefect.events.actions import ChangeFlowRunState, RunDeployment
-    from prefect.events.schemas.automations import EventTrigger, Posture
-
     ours = {"prefect.resource.role": "tag", "prefect.resource.id": f"prefect.tag.{PROJECT_TAG}"}
     ended = {f"prefect.flow-run.{state}" for state in FINAL_STATES}
     heartbeat = "prefect.flow-run.heartbeat"
@@ -135,9 +129,7 @@ def automations(drain_deployment_id: str) -> list[Automation]:
 
 
 def ensure_automations(drain_deployment_id: str) -> None:
-    """Create or update the automations by name; idempotent."""
-    from prefect.automations import Automation
-    from prefect.utilities.asyncutils import run_coro_as_sync
+    """By name; idempotent."""
 
     async def upsert(wanted: Automation) -> None:
         try:

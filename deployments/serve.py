@@ -1,6 +1,5 @@
-"""`insight-queue serve`: in one process, a local Prefect server (unless `PREFECT_API_URL` names
-one), the warm consumer and the deployments on a Prefect runner. One serve per data directory
-(`serve.lock`); its worker name is stable, so a restart takes back its claims at once."""
+"""`insight-queue serve`: a local Prefect server (unless `PREFECT_API_URL` names one), the warm
+consumer and the deployments, in one process per data directory."""
 
 from __future__ import annotations
 
@@ -16,12 +15,21 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
+from prefect.context import refresh_global_settings_context
+from prefect.deployments.runner import RunnerDeployment
+from prefect.logging.handlers import APILogWorker
+from prefect.runner import Runner
+
 from deployments import processes, table
 from deployments.prefect_api import ServeState
 from deployments.stack import DEFAULT_PORT, PrefectServer, client_env, is_healthy
+from flows import flows
 from flows.consumer import Consumer, short_hostname
+from flows.flows import prefect_consumer
+from flows.limits import ensure_gateway_limit, give_back_leases, mark_crashed
 from flows.runtime import Runtime
-from queue_store import Job, JobStore, Settings, files, migrate
+from queue_store import JobStore, Settings, files, migrate
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +54,7 @@ class AlreadyServing(RuntimeError):
 
 
 def serve_worker(settings: Settings) -> str:
-    """The stable worker name of serve for this host and data directory."""
+    """Stable for this host and data directory: a restart takes back its claims at once."""
     where = hashlib.sha256(str(settings.data_dir.resolve()).encode()).hexdigest()[:10]
     return f"serve@{short_hostname()}:{where}"
 
@@ -74,8 +82,6 @@ def prepare(
     runtime: Runtime, worker: str, upgrade: bool, leases_left: tuple[str, ...] = ()
 ) -> None:
     """The store's schema, the `gateway` limit, leaked slots, and what a previous serve left."""
-    from flows.limits import ensure_gateway_limit, give_back_leases, mark_crashed
-
     settings = runtime.settings
     if upgrade:
         migrate.upgrade(settings.database_url)
@@ -85,8 +91,7 @@ def prepare(
     # No blanket repair of the slot count here: a consumer's lease has no task
     # run, so Prefect cannot tell it from a leak. Leases are file-backed, and a
     # crashed serve's own are given back above; others lapse on their own.
-    taken: list[Job] = runtime.store.recover(worker)
-    if taken:
+    if taken := runtime.store.recover(worker):
         names = ", ".join(j.run_name for j in taken)
         logger.warning(
             "took back %d claim(s) of a previous serve or of dead workers: %s", len(taken), names
@@ -97,8 +102,6 @@ def prepare(
 
 def _prefect_away(error: BaseException | None) -> bool:
     """Whether the runner failed because Prefect could not be reached (an outage, not a fault)."""
-    import httpx
-
     seen: set[int] = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
@@ -164,11 +167,6 @@ class _RunnerThread(threading.Thread):
             self._served = True
 
     async def _serve(self) -> None:
-        from prefect.deployments.runner import RunnerDeployment
-        from prefect.runner import Runner
-
-        from flows import flows
-
         self._loop = asyncio.get_running_loop()
         self._runner = Runner(
             name=f"insight-queue-{os.getpid()}", limit=RUN_LIMIT, pause_on_shutdown=False
@@ -218,10 +216,6 @@ class _Serving:
         self.runner_thread: _RunnerThread | None = None
 
     def start(self, options: ServeOptions) -> None:
-        from prefect.context import refresh_global_settings_context
-
-        from flows.flows import prefect_consumer
-
         settings = self.settings
         api_url = os.environ.get("PREFECT_API_URL", "").strip()
         home = settings.data_dir / "prefect"
@@ -296,8 +290,6 @@ class _Serving:
         if self.state is not None:
             self.state.remove(self.settings)
         try:  # the runs' last log lines, while the Prefect server is still up
-            from prefect.logging.handlers import APILogWorker
-
             APILogWorker.drain_all(timeout=3.0)
         except Exception as exc:  # noqa: BLE001 - history only; stopping goes on
             logger.warning("could not flush the run logs to Prefect: %s", exc)
