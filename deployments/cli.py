@@ -1,6 +1,5 @@
-"""The `insight-queue` command, and its commands that run beside Prefect. A command's module is
-imported when it runs and Prefect inside it, so the store's verbs never pay for Prefect or uvicorn;
-`--help` lists them from `COMMANDS` without importing any."""
+"""The `insight-queue` command and its commands beside Prefect. Each command's module, and Prefect,
+load only when it runs: the store's verbs never pay for them, and `--help` reads `COMMANDS`."""
 
 from __future__ import annotations
 
@@ -48,9 +47,8 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 def command(
     name: str, context_settings: dict[str, Any] | None = None, group: click.Group | None = None
 ) -> Callable[[Callable[..., None]], click.Command]:
-    """A click command (of `group`, if given) that is given its context first. The store's
-    errors become one line on stderr: exit 2 for what the caller or the operator must fix, 1 for
-    what may pass (the database away)."""
+    """A click command given its context first; the store's errors become one line on stderr,
+    exit 2 for what the caller or the operator must fix, 1 for what may pass (a database away)."""
 
     def make(function: Callable[..., None]) -> click.Command:
         @functools.wraps(function)
@@ -86,15 +84,7 @@ def open_store(ctx: click.Context, *, write: bool) -> JobStore:
     return JobStore(settings.database_url, settings=settings, create=write)
 
 
-def echo_json(value: Any) -> None:
-    click.echo(as_json(value))
-
-
-def json_option(command: Callable[P, R]) -> Callable[P, R]:
-    return click.option("--json", "as_json", is_flag=True, help="print JSON")(command)
-
-
-# name -> (module, one-line help); the command is the module's `<name>_command`.
+# name -> (module, help); the command is the module's `<name>_command`.
 _CLI, _HTTP, _STORE = "deployments.cli", "deployments.http.serving", "deployments.store_commands"
 COMMANDS: dict[str, tuple[str, str]] = {
     "serve": (_CLI, "Run the embedded default: Prefect, the consumer, the deployments."),
@@ -322,12 +312,9 @@ def drain_command(ctx: click.Context, max_jobs: int | None) -> None:
     help="give back slots counted as taken but held by no task run (only with no consumer alive)",
 )
 def setup_limit_command(ctx: click.Context, repair: bool) -> None:
-    """Create or update the `gateway` tag concurrency limit to AI_JOB_CONCURRENCY.
-
-    A Prefect server with in-memory leases forgets who holds slots when it restarts, but not
-    that they are taken: `--repair` sets the count back. It refuses while a consumer is alive:
-    a consumer's slot has no task run, so Prefect cannot tell it from such a leak.
-    """
+    """Create or update the `gateway` tag concurrency limit to AI_JOB_CONCURRENCY. `--repair`
+    sets back the count a restarted Prefect server with in-memory leases keeps; it refuses while
+    a consumer is alive, since a consumer's slot has no task run."""
     from flows.limits import ensure_gateway_limit, repair_gateway_slots
 
     settings = settings_from(ctx)
@@ -364,7 +351,7 @@ def _triggers(ctx: click.Context) -> Triggers:
 def trigger_backfill_command(ctx: click.Context, user_id: str, sync_id: str | None) -> None:
     """What the post-sync hook calls: queue the user's scopes, start the backfill run (JSON)."""
     with _triggers(ctx) as triggers:
-        echo_json(triggers.trigger_backfill(user_id, sync_id).as_dict())
+        click.echo(as_json(triggers.trigger_backfill(user_id, sync_id).as_dict()))
 
 
 @command("request-insight")
@@ -375,7 +362,7 @@ def request_insight_command(
 ) -> None:
     """What a screen calls on every poll: status, place in line, ETA, latest result (JSON)."""
     with _triggers(ctx) as triggers:
-        echo_json(triggers.request_insight(user_id, kind, subject, fingerprint).as_dict())
+        click.echo(as_json(triggers.request_insight(user_id, kind, subject, fingerprint).as_dict()))
 
 
 @command("forget")
@@ -384,4 +371,4 @@ def forget_command(ctx: click.Context, user_id: str) -> None:
     """Erase USER: their rows from the store at once (a call of theirs in flight is cut), then
     their runs from Prefect, now or at the next forget or prune if it is away (JSON; idempotent)."""
     with _triggers(ctx) as triggers:
-        echo_json(triggers.forget(user_id).as_dict())
+        click.echo(as_json(triggers.forget(user_id).as_dict()))

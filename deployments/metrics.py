@@ -1,5 +1,4 @@
-"""`GET /metrics`: the queue in Prometheus' text format, read from the store at every scrape (M1),
-by a collector on a registry of its own (never the process-global one)."""
+"""`GET /metrics`: the store's figures at every scrape (M1), on a registry of its own."""
 
 from __future__ import annotations
 
@@ -83,7 +82,6 @@ def _tallies(kept: list[Tally]) -> Iterator[Metric]:
 
 
 def registry_for(store: OperatorStore) -> CollectorRegistry:
-    """A registry of its own, holding only the store's collector."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(StoreCollector(store))
     return registry

@@ -1,6 +1,5 @@
-"""The app side's way to Prefect: `PREFECT_API_URL`, else this data directory's `serve` (never a
-temporary server), and its REST API over httpx, fast whatever Prefect's state (importing Prefect
-takes about 2 s)."""
+"""The app side's way to Prefect: `PREFECT_API_URL`, else this data directory's `serve`, over its
+REST API with httpx, fast whatever Prefect's state (importing Prefect takes about 2 s)."""
 
 from __future__ import annotations
 
@@ -46,20 +45,23 @@ class ServeState:
     def read(cls, settings: Settings) -> ServeState | None:
         """The state of a live `serve`, or None."""
         state = cls.read_left(settings)
-        return state if state is not None and _alive(state.pid) else None
+        if state is None:
+            return None
+        try:
+            with contextlib.suppress(PermissionError):  # alive, another account's
+                os.kill(state.pid, 0)
+        except ProcessLookupError:
+            return None
+        return state
 
     @classmethod
     def read_left(cls, settings: Settings) -> ServeState | None:
         """What the file says, whether that serve still runs or not."""
         try:
             data = json.loads(cls.path(settings).read_text())
-            return cls(
-                str(data["api_url"]),
-                str(data["ui_url"]),
-                int(data["pid"]),
-                str(data["worker"]),
-                tuple(str(lease) for lease in data.get("leases", ())),
-            )
+            leases = tuple(str(lease) for lease in data.get("leases", ()))
+            api, ui, worker = str(data["api_url"]), str(data["ui_url"]), str(data["worker"])
+            return cls(api, ui, int(data["pid"]), worker, leases)
         except (OSError, ValueError, KeyError, TypeError):
             return None
 
@@ -76,27 +78,16 @@ class ServeState:
             self.path(settings).unlink(missing_ok=True)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with contextlib.suppress(PermissionError):  # alive, another account's
-            os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 def api_url(settings: Settings) -> str | None:
     """The Prefect API the app side uses: PREFECT_API_URL, else this data dir's `serve`."""
-    configured = os.environ.get("PREFECT_API_URL", "").strip()
-    if configured:
+    if configured := os.environ.get("PREFECT_API_URL", "").strip():
         return configured.rstrip("/")
     state = ServeState.read(settings)
     return state.api_url.rstrip("/") if state else None
 
 
 def ui_url(settings: Settings) -> str | None:
-    configured = os.environ.get("PREFECT_UI_URL", "").strip()
-    if configured:
+    if configured := os.environ.get("PREFECT_UI_URL", "").strip():
         return configured.rstrip("/")
     api = api_url(settings)
     return api.removesuffix("/api") if api else None

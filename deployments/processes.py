@@ -1,5 +1,5 @@
-"""Processes we start, and the signals that stop us. A process we start runs in its own session
-(its children stop with it) and, on Linux, gets SIGTERM if we die first, however we die."""
+"""Processes we start, in a session of their own and (on Linux) sent SIGTERM if we die first, and
+the signals that stop us."""
 
 from __future__ import annotations
 
@@ -91,8 +91,7 @@ def stop_group(process: subprocess.Popen[Any], grace_seconds: float = STOP_GRACE
 def interrupt_group(
     process: subprocess.Popen[Any], grace_seconds: float = STOP_GRACE_SECONDS
 ) -> None:
-    """Stop a process that stops on Ctrl-C (SIGINT, twice), then as `stop_group` does: Prefect's
-    worker stops its runs on SIGINT, not on SIGTERM."""
+    """SIGINT (twice), then as `stop_group`: Prefect's worker stops its runs on SIGINT only."""
     for _ in range(2):
         if process.poll() is not None:
             break
@@ -122,8 +121,7 @@ def children(pid: int | None = None) -> list[int]:
 
 @contextlib.contextmanager
 def stop_signals() -> Iterator[None]:
-    """SIGTERM, SIGHUP and SIGINT become `KeyboardInterrupt` in the main thread; a second
-    signal while stopping is ignored, so cleanup is not cut short."""
+    """SIGTERM, SIGHUP and SIGINT as `KeyboardInterrupt`, once: cleanup is not cut short."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -171,8 +169,7 @@ def wait_for(
     interval: float = 0.2,
     alive: Callable[[], bool] | None = None,
 ) -> None:
-    """Poll `ready()` until it is true; `TimeoutError` naming `what` after `timeout` s, or
-    `RuntimeError` as soon as `alive()`, if given, turns false."""
+    """Poll `ready()`; `TimeoutError` after `timeout` s, `RuntimeError` once `alive()` is false."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if ready():

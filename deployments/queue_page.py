@@ -1,6 +1,5 @@
-"""The operator's queue page: `templates/queue.html` by Jinja2, styled by `static/queue.css`, with
-no script. Every value from the app or the gateway is autoescaped and shown with its control and
-bidirectional characters as escapes, so "\\u202eevil" cannot read as "live"."""
+"""The operator's queue page, `templates/queue.html`: no script; every value autoescaped, its
+control and bidirectional characters as escapes ("\\u202eevil" cannot read as "live")."""
 
 from __future__ import annotations
 
@@ -44,8 +43,7 @@ def _clock_text(at: dt.datetime, now: dt.datetime) -> str:
 
 
 def safe_ui_url(url: str | None) -> str | None:
-    """The Prefect UI's address if it is a plain http(s) URL (else nothing is linked), without
-    the user and password a `PREFECT_API_URL` may carry: a browser needs none."""
+    """The Prefect UI's address if it is http(s), without the credentials a URL may carry."""
     parts = urllib.parse.urlsplit(url or "")
     host = parts.netloc.rpartition("@")[2]
     if parts.scheme not in ("http", "https") or not host:

@@ -1,5 +1,5 @@
-"""The command line's text: tables, the whole queue, the gate and the holds. Every value from an
-app or a gateway shows its control and bidirectional characters as escapes, in tables and JSON."""
+"""The command line's text. Values from an app or a gateway show their control and bidirectional
+characters as escapes, in tables and JSON alike."""
 
 from __future__ import annotations
 
@@ -162,7 +162,6 @@ def render_queue(view: QueueView) -> str:
 
 
 def as_json(value: Any) -> str:
-    """JSON for a terminal: non-ASCII text readable, controls as `\\uXXXX` (json.dumps escapes
-    C0 itself; the newlines left are its layout)."""
+    """JSON for a terminal: non-ASCII readable, controls as `\\uXXXX` (json.dumps does C0)."""
     text = json.dumps(value, indent=2, ensure_ascii=False, default=str)
     return _CONTROL_BEYOND_C0.sub(lambda m: f"\\u{ord(m.group()):04x}", text)

@@ -1,5 +1,4 @@
-"""The local Prefect server, for `serve`, the demo, the tests and the benchmarks: a `prefect server
-start` subprocess with its own home on 127.0.0.1, stopped by its PID."""
+"""The local Prefect server for `serve`, the demo, the tests and the benchmarks."""
 
 from __future__ import annotations
 
@@ -36,8 +35,7 @@ def executable(name: str) -> str:
 def server_env(
     home: Path, *, ui: bool = True, retention_days: float = DEFAULT_RETENTION_DAYS
 ) -> dict[str, str]:
-    """A Prefect server's environment: its own home, file-backed leases, and a vacuum that
-    deletes runs ended more than `retention_days` ago, as the store's retention does."""
+    """Its own home, file-backed leases, and the store's retention for its runs."""
     env = {
         "PREFECT_HOME": str(home),
         "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{home / 'prefect.db'}",

@@ -1,5 +1,5 @@
-"""The store's verbs on the command line (`db`, `enqueue`, `status`, `jobs`, `queue`, ...): they
-never import Prefect, and the read-only ones never create a database or a directory."""
+"""The store's verbs on the command line: they never import Prefect, and the read-only ones never
+create a database or a directory."""
 
 from __future__ import annotations
 
@@ -12,8 +12,6 @@ import click
 from deployments.cli import (
     EXIT_FAILURE,
     command,
-    echo_json,
-    json_option,
     key_arguments,
     open_store,
     registry,
@@ -56,7 +54,7 @@ def db_status(ctx: click.Context) -> None:
     default=None,
     help=f"lower runs first (interactive {INTERACTIVE}, prefetch {PREFETCH})",
 )
-@json_option
+@click.option("--json", "as_json", is_flag=True, help="print JSON")
 def enqueue_command(
     ctx: click.Context,
     user_id: str,
@@ -77,7 +75,7 @@ def enqueue_command(
         jid = job_id(user_id, kind, subject)
         job = store.jobs([jid]).get(jid)
     if as_json:
-        echo_json({"status": str(status), "job": job.as_dict() if job else None})
+        click.echo(as_json_text({"status": str(status), "job": job.as_dict() if job else None}))
     else:
         click.echo(status)
 
@@ -91,13 +89,13 @@ def status_command(ctx: click.Context, user_id: str, kind: str, subject: str) ->
     if state is None:
         click.echo(f"error: no job for {user_id!r} {kind}:{subject}", err=True)
         sys.exit(EXIT_FAILURE)
-    echo_json(state.as_dict(settings_from(ctx).max_attempts))
+    click.echo(as_json_text(state.as_dict(settings_from(ctx).max_attempts)))
 
 
 @command("jobs")
 @click.option("--user", "user_id", required=True, help="whose queue to show")
 @click.option("--limit", type=click.IntRange(1, 1000), default=60, show_default=True)
-@json_option
+@click.option("--json", "as_json", is_flag=True, help="print JSON")
 def jobs_command(ctx: click.Context, user_id: str, limit: int, as_json: bool) -> None:
     """The user's queue in the order the worker will take it."""
     with open_store(ctx, write=False) as store:
@@ -123,7 +121,7 @@ def jobs_command(ctx: click.Context, user_id: str, limit: int, as_json: bool) ->
     metavar="[SECONDS]",
     help="refresh in place every SECONDS (default 2) until Ctrl-C",
 )
-@json_option
+@click.option("--json", "as_json", is_flag=True, help="print JSON")
 def queue_command(ctx: click.Context, limit: int, watch: float | None, as_json: bool) -> None:
     """The whole queue at a glance: every user, in the order the worker takes them."""
     with open_store(ctx, write=False) as store:
@@ -177,11 +175,11 @@ def result_command(ctx: click.Context, user_id: str, kind: str, subject: str) ->
     if result is None:
         click.echo(f"error: no result yet for {user_id!r} {kind}:{subject}", err=True)
         sys.exit(EXIT_FAILURE)
-    echo_json(result.as_dict())
+    click.echo(as_json_text(result.as_dict()))
 
 
 @command("settings")
-@json_option
+@click.option("--json", "as_json", is_flag=True, help="print JSON")
 def settings_command(ctx: click.Context, as_json: bool) -> None:
     """Every setting with its environment variable and value (secrets masked), and claiming."""
     by_variable = settings_from(ctx).public()
@@ -194,7 +192,9 @@ def settings_command(ctx: click.Context, as_json: bool) -> None:
     else:
         gate_line = describe_gate(gate)
     if as_json:
-        echo_json({"settings": by_variable, "gate": gate.as_dict() if gate else None})
+        click.echo(
+            as_json_text({"settings": by_variable, "gate": gate.as_dict() if gate else None})
+        )
         return
     width = max(len(name) for name in by_variable)
     for name, value in by_variable.items():
@@ -247,4 +247,8 @@ def prune_command(ctx: click.Context, dry_run: bool, days: float | None) -> None
     by_kind = registry().retention()
     with open_store(ctx, write=not dry_run) as store:
         pruned = store.prune(retention_days=days, by_kind=by_kind, dry_run=dry_run)
-    echo_json(pruned.as_dict() | {"retention_days": days or settings_from(ctx).retention_days})
+    click.echo(
+        as_json_text(
+            pruned.as_dict() | {"retention_days": days or settings_from(ctx).retention_days}
+        )
+    )

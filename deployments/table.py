@@ -1,5 +1,4 @@
-"""The one table of deployments, read by `serve`, `deploy` and the triggers: plain data, so the
-app-side triggers read names from it without importing Prefect."""
+"""The one table of deployments for `serve`, `deploy` and the triggers; no Prefect import."""
 
 from __future__ import annotations
 

@@ -63,13 +63,9 @@ class InsightState:
 
     @classmethod
     def of(cls, state: JobState, run_id: str | None = None, note: str | None = None) -> Self:
-        position = state.position
         return cls(
-            status=str(state.status),
-            ahead=position.ahead if position else None,
-            ahead_exact=position.ahead_exact if position else None,
-            in_flight=position.in_flight if position else None,
-            eta_seconds=round(position.eta_seconds, 1) if position else None,
+            str(state.status),
+            **(state.position.as_dict() if state.position else {}),
             result=state.result.as_dict() if state.result else None,
             fresh=state.fresh,
             flow_run_id=run_id,
@@ -107,8 +103,7 @@ class BackfillState:
 
 
 class Triggers:
-    """The app side: a runtime (store, registry) and the way to Prefect; one per process, used
-    from any thread."""
+    """One per process, used from any thread."""
 
     def __init__(self, runtime: Runtime, prefect_url: str | None = None) -> None:
         self.runtime = runtime
@@ -134,9 +129,9 @@ class Triggers:
 
     def close(self) -> None:
         with self._lock:
-            if self._api is not None:
-                self._api.close()
-                self._api = None
+            api, self._api = self._api, None
+        if api is not None:
+            api.close()
         self.runtime.close()
 
     def __enter__(self) -> Self:
@@ -182,8 +177,7 @@ class Triggers:
         *,
         known: str | None = None,
     ) -> InsightState:
-        """A screen's poll: queue the insight at the front, start a run if needed, report. While
-        `known` (the `version` the screen has) holds, the answer is `unchanged`, with no result.
+        """A screen's poll; while `known` (the screen's `version`) holds, `unchanged`, no result.
         Raises `InvalidArgument` for bad input only; an outage is told in the state."""
         user_id, kind, subject = validation.key(user_id, kind, subject)
         fingerprint = validation.fingerprint(fingerprint)
@@ -217,8 +211,7 @@ class Triggers:
         return InsightState.of(state, run_id, note)
 
     def trigger_backfill(self, user_id: str, sync_id: str | None = None) -> BackfillState:
-        """Queue every scope of the user, and start the backfill run: one per `sync_id` (without
-        one, per minute)."""
+        """Queue the user's scopes and start one backfill run per `sync_id` (or per minute)."""
         user_id = validation.user_id(user_id)
         if sync_id is not None:
             sync_id = validation.text("sync_id", sync_id, 200)
@@ -245,8 +238,7 @@ class Triggers:
         return BackfillState(user_id, len(scopes), run_id, note)
 
     def forget(self, user_id: str) -> ForgetState:
-        """Erase the user (D3): their rows from the store at once, then their runs from Prefect
-        and those of users forgotten while it was away (`history_pending`: how many still wait)."""
+        """D3: the store's rows at once, then the runs in Prefect, with those left waiting."""
         user_id = validation.user_id(user_id)
         forgotten = self.operator.forget(user_id)
         erased, note = self.erase_history(forgotten.history_pending)
@@ -256,8 +248,7 @@ class Triggers:
         return ForgetState(forgotten, note)
 
     def erase_history(self, pseudonyms: Sequence[str]) -> tuple[list[str], str | None]:
-        """Delete these pseudonyms' runs from Prefect, with Prefect's client (an operator's
-        action, not a screen's); returns those done, and why not the rest."""
+        """Prefect's client, for an operator's action: returns those done, and why not the rest."""
         if not pseudonyms:
             return [], None
         if (url := self._url()) is None:
