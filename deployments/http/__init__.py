@@ -2,8 +2,7 @@
 authentication (`insights_router`, with `add_error_handlers` and `StrictPaths`)."""
 
 from deployments.http.app import create_app
-from deployments.http.errors import add_error_handlers
-from deployments.http.middleware import StrictPaths
+from deployments.http.edges import StrictPaths, add_error_handlers
 from deployments.http.screens import insights_router
 
 __all__ = ["StrictPaths", "add_error_handlers", "create_app", "insights_router"]

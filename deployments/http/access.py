@@ -20,8 +20,7 @@ from fastapi import Depends, Request
 from pydantic import BaseModel, ConfigDict
 
 from deployments.http.credentials import Credentials, InvalidToken
-from deployments.http.errors import Refused
-from deployments.http.middleware import ENCODED_SLASHES, SLASH
+from deployments.http.edges import ENCODED_SLASHES, SLASH, Refused
 from queue_store.settings import ApiSettings
 
 BEARER_NEEDED = "a credential is required: Authorization: Bearer <token>"

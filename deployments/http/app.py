@@ -13,8 +13,7 @@ from starlette.responses import JSONResponse, Response
 from deployments import prefect_api
 from deployments.http.access import Gatekeeper
 from deployments.http.credentials import Credentials
-from deployments.http.errors import NO_STORE, add_error_handlers
-from deployments.http.middleware import add_edges
+from deployments.http.edges import NO_STORE, add_edges, add_error_handlers
 from deployments.http.operator import operator_router
 from deployments.http.screens import app_router
 from deployments.triggers import Triggers

@@ -14,7 +14,7 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 
 from deployments import metrics, queue_page
 from deployments.http.access import Body, Writes, operator, page_operator, path_text, single_values
-from deployments.http.errors import NO_STORE, STORE_DOWN_RETRY_SECONDS, Refused
+from deployments.http.edges import NO_STORE, STORE_DOWN_RETRY_SECONDS, Refused
 from deployments.triggers import Triggers
 from queue_store import Unavailable
 from queue_store.models import iso

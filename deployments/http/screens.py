@@ -21,7 +21,7 @@ from deployments.http.access import (
     service,
     single_values,
 )
-from deployments.http.errors import NO_STORE, unavailable
+from deployments.http.edges import NO_STORE, unavailable
 from deployments.triggers import InsightState, Triggers
 from queue_store import Status
 
