@@ -1,11 +1,10 @@
-"""The `insight-queue` command and its commands beside Prefect. Each command's module, and Prefect,
-load only when it runs: the store's verbs never pay for them, and `--help` reads `COMMANDS`."""
+"""The `insight-queue` command, and its commands beside Prefect and the API's. Prefect and uvicorn
+load only when a command needs them, so the store's verbs never pay for them."""
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import importlib
 import json
 import logging
 import os
@@ -44,28 +43,6 @@ EXIT_BAD_INPUT = 2
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
-def command(
-    name: str, context_settings: dict[str, Any] | None = None, group: click.Group | None = None
-) -> Callable[[Callable[..., None]], click.Command]:
-    """A click command given its context first; the store's errors become one line on stderr,
-    exit 2 for what the caller or the operator must fix, 1 for what may pass (a database away)."""
-
-    def make(function: Callable[..., None]) -> click.Command:
-        @functools.wraps(function)
-        def run(*args: Any, **kwargs: Any) -> None:
-            try:
-                function(*args, **kwargs)
-            except StoreError as exc:
-                click.echo(f"error: {printable(str(exc))}", err=True)
-                bad_input = isinstance(exc, InvalidArgument | Misconfigured)
-                sys.exit(EXIT_BAD_INPUT if bad_input else EXIT_FAILURE)
-
-        decorator = group.command if group is not None else click.command
-        return decorator(name, context_settings=context_settings)(click.pass_context(run))
-
-    return make
-
-
 def key_arguments(command: Callable[P, R]) -> Callable[P, R]:
     """USER_ID KIND SUBJECT, one job's key."""
     for name in ("subject", "kind", "user_id"):
@@ -84,53 +61,6 @@ def open_store(ctx: click.Context, *, write: bool) -> JobStore:
     return JobStore(settings.database_url, settings=settings, create=write)
 
 
-# name -> (module, help); the command is the module's `<name>_command`.
-_CLI, _HTTP, _STORE = "deployments.cli", "deployments.http.serving", "deployments.store_commands"
-COMMANDS: dict[str, tuple[str, str]] = {
-    "serve": (_CLI, "Run the embedded default: Prefect, the consumer, the deployments."),
-    "api": (_HTTP, "Serve the HTTP API for screens and operators, and the queue page."),
-    "token": (_HTTP, "Print a screen's token for a user."),
-    "trigger-backfill": (_CLI, "What the post-sync hook calls."),
-    "request-insight": (_CLI, "What a screen calls on every poll."),
-    "deploy": (_CLI, "Scale-out: register the flows on a process work pool."),
-    "worker": (_CLI, "One machine of a work pool: Prefect's worker and a warm consumer."),
-    "consume": (_CLI, "Stand by and run queued jobs (beside Prefect workers)."),
-    "drain": (_CLI, "Run what is runnable now, then stop."),
-    "setup-limit": (_CLI, "Create or update the `gateway` tag limit."),
-    "db": (_STORE, "The store's schema: `db upgrade`, `db status`."),
-    "enqueue": (_STORE, "Queue one generation, or promote it."),
-    "status": (_STORE, "One job: status, place, ETA, latest result (JSON)."),
-    "result": (_STORE, "The latest result for a key (JSON)."),
-    "jobs": (_STORE, "One user's queue in worker order."),
-    "queue": (_STORE, "The whole queue at a glance (--json, --watch)."),
-    "retry-failed": (_STORE, "Put a user's failed jobs back now."),
-    "requeue": (_STORE, "Queue every finished job again (after a prompt change)."),
-    "settings": (_STORE, "Every setting, and whether claiming is paused."),
-    "pause": (_STORE, "Stop every worker from claiming for SECONDS."),
-    "resume": (_STORE, "Lift a pause."),
-    "recover": (_STORE, "Take back claims whose worker is gone."),
-    "prune": (_STORE, "Delete what is past retention (--dry-run counts)."),
-    "forget": (_CLI, "Erase a user from the store and the run history."),
-}
-
-
-class LazyGroup(click.Group):
-    def list_commands(self, ctx: click.Context) -> list[str]:
-        return list(COMMANDS)
-
-    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
-        if name not in COMMANDS:
-            return None
-        module = importlib.import_module(COMMANDS[name][0])
-        found = getattr(module, f"{name.replace('-', '_')}_command")
-        assert isinstance(found, click.Command)
-        return found
-
-    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
-        with formatter.section("Commands"):
-            formatter.write_dl([(name, text) for name, (_, text) in COMMANDS.items()])
-
-
 def registry() -> Registry:
     """The plugins of AI_JOB_PLUGINS, loaded only by the commands that need them."""
     from flows.registry import Registry
@@ -138,8 +68,22 @@ def registry() -> Registry:
     return Registry.from_plugins(Settings().plugin_modules)
 
 
+class Commands(click.Group):
+    """`--help` lists the commands as they are defined: this module's, then the store's verbs."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        import deployments.store_commands  # noqa: F401 - the store's verbs join this group
+
+        return list(self.commands)
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        import deployments.store_commands  # noqa: F401 - the store's verbs join this group
+
+        return super().get_command(ctx, name)
+
+
 @click.group(
-    cls=LazyGroup,
+    cls=Commands,
     context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110},
     epilog="\b\nSettings (environment variables):\n"
     + "\n".join(f"  {name:<30} {text}" for name, text in variables().items()),
@@ -162,7 +106,34 @@ def main(database_url: str | None, verbose: bool) -> None:
     install_log_redaction(Redactor(settings.secrets()))
 
 
-@command("serve")
+def command(
+    name: str,
+    short_help: str | None = None,
+    context_settings: dict[str, Any] | None = None,
+    group: click.Group | None = None,
+) -> Callable[[Callable[..., None]], click.Command]:
+    """A command of `main` (or `group`) given its context first; the store's errors become one line
+    on stderr, exit 2 for what the caller or the operator must fix, 1 for what may pass."""
+
+    def make(function: Callable[..., None]) -> click.Command:
+        @functools.wraps(function)
+        def run(*args: Any, **kwargs: Any) -> None:
+            try:
+                function(*args, **kwargs)
+            except StoreError as exc:
+                click.echo(f"error: {printable(str(exc))}", err=True)
+                bad_input = isinstance(exc, InvalidArgument | Misconfigured)
+                sys.exit(EXIT_BAD_INPUT if bad_input else EXIT_FAILURE)
+
+        made = click.pass_context(run)
+        return (group or main).command(
+            name, short_help=short_help, context_settings=context_settings
+        )(made)
+
+    return make
+
+
+@command("serve", "Run the embedded default: Prefect, the consumer, the deployments.")
 @click.option(
     "--prefect-port",
     type=click.IntRange(1, 65535),
@@ -193,7 +164,97 @@ def serve_command(ctx: click.Context, prefect_port: int, upgrade: bool, no_ui: b
     os._exit(code)
 
 
-@command("deploy")
+@command("api", "Serve the HTTP API for screens and operators, and the queue page.")
+@click.option("--host", default="127.0.0.1", show_default=True, help="address to bind")
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
+@click.option(
+    "--workers",
+    type=click.IntRange(1, 64),
+    default=1,
+    show_default=True,
+    help="server processes (uvicorn's); one core serves about a few hundred polls a second",
+)
+def api_command(ctx: click.Context, host: str, port: int, workers: int) -> None:
+    """Serve the HTTP API and the queue page until SIGTERM or SIGINT. Every route needs a
+    credential; those not set are made once and kept in the data directory, as this prints."""
+    from deployments.http.serving import serve_api
+
+    verbose = bool(ctx.find_root().params.get("verbose"))
+    serve_api(settings_from(ctx), host, port, workers, verbose=verbose)
+
+
+DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+MAX_TOKEN_SECONDS = 30 * 86400
+
+
+def _duration(ctx: click.Context, param: click.Parameter, value: str) -> float:
+    """A duration such as 30s, 15m, 1h or 2d (a bare number is seconds)."""
+    text = value.strip().lower()
+    unit = DURATION_UNITS.get(text[-1:])
+    try:
+        seconds = float(text[:-1] if unit else text) * (unit or 1)
+    except ValueError:
+        message = f"{value!r} is not a duration such as 30s, 15m, 1h or 2d"
+        raise click.BadParameter(message) from None
+    if not 0 < seconds <= MAX_TOKEN_SECONDS:
+        raise click.BadParameter(f"{value!r}: between 1 s and {MAX_TOKEN_SECONDS // 86400} days")
+    return seconds
+
+
+@command("token", "Print a screen's token for a user.")
+@click.argument("user_id")
+@click.option(
+    "--ttl",
+    default="1h",
+    show_default=True,
+    metavar="DURATION",
+    callback=_duration,
+    help="how long it holds",
+)
+def token_command(ctx: click.Context, user_id: str, ttl: float) -> None:
+    """Print a screen's token for USER, on its last line (for tests and small deployments),
+    signed with AI_API_SCREEN_SECRET or the secret `insight-queue api` keeps."""
+    from deployments.http.credentials import Credentials
+
+    credentials = Credentials.load(settings_from(ctx))
+    token = credentials.screens.issue(user_id, ttl)
+    click.echo(f"a screen token for {printable(user_id)}, valid {ttl:g} s:", err=True)
+    click.echo(token)
+
+
+def triggers_for(ctx: click.Context) -> Triggers:
+    """The triggers for one command; with the store unreachable, ones whose calls say so."""
+    from deployments.triggers import Triggers
+    from flows.runtime import Runtime
+
+    settings = settings_from(ctx)
+    try:
+        return Triggers.open(settings)
+    except DatabaseError:
+        return Triggers(Runtime.open(settings, check_schema=False))
+
+
+@command("trigger-backfill", "What the post-sync hook calls.")
+@click.argument("user_id")
+@click.option("--sync-id", default=None, help="the sync this follows; one run per sync")
+def trigger_backfill_command(ctx: click.Context, user_id: str, sync_id: str | None) -> None:
+    """What the post-sync hook calls: queue the user's scopes, start the backfill run (JSON)."""
+    with triggers_for(ctx) as triggers:
+        click.echo(as_json(triggers.trigger_backfill(user_id, sync_id).as_dict()))
+
+
+@command("request-insight", "What a screen calls on every poll.")
+@key_arguments
+@click.option("--fingerprint", default=None, help="hash of the data the insight is made from")
+def request_insight_command(
+    ctx: click.Context, user_id: str, kind: str, subject: str, fingerprint: str | None
+) -> None:
+    """What a screen calls on every poll: status, place in line, ETA, latest result (JSON)."""
+    with triggers_for(ctx) as triggers:
+        click.echo(as_json(triggers.request_insight(user_id, kind, subject, fingerprint).as_dict()))
+
+
+@command("deploy", "Scale-out: register the flows on a process work pool.")
 @click.option(
     "--source",
     required=True,
@@ -257,14 +318,7 @@ def _stand_by(settings: Settings, beside: Callable[[], None] | None = None) -> N
     click.echo(json.dumps(consumer.summary.as_dict()))
 
 
-@command("consume")
-def consume_command(ctx: click.Context) -> None:
-    """Stand by and run queued jobs until SIGTERM, SIGINT or SIGHUP (a warm consumer beside
-    Prefect workers, reporting to PREFECT_API_URL); a stop hands the job in flight back."""
-    _stand_by(settings_from(ctx))
-
-
-@command("worker")
+@command("worker", "One machine of a work pool: Prefect's worker and a warm consumer.")
 @click.option("--pool", default=table.POOL, show_default=True, help="the process work pool")
 @click.option(
     "--limit", type=click.IntRange(1), default=None, help="flow runs of the pool at once here"
@@ -290,7 +344,14 @@ def worker_command(ctx: click.Context, pool: str, limit: int | None) -> None:
             processes.interrupt_group(process)
 
 
-@command("drain")
+@command("consume", "Stand by and run queued jobs (beside Prefect workers).")
+def consume_command(ctx: click.Context) -> None:
+    """Stand by and run queued jobs until SIGTERM, SIGINT or SIGHUP (a warm consumer beside
+    Prefect workers, reporting to PREFECT_API_URL); a stop hands the job in flight back."""
+    _stand_by(settings_from(ctx))
+
+
+@command("drain", "Run what is runnable now, then stop.")
 @click.option("--max-jobs", type=click.IntRange(1), default=None, help="stop after this many")
 def drain_command(ctx: click.Context, max_jobs: int | None) -> None:
     """Run queued jobs in priority order until nothing is runnable (as a `drain` flow run)."""
@@ -305,7 +366,7 @@ def drain_command(ctx: click.Context, max_jobs: int | None) -> None:
     click.echo(json.dumps(asyncio.run(drain(max_jobs)), indent=2, default=str))
 
 
-@command("setup-limit")
+@command("setup-limit", "Create or update the `gateway` tag limit.")
 @click.option(
     "--repair",
     is_flag=True,
@@ -331,44 +392,3 @@ def setup_limit_command(ctx: click.Context, repair: bool) -> None:
     state = "; repaired" if check.repaired else ""
     held = f"held by task runs {check.live}{state}"
     click.echo(f"gateway limit {limit}; slots counted {check.counted}, {held}")
-
-
-def _triggers(ctx: click.Context) -> Triggers:
-    """The triggers for one command; with the store unreachable, ones whose calls say so."""
-    from deployments.triggers import Triggers
-    from flows.runtime import Runtime
-
-    settings = settings_from(ctx)
-    try:
-        return Triggers.open(settings)
-    except DatabaseError:
-        return Triggers(Runtime.open(settings, check_schema=False))
-
-
-@command("trigger-backfill")
-@click.argument("user_id")
-@click.option("--sync-id", default=None, help="the sync this follows; one run per sync")
-def trigger_backfill_command(ctx: click.Context, user_id: str, sync_id: str | None) -> None:
-    """What the post-sync hook calls: queue the user's scopes, start the backfill run (JSON)."""
-    with _triggers(ctx) as triggers:
-        click.echo(as_json(triggers.trigger_backfill(user_id, sync_id).as_dict()))
-
-
-@command("request-insight")
-@key_arguments
-@click.option("--fingerprint", default=None, help="hash of the data the insight is made from")
-def request_insight_command(
-    ctx: click.Context, user_id: str, kind: str, subject: str, fingerprint: str | None
-) -> None:
-    """What a screen calls on every poll: status, place in line, ETA, latest result (JSON)."""
-    with _triggers(ctx) as triggers:
-        click.echo(as_json(triggers.request_insight(user_id, kind, subject, fingerprint).as_dict()))
-
-
-@command("forget")
-@click.argument("user_id")
-def forget_command(ctx: click.Context, user_id: str) -> None:
-    """Erase USER: their rows from the store at once (a call of theirs in flight is cut), then
-    their runs from Prefect, now or at the next forget or prune if it is away (JSON; idempotent)."""
-    with _triggers(ctx) as triggers:
-        click.echo(as_json(triggers.forget(user_id).as_dict()))

@@ -75,7 +75,6 @@ def render(
     refresh: int,
     stylesheet: str,
     error: str | None = None,
-    now: dt.datetime | None = None,
 ) -> str:
     """The page for one view of the queue, or, with `error`, the page saying it cannot be read."""
     if view is not None:
@@ -86,7 +85,7 @@ def render(
     return _templates.get_template("queue.html").render(
         view=view,
         error=error,
-        now=view.now if view is not None else now or dt.datetime.now(dt.UTC),
+        now=view.now if view is not None else dt.datetime.now(dt.UTC),
         ui_url=safe_ui_url(ui_url),
         refresh=refresh,
         title=title,

@@ -1,5 +1,5 @@
-"""The store's verbs on the command line: they never import Prefect, and the read-only ones never
-create a database or a directory."""
+"""The store's verbs on the command line, and `forget`. They never import Prefect (but to erase a
+forgotten user's runs), and the read-only ones never create a database or a directory."""
 
 from __future__ import annotations
 
@@ -13,9 +13,11 @@ from deployments.cli import (
     EXIT_FAILURE,
     command,
     key_arguments,
+    main,
     open_store,
     registry,
     settings_from,
+    triggers_for,
 )
 from deployments.render import as_json as as_json_text
 from deployments.render import describe_gate, printable, render_jobs, render_queue
@@ -24,7 +26,7 @@ from queue_store.models import INTERACTIVE, PREFETCH, iso
 from queue_store.redact import mask_url
 
 
-@click.group("db")
+@main.group("db", short_help="The store's schema: `db upgrade`, `db status`.")
 def db_command() -> None:
     """The store's schema."""
 
@@ -44,7 +46,7 @@ def db_status(ctx: click.Context) -> None:
     click.echo(f"{mask_url(settings_from(ctx).database_url)}: schema is current")
 
 
-@command("enqueue")
+@command("enqueue", "Queue one generation, or promote it.")
 @key_arguments
 @click.option("--fingerprint", default=None, help="hash of the data the insight is made from")
 @click.option("--interactive", is_flag=True, help=f"a screen is waiting: priority {INTERACTIVE}")
@@ -80,7 +82,7 @@ def enqueue_command(
         click.echo(status)
 
 
-@command("status")
+@command("status", "One job: status, place, ETA, latest result (JSON).")
 @key_arguments
 def status_command(ctx: click.Context, user_id: str, kind: str, subject: str) -> None:
     """One job's status, place in line, ETA and latest result, as JSON."""
@@ -92,7 +94,20 @@ def status_command(ctx: click.Context, user_id: str, kind: str, subject: str) ->
     click.echo(as_json_text(state.as_dict(settings_from(ctx).max_attempts)))
 
 
-@command("jobs")
+@command("result", "The latest result for a key (JSON).")
+@key_arguments
+def result_command(ctx: click.Context, user_id: str, kind: str, subject: str) -> None:
+    """The latest result for a key, as JSON (also while a newer one is being made)."""
+    with open_store(ctx, write=False) as store:
+        state = store.poll(user_id, kind, subject, queue=False)
+    result = state.result if state is not None else None
+    if result is None:
+        click.echo(f"error: no result yet for {user_id!r} {kind}:{subject}", err=True)
+        sys.exit(EXIT_FAILURE)
+    click.echo(as_json_text(result.as_dict()))
+
+
+@command("jobs", "One user's queue in worker order.")
 @click.option("--user", "user_id", required=True, help="whose queue to show")
 @click.option("--limit", type=click.IntRange(1, 1000), default=60, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="print JSON")
@@ -104,7 +119,7 @@ def jobs_command(ctx: click.Context, user_id: str, limit: int, as_json: bool) ->
     click.echo(as_json_text(listed) if as_json else render_jobs(listed))
 
 
-@command("queue")
+@command("queue", "The whole queue at a glance (--json, --watch).")
 @click.option(
     "--limit",
     type=click.IntRange(1, 1000),
@@ -144,7 +159,7 @@ def queue_command(ctx: click.Context, limit: int, watch: float | None, as_json: 
             click.echo()
 
 
-@command("retry-failed")
+@command("retry-failed", "Put a user's failed jobs back now.")
 @click.argument("user_id")
 def retry_failed_command(ctx: click.Context, user_id: str) -> None:
     """Put every failed job of the user back in the queue now."""
@@ -156,7 +171,7 @@ def retry_failed_command(ctx: click.Context, user_id: str) -> None:
     )
 
 
-@command("requeue")
+@command("requeue", "Queue every finished job again (after a prompt change).")
 @click.option("--kind", "kinds", multiple=True, help="only this kind (repeatable); default all")
 def requeue_command(ctx: click.Context, kinds: tuple[str, ...]) -> None:
     """Queue every finished job again, for every user: after a prompt change."""
@@ -165,20 +180,7 @@ def requeue_command(ctx: click.Context, kinds: tuple[str, ...]) -> None:
     click.echo(f"queued {queued} finished job(s) again at prefetch priority")
 
 
-@command("result")
-@key_arguments
-def result_command(ctx: click.Context, user_id: str, kind: str, subject: str) -> None:
-    """The latest result for a key, as JSON (also while a newer one is being made)."""
-    with open_store(ctx, write=False) as store:
-        state = store.poll(user_id, kind, subject, queue=False)
-    result = state.result if state is not None else None
-    if result is None:
-        click.echo(f"error: no result yet for {user_id!r} {kind}:{subject}", err=True)
-        sys.exit(EXIT_FAILURE)
-    click.echo(as_json_text(result.as_dict()))
-
-
-@command("settings")
+@command("settings", "Every setting, and whether claiming is paused.")
 @click.option("--json", "as_json", is_flag=True, help="print JSON")
 def settings_command(ctx: click.Context, as_json: bool) -> None:
     """Every setting with its environment variable and value (secrets masked), and claiming."""
@@ -202,7 +204,11 @@ def settings_command(ctx: click.Context, as_json: bool) -> None:
     click.echo(gate_line)
 
 
-@command("pause", context_settings={"ignore_unknown_options": True})
+@command(
+    "pause",
+    "Stop every worker from claiming for SECONDS.",
+    context_settings={"ignore_unknown_options": True},
+)
 @click.argument("seconds", type=click.FloatRange(0, 7 * 24 * 3600))
 @click.option("--reason", default="paused by an operator", show_default=True)
 def pause_command(ctx: click.Context, seconds: float, reason: str) -> None:
@@ -212,7 +218,7 @@ def pause_command(ctx: click.Context, seconds: float, reason: str) -> None:
     click.echo(f"claiming paused until {iso(gate.paused_until)}")
 
 
-@command("resume")
+@command("resume", "Lift a pause.")
 def resume_command(ctx: click.Context) -> None:
     """Lift a pause (an operator's, or one the gateway's answers caused)."""
     with open_store(ctx, write=True) as store:
@@ -220,7 +226,7 @@ def resume_command(ctx: click.Context) -> None:
     click.echo("claiming resumed")
 
 
-@command("recover")
+@command("recover", "Take back claims whose worker is gone.")
 @click.option("--worker", default=None, help="also take back this worker's own claims")
 def recover_command(ctx: click.Context, worker: str | None) -> None:
     """Take back claims whose worker is gone (never a live one)."""
@@ -232,7 +238,7 @@ def recover_command(ctx: click.Context, worker: str | None) -> None:
         click.echo(f"  {printable(job.run_name)} ({who})")
 
 
-@command("prune")
+@command("prune", "Delete what is past retention (--dry-run counts).")
 @click.option("--dry-run", is_flag=True, help="count what would be deleted, delete nothing")
 @click.option(
     "--days",
@@ -252,3 +258,12 @@ def prune_command(ctx: click.Context, dry_run: bool, days: float | None) -> None
             pruned.as_dict() | {"retention_days": days or settings_from(ctx).retention_days}
         )
     )
+
+
+@command("forget", "Erase a user from the store and the run history.")
+@click.argument("user_id")
+def forget_command(ctx: click.Context, user_id: str) -> None:
+    """Erase USER: their rows from the store at once (a call of theirs in flight is cut), then
+    their runs from Prefect, now or at the next forget or prune if it is away (JSON; idempotent)."""
+    with triggers_for(ctx) as triggers:
+        click.echo(as_json_text(triggers.forget(user_id).as_dict()))

@@ -1,4 +1,4 @@
-"""`insight-queue api` and `token`: the HTTP API on uvicorn, slow and oversized clients cheap."""
+"""The HTTP API on uvicorn (`insight-queue api`), slow and oversized clients cheap."""
 
 from __future__ import annotations
 
@@ -16,16 +16,13 @@ import uvicorn
 from fastapi import FastAPI
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from deployments.cli import LOG_FORMAT, command, settings_from
+from deployments.cli import LOG_FORMAT
 from deployments.http.app import create_app
 from deployments.http.credentials import Credentials
 from deployments.http.edges import MAX_HEADER_BYTES
-from deployments.render import printable
 from deployments.triggers import Triggers
 from queue_store import Settings
 
-DEFAULT_HOST = "127.0.0.1"
-DEFAULT_PORT = 8000
 # Store calls at once in the threadpool: as many as the store's connection pool holds.
 STORE_THREADS = 10
 # An idle connection is kept past the longest Retry-After, so a screen's next
@@ -125,21 +122,8 @@ def app_from_env() -> FastAPI:
     return create_app(triggers, Credentials.load(settings, create=False))
 
 
-@command("api")
-@click.option("--host", default=DEFAULT_HOST, show_default=True, help="address to bind")
-@click.option("--port", type=click.IntRange(0, 65535), default=DEFAULT_PORT, show_default=True)
-@click.option(
-    "--workers",
-    type=click.IntRange(1, 64),
-    default=1,
-    show_default=True,
-    help="server processes (uvicorn's); one core serves about a few hundred polls a second",
-)
-def api_command(ctx: click.Context, host: str, port: int, workers: int) -> None:
-    """Serve the HTTP API and the queue page until SIGTERM or SIGINT. Every route needs a
-    credential; those not set are made once and kept in the data directory, as this prints."""
-    settings = settings_from(ctx)
-    verbose = bool(ctx.find_root().params.get("verbose"))
+def serve_api(settings: Settings, host: str, port: int, workers: int, *, verbose: bool) -> None:
+    """`insight-queue api`: until SIGTERM or SIGINT (uvicorn's)."""
     credentials = Credentials.load(settings)
     kept = "made now and kept" if credentials.made else "kept"
     click.echo(
@@ -166,40 +150,3 @@ def api_command(ctx: click.Context, host: str, port: int, workers: int) -> None:
         timeout_graceful_shutdown=GRACEFUL_STOP_SECONDS,
         h11_max_incomplete_event_size=MAX_HEADER_BYTES,
     )
-
-
-DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-MAX_TOKEN_SECONDS = 30 * 86400
-
-
-def _duration(ctx: click.Context, param: click.Parameter, value: str) -> float:
-    """A duration such as 30s, 15m, 1h or 2d (a bare number is seconds)."""
-    text = value.strip().lower()
-    unit = DURATION_UNITS.get(text[-1:])
-    try:
-        seconds = float(text[:-1] if unit else text) * (unit or 1)
-    except ValueError:
-        message = f"{value!r} is not a duration such as 30s, 15m, 1h or 2d"
-        raise click.BadParameter(message) from None
-    if not 0 < seconds <= MAX_TOKEN_SECONDS:
-        raise click.BadParameter(f"{value!r}: between 1 s and {MAX_TOKEN_SECONDS // 86400} days")
-    return seconds
-
-
-@command("token")
-@click.argument("user_id")
-@click.option(
-    "--ttl",
-    default="1h",
-    show_default=True,
-    metavar="DURATION",
-    callback=_duration,
-    help="how long it holds",
-)
-def token_command(ctx: click.Context, user_id: str, ttl: float) -> None:
-    """Print a screen's token for USER, on its last line (for tests and small deployments),
-    signed with AI_API_SCREEN_SECRET or the secret `insight-queue api` keeps."""
-    credentials = Credentials.load(settings_from(ctx))
-    token = credentials.screens.issue(user_id, ttl)
-    click.echo(f"a screen token for {printable(user_id)}, valid {ttl:g} s:", err=True)
-    click.echo(token)
