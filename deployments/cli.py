@@ -148,11 +148,11 @@ def command(
 def serve_command(ctx: click.Context, prefect_port: int, upgrade: bool, no_ui: bool) -> None:
     """Run the embedded default until SIGTERM, SIGINT or SIGHUP: a local Prefect server under the
     data directory (unless PREFECT_API_URL names one), the warm consumer, the deployments."""
-    from deployments.serve import AlreadyServing, ServeOptions, serve
+    from deployments.serve import AlreadyServing, serve
 
     code = 0
     try:
-        serve(settings_from(ctx), ServeOptions(prefect_port, upgrade, not no_ui))
+        serve(settings_from(ctx), prefect_port, upgrade=upgrade, ui=not no_ui)
     except AlreadyServing as exc:
         click.echo(f"error: {exc}", err=True)
         code = 1

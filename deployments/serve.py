@@ -42,13 +42,6 @@ RUNNER_RESTART_SECONDS = 2.0
 RUNNER_RESTART_MAX_SECONDS = 60.0
 
 
-@dataclasses.dataclass(frozen=True)
-class ServeOptions:
-    prefect_port: int = DEFAULT_PORT
-    upgrade: bool = False  # run migrations on PostgreSQL too (SQLite always upgrades)
-    ui: bool = True
-
-
 class AlreadyServing(RuntimeError):
     """Another serve holds this data directory."""
 
@@ -193,13 +186,14 @@ class _RunnerThread(threading.Thread):
         self.join(timeout)
 
 
-def serve(settings: Settings, options: ServeOptions) -> None:
-    """Run until a signal; stop everything started, within seconds."""
+def serve(settings: Settings, prefect_port: int = DEFAULT_PORT, *, upgrade: bool, ui: bool) -> None:
+    """Run until a signal; stop everything started, within seconds. `upgrade` migrates a
+    PostgreSQL store too (SQLite always is)."""
     serving = _Serving(settings)
     with _data_dir_lock(settings):
         try:
             with contextlib.suppress(KeyboardInterrupt), processes.stop_signals():
-                serving.start(options)
+                serving.start(prefect_port, upgrade, ui)
                 serving.supervise()
         finally:
             serving.stop()
@@ -215,17 +209,17 @@ class _Serving:
         self.consumer_thread: _ConsumerThread | None = None
         self.runner_thread: _RunnerThread | None = None
 
-    def start(self, options: ServeOptions) -> None:
+    def start(self, prefect_port: int, upgrade: bool, ui: bool) -> None:
         settings = self.settings
         api_url = os.environ.get("PREFECT_API_URL", "").strip()
         home = settings.data_dir / "prefect"
         if not api_url:
-            port = processes.free_port(options.prefect_port)
-            if port != options.prefect_port:
-                taken = f"port {options.prefect_port} is taken; the Prefect server uses {port}"
+            port = processes.free_port(prefect_port)
+            if port != prefect_port:
+                taken = f"port {prefect_port} is taken; the Prefect server uses {port}"
                 print(taken, flush=True)
             self.server = PrefectServer(
-                home, port, ui=options.ui, reuse=False, retention_days=settings.retention_days
+                home, port, ui=ui, reuse=False, retention_days=settings.retention_days
             ).start()
             api_url = self.server.api_url
         elif not is_healthy(api_url):
@@ -239,7 +233,7 @@ class _Serving:
         runtime.redact_logs()
         worker = serve_worker(settings)
         left = ServeState.read_left(settings)
-        prepare(runtime, worker, options.upgrade, left.leases if left else ())
+        prepare(runtime, worker, upgrade, left.leases if left else ())
         ui_url = api_url.removesuffix("/api")
         state = self.state = ServeState(api_url, ui_url, os.getpid(), worker)
         state.write(settings)
