@@ -60,15 +60,13 @@ def unavailable(error: str) -> JSONResponse:
     return JSONResponse(body, 503, headers)
 
 
-async def _invalid(request: Request, exc: InvalidArgument) -> Response:
-    return problem(422, str(exc), exc.argument)
-
-
-async def _misconfigured(request: Request, exc: Misconfigured) -> Response:
-    return problem(500, f"the server is misconfigured: {exc}")
-
-
-async def _unavailable(request: Request, exc: Unavailable) -> Response:
+async def _store_error(
+    request: Request, exc: InvalidArgument | Misconfigured | Unavailable
+) -> Response:
+    if isinstance(exc, InvalidArgument):
+        return problem(422, str(exc), exc.argument)
+    if isinstance(exc, Misconfigured):
+        return problem(500, f"the server is misconfigured: {exc}")
     return unavailable(str(exc))
 
 
@@ -106,9 +104,9 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
 
 
 HANDLERS: dict[type[Exception], Callable[[Request, Any], Awaitable[Response]]] = {
-    InvalidArgument: _invalid,
-    Misconfigured: _misconfigured,
-    Unavailable: _unavailable,
+    InvalidArgument: _store_error,
+    Misconfigured: _store_error,
+    Unavailable: _store_error,
     HTTPException: _http_error,
     RequestValidationError: _validation_error,
     Exception: _internal_error,

@@ -17,7 +17,7 @@ from fastapi import FastAPI
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from deployments.cli import LOG_FORMAT
-from deployments.http.app import create_app
+from deployments.http import create_app
 from deployments.http.credentials import Credentials
 from deployments.http.edges import MAX_HEADER_BYTES
 from deployments.triggers import Triggers
