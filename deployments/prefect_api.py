@@ -7,7 +7,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -104,8 +103,7 @@ class PrefectApi:
         if key := os.environ.get("PREFECT_API_KEY"):
             headers["Authorization"] = f"Bearer {key}"
         self._http = httpx.Client(base_url=self.base_url, timeout=timeout, headers=headers)
-        self._deployments: dict[str, str] = {}
-        self._lock = threading.Lock()
+        self._deployments: dict[str, str] = {}  # name -> id; single dict operations, no lock
 
     def close(self) -> None:
         self._http.close()
@@ -126,9 +124,7 @@ class PrefectApi:
         raise AssertionError("unreachable")
 
     def deployment_id(self, name: str) -> str:
-        with self._lock:
-            known = self._deployments.get(name)
-        if known:
+        if known := self._deployments.get(name):
             return known
         flow_name, _, deployment = name.partition("/")
         response = self._request("GET", f"/deployments/name/{flow_name}/{deployment}")
@@ -142,9 +138,7 @@ class PrefectApi:
                 f"Prefect at {self.shown_url} answered HTTP {response.status_code} "
                 f"reading deployment {name}"
             )
-        found = str(response.json()["id"])
-        with self._lock:
-            self._deployments[name] = found
+        found = self._deployments[name] = str(response.json()["id"])
         return found
 
     def create_run(
@@ -161,8 +155,7 @@ class PrefectApi:
         body = dict(name=name, parameters=parameters, tags=tags, idempotency_key=idempotency_key)
         response = self._request("POST", f"/deployments/{deployment_id}/create_flow_run", json=body)
         if response.status_code == 404:
-            with self._lock:
-                self._deployments.pop(deployment, None)  # redeployed: look it up again
+            self._deployments.pop(deployment, None)  # redeployed: look it up again
         if response.status_code >= 400:
             detail = " ".join(response.text.split())[:200]
             raise PrefectUnavailable(

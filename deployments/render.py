@@ -36,9 +36,7 @@ def render_table(columns: Columns, rows: list[dict[str, Any]], *, empty: str) ->
     cells = [[printable(_one_line(render(row))) for _, render in columns] for row in rows]
     limits = [CELL_WIDTH] * (len(columns) - 1) + [ERROR_COLUMN]
     cells = [[_cut(v, w) for v, w in zip(row, limits, strict=True)] for row in cells]
-    widths = [
-        max([len(title)] + [len(row[i]) for row in cells]) for i, (title, _) in enumerate(columns)
-    ]
+    widths = [max([len(t), *(len(row[i]) for row in cells)]) for i, (t, _) in enumerate(columns)]
 
     def line(values: list[str]) -> str:
         return "  ".join(v.ljust(w) for v, w in zip(values, widths, strict=True)).rstrip()

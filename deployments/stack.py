@@ -46,8 +46,7 @@ def server_env(
         "DO_NOT_TRACK": "1",
     }
     if not ui:
-        env["PREFECT_UI_ENABLED"] = "false"
-        env["PREFECT_SERVER_UI_ENABLED"] = "false"
+        env |= {"PREFECT_UI_ENABLED": "false", "PREFECT_SERVER_UI_ENABLED": "false"}
     return env
 
 

@@ -76,10 +76,8 @@ def enqueue_command(
         status = store.enqueue(user_id, kind, subject, fingerprint, chosen)
         jid = job_id(user_id, kind, subject)
         job = store.jobs([jid]).get(jid)
-    if as_json:
-        click.echo(as_json_text({"status": str(status), "job": job.as_dict() if job else None}))
-    else:
-        click.echo(status)
+    shown = {"status": str(status), "job": job.as_dict() if job else None}
+    click.echo(as_json_text(shown) if as_json else status)
 
 
 @command("status", "One job: status, place, ETA, latest result (JSON).")
@@ -194,9 +192,8 @@ def settings_command(ctx: click.Context, as_json: bool) -> None:
     else:
         gate_line = describe_gate(gate)
     if as_json:
-        click.echo(
-            as_json_text({"settings": by_variable, "gate": gate.as_dict() if gate else None})
-        )
+        shown = {"settings": by_variable, "gate": gate.as_dict() if gate else None}
+        click.echo(as_json_text(shown))
         return
     width = max(len(name) for name in by_variable)
     for name, value in by_variable.items():
@@ -253,11 +250,8 @@ def prune_command(ctx: click.Context, dry_run: bool, days: float | None) -> None
     by_kind = registry().retention()
     with open_store(ctx, write=not dry_run) as store:
         pruned = store.prune(retention_days=days, by_kind=by_kind, dry_run=dry_run)
-    click.echo(
-        as_json_text(
-            pruned.as_dict() | {"retention_days": days or settings_from(ctx).retention_days}
-        )
-    )
+    kept = days or settings_from(ctx).retention_days
+    click.echo(as_json_text(pruned.as_dict() | {"retention_days": kept}))
 
 
 @command("forget", "Erase a user from the store and the run history.")

@@ -157,9 +157,6 @@ def _digest(token: str) -> bytes:
     return hashlib.sha256(token.encode("utf-8", "surrogateescape")).digest()
 
 
-JSON_TYPES = ("application/json",)
-
-
 class Body(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
@@ -218,12 +215,11 @@ def same_site(request: Request) -> None:
 
 def json_only(request: Request) -> None:
     """A body, if any, is JSON (415 otherwise); its size is held by `LimitedBodies`."""
-    if request.headers.get("content-length", "0") == "0" and "transfer-encoding" not in (
-        request.headers
-    ):
+    headers = request.headers
+    if headers.get("content-length", "0") == "0" and "transfer-encoding" not in headers:
         return
-    media = request.headers.get("content-type", "").partition(";")[0].strip().lower()
-    if media not in JSON_TYPES and not media.endswith("+json"):
+    media = headers.get("content-type", "").partition(";")[0].strip().lower()
+    if media != "application/json" and not media.endswith("+json"):
         raise Refused(415, "body: send it as application/json", "content-type")
 
 

@@ -124,9 +124,8 @@ class Credentials:
         }
         if not keys:
             given["screen_secret"] = api.screen_secret.get_secret_value()
-        kept, made = _kept(
-            path, [name for name, value in given.items() if not value], create=create
-        )
+        needed = [name for name, value in given.items() if not value]
+        kept, made = _kept(path, needed, create=create)
         values = {name: given[name] or kept.get(name, "") for name in given}
         screens = _screens(settings, None if keys else values["screen_secret"] or None)
         return cls(values["operator_token"], values["service_token"], screens, path, made)

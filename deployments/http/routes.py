@@ -131,15 +131,9 @@ def insights_router(
         if not isinstance(user_id, str):
             raise TypeError(f"the user dependency yielded {type(user_id).__name__}, not an id")
         kind, subject = path_text(request, "kind"), path_text(request, "subject")
+        ask = functools.partial(triggers.request_insight, known=known_version(if_none_match))
         started = time.perf_counter()
-        state = await run_in_threadpool(
-            triggers.request_insight,
-            user_id,
-            kind,
-            subject,
-            fingerprint,
-            known=known_version(if_none_match),
-        )
+        state = await run_in_threadpool(ask, user_id, kind, subject, fingerprint)
         # How long the store took, waiting for a thread included.
         elapsed = (time.perf_counter() - started) * 1000
         return insight_response(state, if_none_match, f"store;dur={elapsed:.1f}")
