@@ -106,6 +106,7 @@ from benchmarks.store import postgres_database, sqlite_database
 from devtools.recorder import GatewayRecorder
 from devtools.simulator import GatewaySimulator
 from devtools.stack import ServeProcess
+from tests.support.services import group_members
 
 ROOT = Path(__file__).resolve().parent.parent
 # The API's credentials for the run (A1): the app's backend polls and backfills with the
@@ -261,7 +262,7 @@ class ServerProcess:
         """The server and its workers (uvicorn's supervisor starts them in its group)."""
         if self.process is None:
             return []
-        return processes.group_members(self.process.pid) or [self.process.pid]
+        return group_members(self.process.pid) or [self.process.pid]
 
     def stop(self) -> None:
         process, self.process = self.process, None

@@ -122,6 +122,7 @@ from devtools.simulator import GatewaySimulator, RequestRecord  # noqa: E402
 from devtools.stack import ServeProcess  # noqa: E402
 from queue_store import JobStore, Settings  # noqa: E402
 from tests.support.reads import listed_jobs, pending  # noqa: E402
+from tests.support.services import group_members  # noqa: E402
 
 CONCURRENCY = 1
 GAP_SECONDS = 0.3
@@ -346,7 +347,7 @@ class Stack:
             serve.process.wait(10)
         # Its flow-run processes are left in its group, orphaned: a supervisor
         # restarting serve would end them with it.
-        left = processes.group_members(pid)
+        left = group_members(pid)
         code = serve.stop(grace_seconds=5)
         self.serve = None
         return pid, code, len(left)

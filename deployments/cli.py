@@ -1,25 +1,24 @@
-"""The `insight-queue` command: the store's verbs, serving, the triggers and tools.
-
-Commands are imported when they run, not when the command starts: the store's verbs never pay
-for Prefect or uvicorn, and `--help` lists everything from the table below.
-"""
+"""The `insight-queue` command, and its commands beside Prefect and the API's. Prefect and uvicorn
+load only when a command needs them, so the store's verbs never pay for them."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
-import importlib
+import json
 import logging
 import os
+import signal
+import subprocess
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 import click
 
+from deployments import processes, table
 from deployments.render import as_json, printable
 from queue_store import (
-    INTERACTIVE,
-    PREFETCH,
     DatabaseError,
     InvalidArgument,
     JobStore,
@@ -34,30 +33,21 @@ from queue_store.settings import variables
 
 if TYPE_CHECKING:
     from deployments.triggers import Triggers
+    from flows.registry import Registry
 
 P = ParamSpec("P")
 R = TypeVar("R")
 
 EXIT_FAILURE = 1
 EXIT_BAD_INPUT = 2
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
-def fails_cleanly(command: Callable[P, R]) -> Callable[P, R]:
-    """Turn the store's errors into a one-line message and an exit code: 2 for what the caller
-    or the operator must fix, 1 for what may pass (the database away)."""
-
-    @functools.wraps(command)
-    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
-        try:
-            return command(*args, **kwargs)
-        except (InvalidArgument, Misconfigured) as exc:
-            click.echo(f"error: {printable(str(exc))}", err=True)
-            sys.exit(EXIT_BAD_INPUT)
-        except StoreError as exc:
-            click.echo(f"error: {printable(str(exc))}", err=True)
-            sys.exit(EXIT_FAILURE)
-
-    return wrapper
+def key_arguments(command: Callable[P, R]) -> Callable[P, R]:
+    """USER_ID KIND SUBJECT, one job's key."""
+    for name in ("subject", "kind", "user_id"):
+        command = click.argument(name)(command)
+    return command
 
 
 def settings_from(ctx: click.Context) -> Settings:
@@ -71,109 +61,29 @@ def open_store(ctx: click.Context, *, write: bool) -> JobStore:
     return JobStore(settings.database_url, settings=settings, create=write)
 
 
-def echo_json(value: Any) -> None:
-    click.echo(as_json(value))
+def registry() -> Registry:
+    """The plugins of AI_JOB_PLUGINS, loaded only by the commands that need them."""
+    from flows.registry import Registry
+
+    return Registry.from_plugins(Settings().plugin_modules)
 
 
-def priority_option(command: Callable[P, R]) -> Callable[P, R]:
-    command = click.option(
-        "--priority",
-        type=click.IntRange(0, 1_000_000),
-        default=None,
-        help=f"lower runs first (interactive {INTERACTIVE}, prefetch {PREFETCH})",
-    )(command)
-    interactive = f"a screen is waiting: priority {INTERACTIVE}"
-    return click.option("--interactive", is_flag=True, help=interactive)(command)
+class Commands(click.Group):
+    """`--help` lists the commands as they are defined: this module's, then the store's verbs."""
 
-
-def json_option(command: Callable[P, R]) -> Callable[P, R]:
-    return click.option("--json", "as_json", is_flag=True, help="print JSON")(command)
-
-
-# name -> (module, attribute, one-line help); kept here so `--help` imports nothing.
-_CLI, _CONSUMERS, _STORE = "deployments.cli", "deployments.consumers", "deployments.store_commands"
-COMMANDS: dict[str, tuple[str, str, str]] = {
-    "serve": (
-        _CLI,
-        "serve_command",
-        "Run the embedded default: Prefect, the consumer, the deployments.",
-    ),
-    "api": (
-        "deployments.http.serving",
-        "api_command",
-        "Serve the HTTP API for screens and operators, and the queue page.",
-    ),
-    "token": ("deployments.http.serving", "token_command", "Print a screen's token for a user."),
-    "trigger-backfill": (_CLI, "trigger_backfill_command", "What the post-sync hook calls."),
-    "request-insight": (_CLI, "request_insight_command", "What a screen calls on every poll."),
-    "deploy": (_CLI, "deploy_command", "Scale-out: register the flows on a process work pool."),
-    "worker": (
-        _CONSUMERS,
-        "worker_command",
-        "One machine of a work pool: Prefect's worker and a warm consumer.",
-    ),
-    "consume": (
-        _CONSUMERS,
-        "consume_command",
-        "Stand by and run queued jobs (beside Prefect workers).",
-    ),
-    "drain": (_CONSUMERS, "drain_command", "Run what is runnable now, then stop."),
-    "setup-limit": (_CONSUMERS, "setup_limit_command", "Create or update the `gateway` tag limit."),
-    "db": (_STORE, "db_group", "The store's schema: `db upgrade`, `db status`."),
-    "enqueue": (_STORE, "enqueue_command", "Queue one generation, or promote it."),
-    "status": (_STORE, "status_command", "One job: status, place, ETA, latest result (JSON)."),
-    "result": (_STORE, "result_command", "The latest result for a key (JSON)."),
-    "jobs": (_STORE, "jobs_command", "One user's queue in worker order."),
-    "queue": (_STORE, "queue_command", "The whole queue at a glance (--json, --watch)."),
-    "retry-failed": (_STORE, "retry_failed_command", "Put a user's failed jobs back now."),
-    "requeue": (
-        _STORE,
-        "requeue_command",
-        "Queue every finished job again (after a prompt change).",
-    ),
-    "settings": (_STORE, "settings_command", "Every setting, and whether claiming is paused."),
-    "pause": (_STORE, "pause_command", "Stop every worker from claiming for SECONDS."),
-    "resume": (_STORE, "resume_command", "Lift a pause."),
-    "recover": (_STORE, "recover_command", "Take back claims whose worker is gone."),
-    "prune": (_STORE, "prune_command", "Delete what is past retention (--dry-run counts)."),
-    "forget": (_CLI, "forget_command", "Erase a user from the store and the run history."),
-}
-
-
-class LazyGroup(click.Group):
     def list_commands(self, ctx: click.Context) -> list[str]:
-        return list(COMMANDS)
+        import deployments.store_commands  # noqa: F401 - the store's verbs join this group
+
+        return list(self.commands)
 
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
-        entry = COMMANDS.get(name)
-        if entry is None:
-            return None
-        module, attribute, _ = entry
-        command = getattr(importlib.import_module(module), attribute)
-        assert isinstance(command, click.Command)
-        return command
+        import deployments.store_commands  # noqa: F401 - the store's verbs join this group
 
-    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
-        with formatter.section("Commands"):
-            formatter.write_dl([(name, text) for name, (_, _, text) in COMMANDS.items()])
-
-
-def _check_kind(kind: str) -> None:
-    """Refuse a kind no generator is registered for (the plugins of AI_JOB_PLUGINS)."""
-    from flows.registry import Registry
-
-    Registry.from_plugins(Settings().plugin_modules).check_kind(kind)
-
-
-def _retention() -> dict[str, float]:
-    """The kinds the plugins keep for a time of their own."""
-    from flows.registry import Registry
-
-    return Registry.from_plugins(Settings().plugin_modules).retention()
+        return super().get_command(ctx, name)
 
 
 @click.group(
-    cls=LazyGroup,
+    cls=Commands,
     context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110},
     epilog="\b\nSettings (environment variables):\n"
     + "\n".join(f"  {name:<30} {text}" for name, text in variables().items()),
@@ -185,23 +95,45 @@ def _retention() -> dict[str, float]:
     help="store URL (overrides AI_JOB_DATABASE_URL; default: SQLite in the data dir)",
 )
 @click.option("-v", "--verbose", is_flag=True, help="log at INFO level")
-@click.pass_context
-def main(ctx: click.Context, database_url: str | None, verbose: bool) -> None:
+def main(database_url: str | None, verbose: bool) -> None:
     """insight-queue: slow, scarce LLM work for an app's screens, in priority order."""
-    logging.basicConfig(
-        level=logging.INFO if verbose else logging.WARNING,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format=LOG_FORMAT)
     try:
         settings = Settings(database_url=database_url) if database_url else Settings()
     except SettingsError as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(EXIT_BAD_INPUT)
     install_log_redaction(Redactor(settings.secrets()))
-    ctx.obj = {"check_kind": _check_kind, "retention": _retention}
 
 
-@click.command("serve")
+def command(
+    name: str,
+    short_help: str | None = None,
+    context_settings: dict[str, Any] | None = None,
+    group: click.Group | None = None,
+) -> Callable[[Callable[..., None]], click.Command]:
+    """A command of `main` (or `group`) given its context first; the store's errors become one line
+    on stderr, exit 2 for what the caller or the operator must fix, 1 for what may pass."""
+
+    def make(function: Callable[..., None]) -> click.Command:
+        @functools.wraps(function)
+        def run(*args: Any, **kwargs: Any) -> None:
+            try:
+                function(*args, **kwargs)
+            except StoreError as exc:
+                click.echo(f"error: {printable(str(exc))}", err=True)
+                bad_input = isinstance(exc, InvalidArgument | Misconfigured)
+                sys.exit(EXIT_BAD_INPUT if bad_input else EXIT_FAILURE)
+
+        made = click.pass_context(run)
+        return (group or main).command(
+            name, short_help=short_help, context_settings=context_settings
+        )(made)
+
+    return make
+
+
+@command("serve", "Run the embedded default: Prefect, the consumer, the deployments.")
 @click.option(
     "--prefect-port",
     type=click.IntRange(1, 65535),
@@ -213,54 +145,84 @@ def main(ctx: click.Context, database_url: str | None, verbose: bool) -> None:
     "--upgrade", is_flag=True, help="migrate a PostgreSQL store at start-up (SQLite always is)"
 )
 @click.option("--no-ui", is_flag=True, help="run the embedded Prefect server without its UI")
-@click.pass_context
-@fails_cleanly
 def serve_command(ctx: click.Context, prefect_port: int, upgrade: bool, no_ui: bool) -> None:
-    """Run the embedded default until stopped (SIGTERM, SIGINT or SIGHUP).
-
-    Starts a local Prefect server under the data directory unless
-    PREFECT_API_URL names one, the warm consumer, and the deployments.
-    """
-    from deployments.serve import AlreadyServing, ServeOptions, serve
+    """Run the embedded default until SIGTERM, SIGINT or SIGHUP: a local Prefect server under the
+    data directory (unless PREFECT_API_URL names one), the warm consumer, the deployments."""
+    from deployments.serve import AlreadyServing, serve
 
     code = 0
     try:
-        serve(settings_from(ctx), ServeOptions(prefect_port, upgrade, not no_ui))
+        serve(settings_from(ctx), prefect_port, upgrade=upgrade, ui=not no_ui)
     except AlreadyServing as exc:
         click.echo(f"error: {exc}", err=True)
         code = 1
-    # Everything serve started has stopped, its Prefect server included.
-    # Prefect's client services would still try to flush to that server at
-    # interpreter exit, retrying for as long as their retries last: leave now.
+    # Prefect's client services would still try to flush to the server serve stopped, retrying
+    # at interpreter exit for as long as their retries last: leave now.
     sys.stdout.flush()
     sys.stderr.flush()
     logging.shutdown()
     os._exit(code)
 
 
-@click.command("deploy")
+@command("api", "Serve the HTTP API for screens and operators, and the queue page.")
+@click.option("--host", default="127.0.0.1", show_default=True, help="address to bind")
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
 @click.option(
-    "--source",
-    required=True,
-    help="where workers get the code: a git URL, or this project's path on every machine",
+    "--workers",
+    type=click.IntRange(1, 64),
+    default=1,
+    show_default=True,
+    help="server processes (uvicorn's); one core serves about a few hundred polls a second",
 )
-@click.option("--pool", default="insight-queue", show_default=True, help="process work pool")
-@fails_cleanly
-def deploy_command(source: str, pool: str) -> None:
-    """Scale-out: register the flows on a process work pool (interactive queue first).
+def api_command(ctx: click.Context, host: str, port: int, workers: int) -> None:
+    """Serve the HTTP API and the queue page until SIGTERM or SIGINT. Every route needs a
+    credential; those not set are made once and kept in the data directory, as this prints."""
+    from deployments.http.serving import serve_api
 
-    Then run `prefect worker start --pool POOL` on each machine, with the same
-    PREFECT_API_URL and AI_JOB_* settings (the store on PostgreSQL), and
-    optionally `insight-queue consume` for a warm consumer.
-    """
-    from deployments.deploy import deploy
-
-    deployed = deploy(source, pool=pool)
-    for name, deployment_id in deployed.deployments.items():
-        click.echo(f"{name}  {deployment_id}  (pool {deployed.pool})")
+    verbose = bool(ctx.find_root().params.get("verbose"))
+    serve_api(settings_from(ctx), host, port, workers, verbose=verbose)
 
 
-def _triggers(ctx: click.Context) -> Triggers:
+DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+MAX_TOKEN_SECONDS = 30 * 86400
+
+
+def _duration(ctx: click.Context, param: click.Parameter, value: str) -> float:
+    """A duration such as 30s, 15m, 1h or 2d (a bare number is seconds)."""
+    text = value.strip().lower()
+    unit = DURATION_UNITS.get(text[-1:])
+    try:
+        seconds = float(text[:-1] if unit else text) * (unit or 1)
+    except ValueError:
+        message = f"{value!r} is not a duration such as 30s, 15m, 1h or 2d"
+        raise click.BadParameter(message) from None
+    if not 0 < seconds <= MAX_TOKEN_SECONDS:
+        raise click.BadParameter(f"{value!r}: between 1 s and {MAX_TOKEN_SECONDS // 86400} days")
+    return seconds
+
+
+@command("token", "Print a screen's token for a user.")
+@click.argument("user_id")
+@click.option(
+    "--ttl",
+    default="1h",
+    show_default=True,
+    metavar="DURATION",
+    callback=_duration,
+    help="how long it holds",
+)
+def token_command(ctx: click.Context, user_id: str, ttl: float) -> None:
+    """Print a screen's token for USER, on its last line (for tests and small deployments),
+    signed with AI_API_SCREEN_SECRET or the secret `insight-queue api` keeps."""
+    from deployments.http.credentials import Credentials
+
+    credentials = Credentials.load(settings_from(ctx))
+    token = credentials.screens.issue(user_id, ttl)
+    click.echo(f"a screen token for {printable(user_id)}, valid {ttl:g} s:", err=True)
+    click.echo(token)
+
+
+def triggers_for(ctx: click.Context) -> Triggers:
     """The triggers for one command; with the store unreachable, ones whose calls say so."""
     from deployments.triggers import Triggers
     from flows.runtime import Runtime
@@ -272,39 +234,161 @@ def _triggers(ctx: click.Context) -> Triggers:
         return Triggers(Runtime.open(settings, check_schema=False))
 
 
-@click.command("trigger-backfill")
+@command("trigger-backfill", "What the post-sync hook calls.")
 @click.argument("user_id")
 @click.option("--sync-id", default=None, help="the sync this follows; one run per sync")
-@click.pass_context
-@fails_cleanly
 def trigger_backfill_command(ctx: click.Context, user_id: str, sync_id: str | None) -> None:
     """What the post-sync hook calls: queue the user's scopes, start the backfill run (JSON)."""
-    with _triggers(ctx) as triggers:
-        echo_json(triggers.trigger_backfill(user_id, sync_id).as_dict())
+    with triggers_for(ctx) as triggers:
+        click.echo(as_json(triggers.trigger_backfill(user_id, sync_id).as_dict()))
 
 
-@click.command("request-insight")
-@click.argument("user_id")
-@click.argument("kind")
-@click.argument("subject")
+@command("request-insight", "What a screen calls on every poll.")
+@key_arguments
 @click.option("--fingerprint", default=None, help="hash of the data the insight is made from")
-@click.pass_context
-@fails_cleanly
 def request_insight_command(
     ctx: click.Context, user_id: str, kind: str, subject: str, fingerprint: str | None
 ) -> None:
     """What a screen calls on every poll: status, place in line, ETA, latest result (JSON)."""
-    with _triggers(ctx) as triggers:
-        echo_json(triggers.request_insight(user_id, kind, subject, fingerprint).as_dict())
+    with triggers_for(ctx) as triggers:
+        click.echo(as_json(triggers.request_insight(user_id, kind, subject, fingerprint).as_dict()))
 
 
-@click.command("forget")
-@click.argument("user_id")
-@click.pass_context
-@fails_cleanly
-def forget_command(ctx: click.Context, user_id: str) -> None:
-    """Erase USER: every row of theirs from the store at once (a call of theirs in flight is
-    cut, and its answer never written), then their runs from Prefect, now or, if Prefect is
-    away, at the next forget or scheduled prune (JSON; idempotent)."""
-    with _triggers(ctx) as triggers:
-        echo_json(triggers.forget(user_id).as_dict())
+@command("deploy", "Scale-out: register the flows on a process work pool.")
+@click.option(
+    "--source",
+    required=True,
+    help="where workers get the code: a git URL, or this project's path on every machine",
+)
+@click.option("--pool", default="insight-queue", show_default=True, help="process work pool")
+def deploy_command(ctx: click.Context, source: str, pool: str) -> None:
+    """Scale-out: register the flows on a process work pool (interactive queue first); then run
+    `insight-queue worker --pool POOL` on each machine, with the same settings."""
+    from deployments.deploy import deploy
+
+    for name, deployment_id in deploy(source, pool).items():
+        click.echo(f"{name}  {deployment_id}  (pool {pool})")
+
+
+# How often a machine's worker looks for flow runs (Prefect's default is 10 s):
+# a drain that a lost machine's work needs starts within seconds.
+WORKER_QUERY_SECONDS = "2"
+
+
+def _require_prefect(settings: Settings) -> None:
+    from deployments.prefect_api import api_url
+
+    url = api_url(settings)
+    if url is None:
+        raise click.ClickException(
+            "no Prefect server: set PREFECT_API_URL, or run `insight-queue serve` "
+            "for this data directory"
+        )
+    # The processes this command starts inherit it.
+    os.environ["PREFECT_API_URL"] = url
+    os.environ.setdefault("PREFECT_SERVER_ALLOW_EPHEMERAL_MODE", "false")
+
+
+def _stand_by(settings: Settings, beside: Callable[[], None] | None = None) -> None:
+    """A warm consumer until SIGTERM, SIGINT or SIGHUP; `beside` runs once it stands by."""
+    from flows.flows import prefect_consumer
+    from flows.runtime import Runtime
+
+    _require_prefect(settings)
+    runtime = Runtime.open(settings)
+    runtime.redact_logs()
+    consumer, ledger = prefect_consumer(runtime, "consumer", standby=True)
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            loop.add_signal_handler(signum, consumer.stop, signum.name)
+        try:
+            await consumer.run()
+        finally:
+            await ledger.flush(timeout=5.0)
+
+    click.echo(f"{consumer.worker} standing by; Ctrl-C stops it", err=True)
+    try:
+        if beside is not None:
+            beside()
+        asyncio.run(main())
+    finally:
+        runtime.close()
+    click.echo(json.dumps(consumer.summary.as_dict()))
+
+
+@command("worker", "One machine of a work pool: Prefect's worker and a warm consumer.")
+@click.option("--pool", default=table.POOL, show_default=True, help="the process work pool")
+@click.option(
+    "--limit", type=click.IntRange(1), default=None, help="flow runs of the pool at once here"
+)
+def worker_command(ctx: click.Context, pool: str, limit: int | None) -> None:
+    """One machine of a work pool: Prefect's process worker for the pool's runs, and a warm
+    consumer beside it. SIGTERM, SIGINT or SIGHUP stop both, the job in flight handed back."""
+    started: list[subprocess.Popen[bytes]] = []
+
+    def start_worker() -> None:
+        from deployments.stack import executable
+
+        args = [executable("prefect"), "worker", "start", "--pool", pool, "--type", "process"]
+        env = {"PREFECT_WORKER_QUERY_SECONDS": WORKER_QUERY_SECONDS, **os.environ}
+        started.append(
+            processes.start([*args, *(["--limit", str(limit)] if limit else [])], env=env)
+        )
+
+    try:
+        _stand_by(settings_from(ctx), beside=start_worker)
+    finally:
+        for process in started:
+            processes.interrupt_group(process)
+
+
+@command("consume", "Stand by and run queued jobs (beside Prefect workers).")
+def consume_command(ctx: click.Context) -> None:
+    """Stand by and run queued jobs until SIGTERM, SIGINT or SIGHUP (a warm consumer beside
+    Prefect workers, reporting to PREFECT_API_URL); a stop hands the job in flight back."""
+    _stand_by(settings_from(ctx))
+
+
+@command("drain", "Run what is runnable now, then stop.")
+@click.option("--max-jobs", type=click.IntRange(1), default=None, help="stop after this many")
+def drain_command(ctx: click.Context, max_jobs: int | None) -> None:
+    """Run queued jobs in priority order until nothing is runnable (as a `drain` flow run)."""
+    _require_prefect(settings_from(ctx))
+    with open_store(ctx, write=True) as store:
+        standing = store.gate_state().standing_by
+    if standing:
+        click.echo(f"a consumer is standing by ({', '.join(standing)}): it takes queued work")
+        return
+    from flows.flows import drain
+
+    click.echo(json.dumps(asyncio.run(drain(max_jobs)), indent=2, default=str))
+
+
+@command("setup-limit", "Create or update the `gateway` tag limit.")
+@click.option(
+    "--repair",
+    is_flag=True,
+    help="give back slots counted as taken but held by no task run (only with no consumer alive)",
+)
+def setup_limit_command(ctx: click.Context, repair: bool) -> None:
+    """Create or update the `gateway` tag concurrency limit to AI_JOB_CONCURRENCY. `--repair`
+    sets back the count a restarted Prefect server with in-memory leases keeps; it refuses while
+    a consumer is alive, since a consumer's slot has no task run."""
+    from flows.limits import ensure_gateway_limit, repair_gateway_slots
+
+    settings = settings_from(ctx)
+    _require_prefect(settings)
+    limit = ensure_gateway_limit(settings.concurrency)
+    if repair:
+        with open_store(ctx, write=True) as store:
+            alive = list(store.gate_state().workers)
+        if alive:
+            raise click.ClickException(
+                f"consumers are alive ({', '.join(alive)}): their slots would be given back too"
+            )
+    check = repair_gateway_slots(repair=repair)
+    state = "; repaired" if check.repaired else ""
+    held = f"held by task runs {check.live}{state}"
+    click.echo(f"gateway limit {limit}; slots counted {check.counted}, {held}")

@@ -1,26 +1,27 @@
-"""Scale-out: the same flows on a Prefect `process` work pool, workers on several machines.
-
-A work pool with two queues, `interactive` before `backfill`, and the deployments of
-`deployments.table` under the names `serve` uses, so the triggers work unchanged; the store
-(PostgreSQL) keeps the gateway guarded whatever Prefect starts where.
-"""
+"""`insight-queue deploy`: the flows on a Prefect `process` work pool, workers on several machines;
+the store (on PostgreSQL) guards the gateway whatever Prefect starts where."""
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import datetime as dt
 import logging
 import uuid
-from typing import TYPE_CHECKING, Any
+
+from prefect import get_client
+from prefect.automations import Automation
+from prefect.client.schemas.actions import WorkPoolCreate
+from prefect.client.schemas.objects import StateType
+from prefect.events.actions import ChangeFlowRunState, RunDeployment
+from prefect.events.schemas.automations import EventTrigger, Posture
+from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
+from prefect.utilities.asyncutils import run_coro_as_sync
 
 from deployments import table
+from flows import flows
 from flows.history import CONSUMER_ALIVE, CONSUMER_STOPPED, PROJECT_TAG, RUN_HEARTBEAT_SECONDS
 from flows.limits import ensure_gateway_limit
 from queue_store import Settings
-
-if TYPE_CHECKING:
-    from prefect.automations import Automation
 
 # A run that sent no heartbeat for this long is Crashed: three beats missed.
 CRASH_AFTER_SECONDS = 3 * RUN_HEARTBEAT_SECONDS
@@ -35,18 +36,8 @@ FINAL_STATES = ("Completed", "Failed", "Crashed", "Cancelled", "TimedOut", "Cach
 logger = logging.getLogger(__name__)
 
 
-@dataclasses.dataclass(frozen=True)
-class Deployed:
-    pool: str
-    deployments: dict[str, str]  # name -> id
-
-
-def ensure_pool(pool: str = table.POOL) -> None:
+def ensure_pool(pool: str) -> None:
     """The `process` work pool and its two prioritised queues; idempotent."""
-    from prefect import get_client
-    from prefect.client.schemas.actions import WorkPoolCreate
-    from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
-
     with get_client(sync_client=True) as client:
         try:
             client.read_work_pool(pool)
@@ -63,29 +54,14 @@ def ensure_pool(pool: str = table.POOL) -> None:
                 client.update_work_queue(queue.id, priority=priority)
 
 
-def deploy(
-    source: str, *, pool: str = table.POOL, job_variables: dict[str, Any] | None = None
-) -> Deployed:
-    """Register every deployment of the table on the pool, its runs sending heartbeats, and
-    the automations that heal it. Returns the deployments' ids."""
-    from flows import flows
-
+def deploy(source: str, pool: str) -> dict[str, str]:
+    """The table's deployments on the pool (their runs send heartbeats), and the automations."""
     ensure_pool(pool)
     ensure_gateway_limit(Settings().concurrency)
-    variables = dict(job_variables or {})
-    variables["env"] = {
-        "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": str(int(RUN_HEARTBEAT_SECONDS)),
-        **variables.get("env", {}),
-    }
+    variables = {"env": {"PREFECT_FLOWS_HEARTBEAT_FREQUENCY": str(int(RUN_HEARTBEAT_SECONDS))}}
     ids: dict[str, str] = {}
     for entry in table.DEPLOYMENTS:
-        flow_object = getattr(flows, entry.function)
-        remote = flow_object.from_source(source=source, entrypoint=entry.entrypoint)
-        extra: dict[str, Any] = {}
-        if entry.interval_seconds:
-            extra["interval"] = entry.interval_seconds
-        if entry.concurrency_limit:
-            extra["concurrency_limit"] = entry.concurrency_limit
+        remote = getattr(flows, entry.flow).from_source(source=source, entrypoint=entry.entrypoint)
         deployment_id = remote.deploy(
             name=table.DEPLOYMENT,
             work_pool_name=pool,
@@ -96,30 +72,24 @@ def deploy(
             build=False,
             push=False,
             print_next_steps=False,
-            **extra,
+            interval=entry.interval_seconds,
+            concurrency_limit=entry.concurrency_limit,
         )
         ids[entry.name] = str(deployment_id)
         logger.info("deployed %s to %s/%s", entry.name, pool, entry.queue)
     ensure_automations(ids[table.DRAIN.name])
-    return Deployed(pool, ids)
+    return ids
 
 
 def automations(drain_deployment_id: str) -> list[Automation]:
-    """Prefect automations that end a lost machine's runs and restart its work elsewhere.
-
-    A run of ours silent for `CRASH_AFTER_SECONDS`, or Pending for `PENDING_SECONDS`, is
-    marked Crashed (nothing else would ever end it); a consumer that stops saying it is alive
-    without saying it stopped makes a `drain` run, which any live machine's worker picks up."""
-    from prefect.automations import Automation
-    from prefect.client.schemas.objects import StateType
-    from prefect.events.actions import ChangeFlowRunState, RunDeployment
-    from prefect.events.schemas.automations import EventTrigger, Posture
-
+    """Prefect automations that end a lost machine's runs (W3: nothing else would) and start a
+    `drain` on any live machine when a consumer stops saying it is alive."""
     ours = {"prefect.resource.role": "tag", "prefect.resource.id": f"prefect.tag.{PROJECT_TAG}"}
     ended = {f"prefect.flow-run.{state}" for state in FINAL_STATES}
     heartbeat = "prefect.flow-run.heartbeat"
 
     def crash(after: str, expect: set[str], within: float, why: str) -> Automation:
+        message = f"its machine was lost: {why} for {within:g} s"
         return Automation(
             name=f"{PROJECT_TAG}: crash runs {why}",
             description=f"A run of {PROJECT_TAG} {why} for {within:g} s: its machine is gone.",
@@ -133,21 +103,14 @@ def automations(drain_deployment_id: str) -> list[Automation]:
                 threshold=1,
                 within=dt.timedelta(seconds=within),
             ),
-            actions=[
-                ChangeFlowRunState(
-                    state=StateType.CRASHED, message=f"its machine was lost: {why} for {within:g} s"
-                )
-            ],
+            actions=[ChangeFlowRunState(state=StateType.CRASHED, message=message)],
         )
 
+    pending, running = "prefect.flow-run.Pending", "prefect.flow-run.Running"
+    drain = uuid.UUID(drain_deployment_id)
     return [
         crash(heartbeat, {heartbeat}, CRASH_AFTER_SECONDS, "that sent no heartbeat"),
-        crash(
-            "prefect.flow-run.Pending",
-            {"prefect.flow-run.Running"},
-            PENDING_SECONDS,
-            "that stayed pending",
-        ),
+        crash(pending, {running}, PENDING_SECONDS, "that stayed pending"),
         Automation(
             name=f"{PROJECT_TAG}: drain when a consumer is lost",
             description="A consumer stopped saying it is alive: a drain takes its work.",
@@ -160,31 +123,23 @@ def automations(drain_deployment_id: str) -> list[Automation]:
                 threshold=1,
                 within=dt.timedelta(seconds=CONSUMER_LOST_SECONDS),
             ),
-            actions=[
-                RunDeployment(
-                    source="selected", deployment_id=uuid.UUID(drain_deployment_id), parameters={}
-                )
-            ],
+            actions=[RunDeployment(source="selected", deployment_id=drain, parameters={})],
         ),
     ]
 
 
-def ensure_automations(drain_deployment_id: str) -> list[str]:
-    """Create or update the automations by name; idempotent. Returns their ids."""
-    from prefect.automations import Automation
-    from prefect.utilities.asyncutils import run_coro_as_sync
+def ensure_automations(drain_deployment_id: str) -> None:
+    """By name; idempotent."""
 
-    async def upsert(wanted: Automation) -> str:
+    async def upsert(wanted: Automation) -> None:
         try:
             existing = await Automation.aread(name=wanted.name)
-        except ValueError:
-            return str((await wanted.acreate()).id)
+        except ValueError:  # none of that name yet
+            await wanted.acreate()
+            return
         wanted.id = existing.id
         await wanted.aupdate()
-        return str(existing.id)
 
-    ids = []
     for wanted in automations(drain_deployment_id):
-        ids.append(str(run_coro_as_sync(upsert(wanted))))
+        run_coro_as_sync(upsert(wanted))
         logger.info("automation %r in place", wanted.name)
-    return ids

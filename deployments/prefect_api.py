@@ -1,17 +1,12 @@
-"""The app side's way to Prefect: find the server, and start a deployment's run, fast.
-
-The triggers must answer within seconds whatever Prefect's state, and an app should not pay for
-importing Prefect (about 2 s) to start one run: so this talks to Prefect's REST API with httpx,
-short timeouts and no retries. The server is `PREFECT_API_URL`, else the one `serve` runs for
-the same data directory (`serve.json`); never a temporary server of Prefect's own.
-"""
+"""The app side's way to Prefect: `PREFECT_API_URL`, else this data directory's `serve`, over its
+REST API with httpx, fast whatever Prefect's state (importing Prefect takes about 2 s)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -47,22 +42,25 @@ class ServeState:
 
     @classmethod
     def read(cls, settings: Settings) -> ServeState | None:
-        """The state of a live `serve` of this data directory, or None."""
+        """The state of a live `serve`, or None."""
         state = cls.read_left(settings)
-        return state if state is not None and _alive(state.pid) else None
+        if state is None:
+            return None
+        try:
+            with contextlib.suppress(PermissionError):  # alive, another account's
+                os.kill(state.pid, 0)
+        except ProcessLookupError:
+            return None
+        return state
 
     @classmethod
     def read_left(cls, settings: Settings) -> ServeState | None:
         """What the file says, whether that serve still runs or not."""
         try:
             data = json.loads(cls.path(settings).read_text())
-            return cls(
-                str(data["api_url"]),
-                str(data["ui_url"]),
-                int(data["pid"]),
-                str(data["worker"]),
-                tuple(str(lease) for lease in data.get("leases", ())),
-            )
+            leases = tuple(str(lease) for lease in data.get("leases", ()))
+            api, ui, worker = str(data["api_url"]), str(data["ui_url"]), str(data["worker"])
+            return cls(api, ui, int(data["pid"]), worker, leases)
         except (OSError, ValueError, KeyError, TypeError):
             return None
 
@@ -70,48 +68,32 @@ class ServeState:
         path = self.path(settings)
         path.parent.mkdir(parents=True, exist_ok=True)
         temporary = path.with_suffix(".tmp")
-        temporary.write_text(json.dumps({**dataclasses.asdict(self), "leases": list(self.leases)}))
+        temporary.write_text(json.dumps(dataclasses.asdict(self)))
         temporary.replace(path)
 
     def remove(self, settings: Settings) -> None:
-        try:
-            current = json.loads(self.path(settings).read_text())
-        except (OSError, ValueError):
-            return
-        if current.get("pid") == self.pid:
+        left = self.read_left(settings)
+        if left is not None and left.pid == self.pid:
             self.path(settings).unlink(missing_ok=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def api_url(settings: Settings) -> str | None:
     """The Prefect API the app side uses: PREFECT_API_URL, else this data dir's `serve`."""
-    configured = os.environ.get("PREFECT_API_URL", "").strip()
-    if configured:
+    if configured := os.environ.get("PREFECT_API_URL", "").strip():
         return configured.rstrip("/")
     state = ServeState.read(settings)
     return state.api_url.rstrip("/") if state else None
 
 
 def ui_url(settings: Settings) -> str | None:
-    """The Prefect UI's address, for links."""
-    configured = os.environ.get("PREFECT_UI_URL", "").strip()
-    if configured:
+    if configured := os.environ.get("PREFECT_UI_URL", "").strip():
         return configured.rstrip("/")
     api = api_url(settings)
     return api.removesuffix("/api") if api else None
 
 
 class PrefectApi:
-    """Just what the triggers need of Prefect's REST API."""
+    """Just what the triggers need of Prefect's REST API: short timeouts, no retries but 503's."""
 
     def __init__(self, base_url: str, *, timeout: float = TIMEOUT_SECONDS) -> None:
         self.base_url = base_url.rstrip("/")
@@ -121,8 +103,7 @@ class PrefectApi:
         if key := os.environ.get("PREFECT_API_KEY"):
             headers["Authorization"] = f"Bearer {key}"
         self._http = httpx.Client(base_url=self.base_url, timeout=timeout, headers=headers)
-        self._deployments: dict[str, str] = {}
-        self._lock = threading.Lock()
+        self._deployments: dict[str, str] = {}  # name -> id; single dict operations, no lock
 
     def close(self) -> None:
         self._http.close()
@@ -143,9 +124,7 @@ class PrefectApi:
         raise AssertionError("unreachable")
 
     def deployment_id(self, name: str) -> str:
-        with self._lock:
-            known = self._deployments.get(name)
-        if known:
+        if known := self._deployments.get(name):
             return known
         flow_name, _, deployment = name.partition("/")
         response = self._request("GET", f"/deployments/name/{flow_name}/{deployment}")
@@ -159,9 +138,7 @@ class PrefectApi:
                 f"Prefect at {self.shown_url} answered HTTP {response.status_code} "
                 f"reading deployment {name}"
             )
-        found = str(response.json()["id"])
-        with self._lock:
-            self._deployments[name] = found
+        found = self._deployments[name] = str(response.json()["id"])
         return found
 
     def create_run(
@@ -178,8 +155,7 @@ class PrefectApi:
         body = dict(name=name, parameters=parameters, tags=tags, idempotency_key=idempotency_key)
         response = self._request("POST", f"/deployments/{deployment_id}/create_flow_run", json=body)
         if response.status_code == 404:
-            with self._lock:
-                self._deployments.pop(deployment, None)  # redeployed: look it up again
+            self._deployments.pop(deployment, None)  # redeployed: look it up again
         if response.status_code >= 400:
             detail = " ".join(response.text.split())[:200]
             raise PrefectUnavailable(

@@ -1,9 +1,5 @@
-"""Processes we start, and the signals that stop us: one place for both.
-
-A process we start runs in its own session (its children stop with it) and, on Linux, gets
-SIGTERM if we die first, however we die: nothing we start outlives us holding a port.
-`stop_signals()` makes every way of asking a command to stop run the same cleanup as Ctrl-C.
-"""
+"""Processes we start, in a session of their own and (on Linux) sent SIGTERM if we die first, and
+the signals that stop us."""
 
 from __future__ import annotations
 
@@ -26,17 +22,15 @@ STOP_GRACE_SECONDS = 10.0
 PR_SET_PDEATHSIG = 1
 
 _libc: Any = None
+if sys.platform.startswith("linux"):
+    with contextlib.suppress(OSError):
+        _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 
 
 def _die_with_parent() -> None:
     """In the child, before exec: SIGTERM when the parent thread dies (Linux only)."""
     if _libc is not None:
         _libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-if sys.platform.startswith("linux"):
-    with contextlib.suppress(OSError):
-        _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 
 
 def start(
@@ -48,8 +42,7 @@ def start(
     stdout: int | IO[Any] | None = None,
     umask: int = -1,
 ) -> subprocess.Popen[bytes]:
-    """Start a command in its own session; it is sent SIGTERM if this process dies. `umask`:
-    the child's (-1: this process's)."""
+    """Start a command in its own session; `umask` is the child's (-1: this process's)."""
     out: Any = stdout
     handle = None
     if log is not None:
@@ -58,8 +51,8 @@ def start(
         if umask != -1:
             os.chmod(log, 0o666 & ~umask)
         out = handle
-    # Must run in the thread that outlives the child: PDEATHSIG fires when the *thread* that
-    # forked it exits.
+    # PDEATHSIG fires when the *thread* that forked the child exits: only the main thread
+    # outlives it.
     main_thread = threading.current_thread() is threading.main_thread()
     try:
         return subprocess.Popen(
@@ -79,26 +72,26 @@ def start(
 
 
 def stop_group(process: subprocess.Popen[Any], grace_seconds: float = STOP_GRACE_SECONDS) -> None:
-    """Stop a process we started in its own session, with everything it started."""
-    if process.poll() is not None:
-        _reap_group(process.pid)
-        return
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(process.pid, signal.SIGTERM)
-    try:
-        process.wait(grace_seconds)
-    except subprocess.TimeoutExpired:
+    """Stop a process we started, with everything it started."""
+    if process.poll() is None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(process.pid, signal.SIGKILL)
-        process.wait(10)
-    _reap_group(process.pid)
+            os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(grace_seconds)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait(10)
+    # Anything left in the group after its leader ended gets SIGKILL.
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, 0)
+        os.killpg(process.pid, signal.SIGKILL)
 
 
 def interrupt_group(
     process: subprocess.Popen[Any], grace_seconds: float = STOP_GRACE_SECONDS
 ) -> None:
-    """Stop a process that stops on Ctrl-C (SIGINT; again after half the grace), then as
-    `stop_group` does. Prefect's worker stops its runs on SIGINT, not on SIGTERM."""
+    """SIGINT (twice), then as `stop_group`: Prefect's worker stops its runs on SIGINT only."""
     for _ in range(2):
         if process.poll() is not None:
             break
@@ -109,14 +102,7 @@ def interrupt_group(
     stop_group(process, grace_seconds=5)
 
 
-def _reap_group(pgid: int) -> None:
-    """Anything left in the group after its leader ended gets SIGKILL."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, 0)
-        os.killpg(pgid, signal.SIGKILL)
-
-
-def _processes() -> Iterator[tuple[int, int, int]]:
+def process_table() -> Iterator[tuple[int, int, int]]:
     """(pid, parent pid, process group) of every process, from /proc."""
     for entry in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -128,20 +114,14 @@ def _processes() -> Iterator[tuple[int, int, int]]:
 
 
 def children(pid: int | None = None) -> list[int]:
-    """PIDs whose parent is `pid` (default: this process), from /proc."""
+    """PIDs whose parent is `pid` (default: this process)."""
     parent = os.getpid() if pid is None else pid
-    return [found for found, ppid, _ in _processes() if ppid == parent]
-
-
-def group_members(pgid: int) -> list[int]:
-    """PIDs in the process group `pgid`, from /proc."""
-    return [found for found, _, group in _processes() if group == pgid]
+    return [found for found, ppid, _ in process_table() if ppid == parent]
 
 
 @contextlib.contextmanager
 def stop_signals() -> Iterator[None]:
-    """SIGTERM, SIGHUP and SIGINT become `KeyboardInterrupt` in the main thread; a second
-    signal while stopping is ignored, so cleanup is not cut short."""
+    """SIGTERM, SIGHUP and SIGINT as `KeyboardInterrupt`, once: cleanup is not cut short."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -149,10 +129,9 @@ def stop_signals() -> Iterator[None]:
 
     def handle(signum: int, frame: FrameType | None) -> None:
         nonlocal stopping
-        if stopping:
-            return
-        stopping = True
-        raise KeyboardInterrupt(signal.Signals(signum).name)
+        if not stopping:
+            stopping = True
+            raise KeyboardInterrupt(signal.Signals(signum).name)
 
     previous = {s: signal.signal(s, handle) for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)}
     try:
@@ -162,26 +141,9 @@ def stop_signals() -> Iterator[None]:
             signal.signal(signum, handler)
 
 
-def export_to_children(
-    settings: Any = None, overrides: Mapping[str, str] | None = None, **defaults: str
-) -> None:
-    """The one way a command hands its configuration to the processes it starts (uvicorn's
-    workers, Prefect's runner and workers, flow runs): this process's environment, which they
-    inherit. `settings`: every `AI_*` variable that reproduces them; `overrides`: variables that
-    win over the environment (the Prefect server found); `defaults`: set only where the
-    environment names nothing."""
-    if settings is not None:
-        os.environ.update(settings.to_env())
-    os.environ.update(overrides or {})
-    for name, value in defaults.items():
-        os.environ.setdefault(name, value)
-
-
 def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
-    """Whether a server could bind the port (sockets in TIME_WAIT do not count as taken)."""
+    """Whether a server could bind the port (as a server would: TIME_WAIT does not count)."""
     with socket.socket() as sock:
-        # Like a server would: a port whose last connections linger in
-        # TIME_WAIT can be bound again.
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
@@ -207,8 +169,7 @@ def wait_for(
     interval: float = 0.2,
     alive: Callable[[], bool] | None = None,
 ) -> None:
-    """Poll `ready()` until it is true; `TimeoutError` naming `what` after `timeout` s, or
-    `RuntimeError` as soon as `alive()`, if given, turns false."""
+    """Poll `ready()`; `TimeoutError` after `timeout` s, `RuntimeError` once `alive()` is false."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if ready():

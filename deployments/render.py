@@ -1,9 +1,5 @@
-"""The command line's text: tables, the whole queue, the gate and the holds, as people read them.
-
-Every value that came from an app or a gateway (ids, kinds, subjects, errors) is shown with its
-control and bidirectional characters as escapes, in tables and in JSON alike: a cell never
-breaks a row or drives the operator's terminal.
-"""
+"""The command line's text. Values from an app or a gateway show their control and bidirectional
+characters as escapes, in tables and JSON alike."""
 
 from __future__ import annotations
 
@@ -17,11 +13,11 @@ from queue_store.models import GateState, Hold, QueueView, UsageRow, iso
 
 ERROR_COLUMN = 48  # characters of an error shown in a table row
 CELL_WIDTH = 40  # widest other column
-ELLIPSIS = "…"
+Columns = list[tuple[str, Callable[[dict[str, Any]], str]]]  # title, cell of a row
 
 
 def render_jobs(listed: list[dict[str, Any]]) -> str:
-    columns: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
+    columns: Columns = [
         ("STATUS", lambda j: j["status"]),
         ("PRIO", lambda j: f"{j['priority']}{'*' if j['interactive'] else ''}"),
         ("KIND", lambda j: j["kind"]),
@@ -35,32 +31,22 @@ def render_jobs(listed: list[dict[str, Any]]) -> str:
     return render_table(columns, listed, empty="(no jobs)")
 
 
-def render_table(
-    columns: list[tuple[str, Callable[[dict[str, Any]], str]]],
-    rows: list[dict[str, Any]],
-    *,
-    empty: str,
-) -> str:
+def render_table(columns: Columns, rows: list[dict[str, Any]], *, empty: str) -> str:
     """A plain-text table; long cells end in an ellipsis, and the last column may be wider."""
     cells = [[printable(_one_line(render(row))) for _, render in columns] for row in rows]
     limits = [CELL_WIDTH] * (len(columns) - 1) + [ERROR_COLUMN]
     cells = [[_cut(v, w) for v, w in zip(row, limits, strict=True)] for row in cells]
-    widths = [
-        max([len(title)] + [len(row[i]) for row in cells]) for i, (title, _) in enumerate(columns)
-    ]
+    widths = [max([len(t), *(len(row[i]) for row in cells)]) for i, (t, _) in enumerate(columns)]
 
     def line(values: list[str]) -> str:
         return "  ".join(v.ljust(w) for v, w in zip(values, widths, strict=True)).rstrip()
 
-    lines = [line([title for title, _ in columns])]
-    lines += [line(row) for row in cells]
-    if not rows:
-        lines.append(empty)
-    return "\n".join(lines)
+    lines = [line([title for title, _ in columns]), *(line(row) for row in cells)]
+    return "\n".join(lines if rows else [*lines, empty])
 
 
 def _cut(text: str, width: int) -> str:
-    return text if len(text) <= width else text[: width - 1] + ELLIPSIS
+    return text if len(text) <= width else text[: width - 1] + "…"
 
 
 def _one_line(text: str) -> str:
@@ -84,8 +70,7 @@ _CONTROL_BEYOND_C0 = re.compile(f"[{_BEYOND_C0}]")
 
 
 def printable(text: str) -> str:
-    """Control characters as escapes: a cell never breaks a table row or
-    drives the operator's terminal (kind and subject come from the app)."""
+    """Control characters as escapes: a value never breaks a row or drives a terminal."""
     return _CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), text)
 
 
@@ -135,7 +120,7 @@ def render_queue(view: QueueView) -> str:
     shown = f", first {len(view.waiting)}" if view.waiting_total > len(view.waiting) else ""
     out += ["", f"WAITING ({view.waiting_total}{shown}), in the order the worker takes them"]
     rows = [e.as_dict(view.max_attempts) for e in view.waiting]
-    columns: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
+    columns: Columns = [
         ("#", lambda r: str(r["place"])),
         ("USER", lambda r: r["user_id"]),
         ("IN PREFECT AS", lambda r: r["pseudonym"] or ""),
@@ -164,7 +149,7 @@ def render_queue(view: QueueView) -> str:
             f"{oldest}: the next `forget` or scheduled prune deletes their runs from Prefect",
         ]
     out += ["", f"TOKENS: {view.usage_total.described()} in all, by user and kind:"]
-    by_user: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
+    by_user: Columns = [
         ("USER", lambda u: u["user_id"]),
         ("KIND", lambda u: u["kind"]),
         ("ANSWERS", lambda u: str(u["answers"])),
@@ -175,8 +160,6 @@ def render_queue(view: QueueView) -> str:
 
 
 def as_json(value: Any) -> str:
-    """JSON for a terminal: non-ASCII text kept readable, but control and bidirectional
-    characters as `\\uXXXX` escapes (JSON's own), so a value cannot drive the terminal."""
+    """JSON for a terminal: non-ASCII readable, controls as `\\uXXXX` (json.dumps does C0)."""
     text = json.dumps(value, indent=2, ensure_ascii=False, default=str)
-    # json.dumps escapes C0 controls itself; the newlines left are its own layout.
     return _CONTROL_BEYOND_C0.sub(lambda m: f"\\u{ord(m.group()):04x}", text)

@@ -1,11 +1,5 @@
-"""`insight-queue serve`: the embedded default, from one laptop to one server.
-
-One process: a local Prefect server (unless `PREFECT_API_URL` names one), the warm consumer
-(not a run itself, so an idle hour adds nothing to the history), and the deployments on a
-Prefect runner. One serve per data directory (`serve.lock`; `serve.json` says where it is).
-Its worker name is stable for the data directory and host, so a restart takes back the
-previous serve's claims at once, even after a crash.
-"""
+"""`insight-queue serve`: a local Prefect server (unless `PREFECT_API_URL` names one), the warm
+consumer and the deployments, in one process per data directory."""
 
 from __future__ import annotations
 
@@ -19,37 +13,33 @@ import os
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
-from typing import IO, Any
+from typing import Any
+
+import httpx
+from prefect.context import refresh_global_settings_context
+from prefect.deployments.runner import RunnerDeployment
+from prefect.logging.handlers import APILogWorker
+from prefect.runner import Runner
 
 from deployments import processes, table
 from deployments.prefect_api import ServeState
 from deployments.stack import DEFAULT_PORT, PrefectServer, client_env, is_healthy
+from flows import flows
 from flows.consumer import Consumer, short_hostname
+from flows.flows import prefect_consumer
+from flows.limits import ensure_gateway_limit, give_back_leases, mark_crashed
 from flows.runtime import Runtime
-from queue_store import Job, JobStore, Settings, files, migrate
+from queue_store import JobStore, Settings, files, migrate
 
 logger = logging.getLogger(__name__)
 
-# The runner looks for new flow runs this often (Prefect's default is 10 s).
-RUNNER_POLL_SECONDS = 1
-# Flow runs this process runs at once (each follows its jobs; the consumer works).
-RUN_LIMIT = 20
+RUNNER_POLL_SECONDS = 1  # how often the runner looks for flow runs (Prefect's default: 10 s)
+RUN_LIMIT = 20  # flow runs at once (each follows its jobs; the consumer does the work)
 STOP_CONSUMER_SECONDS = 8.0
 STOP_RUNNER_SECONDS = 5.0
 STOP_SERVER_SECONDS = 5.0
-# Prefect's runner stops for good after a few polls that could not reach its server. serve starts
-# another after this pause, doubling up to the maximum, while its consumer goes on.
 RUNNER_RESTART_SECONDS = 2.0
 RUNNER_RESTART_MAX_SECONDS = 60.0
-
-
-@dataclasses.dataclass(frozen=True)
-class ServeOptions:
-    prefect_port: int = DEFAULT_PORT
-    upgrade: bool = False  # run migrations on PostgreSQL too (SQLite always upgrades)
-    ui: bool = True
-    hold_slot_when_idle: bool = True
 
 
 class AlreadyServing(RuntimeError):
@@ -57,7 +47,7 @@ class AlreadyServing(RuntimeError):
 
 
 def serve_worker(settings: Settings) -> str:
-    """The stable worker name of serve for this host and data directory."""
+    """Stable for this host and data directory: a restart takes back its claims at once."""
     where = hashlib.sha256(str(settings.data_dir.resolve()).encode()).hexdigest()[:10]
     return f"serve@{short_hostname()}:{where}"
 
@@ -65,9 +55,7 @@ def serve_worker(settings: Settings) -> str:
 @contextlib.contextmanager
 def _data_dir_lock(settings: Settings) -> Iterator[None]:
     files.private_directory(settings.data_dir)
-    path = settings.data_dir / "serve.lock"
-    handle: IO[str] = open(path, "a+")  # noqa: SIM115 - held for the life of serve
-    try:
+    with open(settings.data_dir / "serve.lock", "a+") as handle:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -81,27 +69,12 @@ def _data_dir_lock(settings: Settings) -> Iterator[None]:
         handle.write(str(os.getpid()))
         handle.flush()
         yield
-    finally:
-        handle.close()
-
-
-def configure_client(api_url: str, home: Path) -> None:
-    """Point this process, and the flow runs it starts, at one Prefect server."""
-    processes.export_to_children(
-        overrides=client_env(api_url, home), PREFECT_RUNNER_POLL_FREQUENCY=str(RUNNER_POLL_SECONDS)
-    )
-    # Prefect reads its settings once, when first imported: have it read them again.
-    from prefect.context import refresh_global_settings_context
-
-    refresh_global_settings_context()
 
 
 def prepare(
     runtime: Runtime, worker: str, upgrade: bool, leases_left: tuple[str, ...] = ()
 ) -> None:
     """The store's schema, the `gateway` limit, leaked slots, and what a previous serve left."""
-    from flows.limits import ensure_gateway_limit, give_back_leases, mark_crashed
-
     settings = runtime.settings
     if upgrade:
         migrate.upgrade(settings.database_url)
@@ -111,33 +84,17 @@ def prepare(
     # No blanket repair of the slot count here: a consumer's lease has no task
     # run, so Prefect cannot tell it from a leak. Leases are file-backed, and a
     # crashed serve's own are given back above; others lapse on their own.
-    taken: list[Job] = runtime.store.recover(worker)
-    if taken:
+    if taken := runtime.store.recover(worker):
+        names = ", ".join(j.run_name for j in taken)
         logger.warning(
-            "took back %d claim(s) of a previous serve or of dead workers: %s",
-            len(taken),
-            ", ".join(j.run_name for j in taken),
+            "took back %d claim(s) of a previous serve or of dead workers: %s", len(taken), names
         )
-        mark_crashed(
-            [j.flow_run_id for j in taken if j.flow_run_id],
-            "the worker stopped while this call was in flight; its job was taken back",
-        )
-
-
-def _flush_prefect_logs(timeout: float = 3.0) -> None:
-    """Ship the runs' last log lines while the Prefect server is still up, for a bounded time."""
-    try:
-        from prefect.logging.handlers import APILogWorker
-
-        APILogWorker.drain_all(timeout=timeout)
-    except Exception as exc:  # noqa: BLE001 - history only; stopping goes on
-        logger.warning("could not flush the run logs to Prefect: %s", exc)
+        why = "the worker stopped while this call was in flight; its job was taken back"
+        mark_crashed([j.flow_run_id for j in taken if j.flow_run_id], why)
 
 
 def _prefect_away(error: BaseException | None) -> bool:
     """Whether the runner failed because Prefect could not be reached (an outage, not a fault)."""
-    import httpx
-
     seen: set[int] = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
@@ -149,60 +106,6 @@ def _prefect_away(error: BaseException | None) -> bool:
     return False
 
 
-class _RunnerThread(threading.Thread):
-    """Prefect's runner for the deployments, in a thread with its own event loop: not in the
-    main thread, it installs no signal handler of its own, and serve decides how it stops."""
-
-    def __init__(self, *, served: bool = False) -> None:
-        super().__init__(name="prefect-runner", daemon=True)
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._runner: Any = None
-        self.error: BaseException | None = None
-        self.started_serving = threading.Event()
-        self._served_before = served
-
-    @property
-    def served(self) -> bool:
-        """Whether serve's runner got going (this one, or one before it)."""
-        return self._served_before or self.started_serving.is_set()
-
-    def run(self) -> None:
-        try:
-            asyncio.run(self._main())
-        except BaseException as exc:  # noqa: BLE001 - reported by serve
-            self.error = exc
-
-    async def _main(self) -> None:
-        from prefect.deployments.runner import RunnerDeployment
-        from prefect.runner import Runner
-
-        from flows import flows
-
-        self._loop = asyncio.get_running_loop()
-        self._runner = Runner(
-            name=f"insight-queue-{os.getpid()}", limit=RUN_LIMIT, pause_on_shutdown=False
-        )
-        for entry in table.DEPLOYMENTS:
-            scheduled = entry.interval_seconds if entry.scheduled_under_serve else None
-            deployment = RunnerDeployment.from_flow(
-                getattr(flows, entry.function),
-                name=table.DEPLOYMENT,
-                tags=["insight-queue"],
-                description=entry.description,
-                concurrency_limit=entry.concurrency_limit,
-                interval=scheduled,
-            )
-            await self._runner.add_deployment(deployment)
-        self.started_serving.set()
-        await self._runner.start()
-
-    def stop(self, timeout: float) -> None:
-        if self._loop is not None and self._runner is not None and self.is_alive():
-            with contextlib.suppress(RuntimeError):
-                asyncio.run_coroutine_threadsafe(self._runner.astop(), self._loop)
-        self.join(timeout)
-
-
 class _ConsumerThread(threading.Thread):
     def __init__(self, consumer: Consumer, ledger: Any) -> None:
         super().__init__(name="consumer", daemon=True)
@@ -211,132 +114,182 @@ class _ConsumerThread(threading.Thread):
         self.error: BaseException | None = None
 
     def run(self) -> None:
-        async def main() -> None:
-            try:
-                await self.consumer.run()
-            finally:
-                await self._ledger.flush(timeout=5.0)
-
         try:
-            asyncio.run(main())
+            asyncio.run(self._consume())
         except BaseException as exc:  # noqa: BLE001 - reported by serve
             self.error = exc
 
+    async def _consume(self) -> None:
+        try:
+            await self.consumer.run()
+        finally:
+            await self._ledger.flush(timeout=5.0)
 
-def serve(settings: Settings, options: ServeOptions) -> None:
-    """Run until a signal; stop everything started, within seconds."""
-    from flows.flows import prefect_consumer
 
-    server: PrefectServer | None = None
-    state: ServeState | None = None
-    consumer_thread: _ConsumerThread | None = None
-    runner_thread: _RunnerThread | None = None
+class _RunnerThread(threading.Thread):
+    """Prefect's runner for the deployments. Not in the main thread, it installs no signal
+    handler of its own: serve decides how it stops. It stops for good after a few polls that
+    could not reach its server: another starts after a pause, doubling up to the maximum."""
+
+    def __init__(self) -> None:
+        super().__init__(name="prefect-runner", daemon=True)
+        self.error: BaseException | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._runner: Any = None
+        self._served = False  # a runner got going once
+        self._stopping = threading.Event()
+
+    def run(self) -> None:
+        pause = RUNNER_RESTART_SECONDS
+        while not self._stopping.is_set():
+            started = time.monotonic()
+            try:
+                asyncio.run(self._serve())
+                self.error = None
+            except BaseException as exc:  # noqa: BLE001 - reported by serve
+                self.error = exc
+            if self._stopping.is_set() or not (self._served or _prefect_away(self.error)):
+                return  # stopped, or it never got going: not an outage, a fault to report
+            if time.monotonic() - started > RUNNER_RESTART_MAX_SECONDS:
+                pause = RUNNER_RESTART_SECONDS  # it had been running a while
+            logger.warning(
+                "Prefect's runner stopped (%s); starting it again in %g s", self.error, pause
+            )
+            self._stopping.wait(pause)
+            pause = min(pause * 2, RUNNER_RESTART_MAX_SECONDS)
+            self._served = True
+
+    async def _serve(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._runner = Runner(
+            name=f"insight-queue-{os.getpid()}", limit=RUN_LIMIT, pause_on_shutdown=False
+        )
+        for entry in table.DEPLOYMENTS:
+            deployment = RunnerDeployment.from_flow(
+                getattr(flows, entry.flow),
+                name=table.DEPLOYMENT,
+                tags=["insight-queue"],
+                description=entry.description,
+                concurrency_limit=entry.concurrency_limit,
+                interval=entry.interval_seconds if entry.scheduled_under_serve else None,
+            )
+            await self._runner.add_deployment(deployment)
+        self._served = True
+        await self._runner.start()
+
+    def stop(self, timeout: float) -> None:
+        self._stopping.set()
+        loop, runner = self._loop, self._runner
+        if loop is not None and runner is not None and not loop.is_closed():
+            with contextlib.suppress(RuntimeError):  # the loop has just closed
+                asyncio.run_coroutine_threadsafe(runner.astop(), loop)
+        self.join(timeout)
+
+
+def serve(settings: Settings, prefect_port: int = DEFAULT_PORT, *, upgrade: bool, ui: bool) -> None:
+    """Run until a signal; stop everything started, within seconds. `upgrade` migrates a
+    PostgreSQL store too (SQLite always is)."""
+    serving = _Serving(settings)
     with _data_dir_lock(settings):
         try:
             with contextlib.suppress(KeyboardInterrupt), processes.stop_signals():
-                api_url = os.environ.get("PREFECT_API_URL", "").strip()
-                home = settings.data_dir / "prefect"
-                if not api_url:
-                    port = processes.free_port(options.prefect_port)
-                    if port != options.prefect_port:
-                        print(
-                            f"port {options.prefect_port} is taken; the Prefect server uses {port}",
-                            flush=True,
-                        )
-                    server = PrefectServer(
-                        home,
-                        port,
-                        ui=options.ui,
-                        reuse=False,
-                        retention_days=settings.retention_days,
-                    ).start()
-                    api_url = server.api_url
-                elif not is_healthy(api_url):
-                    raise RuntimeError(f"PREFECT_API_URL={api_url} does not answer")
-                configure_client(api_url, home)
-                runtime = Runtime.open(settings)
-                runtime.redact_logs()
-                worker = serve_worker(settings)
-                left = ServeState.read_left(settings)
-                prepare(runtime, worker, options.upgrade, left.leases if left else ())
-                ui_url = api_url.removesuffix("/api")
-                state = ServeState(api_url, ui_url, os.getpid(), worker)
-                state.write(settings)
-
-                def record_leases(held: frozenset[str]) -> None:
-                    # Where a restart after a crash finds the slots to give back.
-                    dataclasses.replace(state, leases=tuple(sorted(held))).write(settings)
-
-                consumer, ledger = prefect_consumer(
-                    runtime,
-                    "consumer",
-                    worker=worker,
-                    on_change=record_leases,
-                    standby=True,
-                    hold_slot_when_idle=options.hold_slot_when_idle,
-                )
-                consumer_thread = _ConsumerThread(consumer, ledger)
-                consumer_thread.start()
-                runner_thread = _RunnerThread()
-                runner_thread.start()
-                print(f"insight-queue serving; Prefect UI at {ui_url}", flush=True)
-                pause = RUNNER_RESTART_SECONDS
-                started = time.monotonic()
-                while consumer_thread.is_alive():
-                    if runner_thread.is_alive():
-                        time.sleep(0.5)
-                        continue
-                    if not runner_thread.served and not _prefect_away(runner_thread.error):
-                        break  # it never got going: not an outage, a fault to report
-                    if time.monotonic() - started > RUNNER_RESTART_MAX_SECONDS:
-                        pause = RUNNER_RESTART_SECONDS  # it had been running a while
-                    logger.warning(
-                        "Prefect's runner stopped (%s); starting it again in %g s",
-                        runner_thread.error,
-                        pause,
-                    )
-                    time.sleep(pause)
-                    pause = min(pause * 2, RUNNER_RESTART_MAX_SECONDS)
-                    runner_thread = _RunnerThread(served=True)
-                    runner_thread.start()
-                    started = time.monotonic()
-                for thread in (consumer_thread, runner_thread):
-                    if thread.error is not None:
-                        raise RuntimeError(
-                            f"{thread.name} stopped: {thread.error}"
-                        ) from thread.error
+                serving.start(prefect_port, upgrade, ui)
+                serving.supervise()
         finally:
-            _stop(server, state, settings, consumer_thread, runner_thread)
+            serving.stop()
 
 
-def _stop(
-    server: PrefectServer | None,
-    state: ServeState | None,
-    settings: Settings,
-    consumer_thread: _ConsumerThread | None,
-    runner_thread: _RunnerThread | None,
-) -> None:
-    """Stop in order: the call in flight, the runner's runs, the Prefect server."""
-    if consumer_thread is not None:
-        logger.info("stopping: the consumer")
-        consumer_thread.consumer.stop("serve is stopping")
-        consumer_thread.join(STOP_CONSUMER_SECONDS)
-    if runner_thread is not None:
-        logger.info("stopping: Prefect's runner and its runs")
-        runner_thread.stop(STOP_RUNNER_SECONDS)
-    # Whatever the runner could not stop (the Prefect server may be gone
-    # already), and nothing else of ours, by PID.
-    own = {server.pid} if server is not None and server.pid else set()
-    for pid in processes.children():
-        if pid not in own:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, 15)
-    if state is not None:
-        state.remove(settings)
-    _flush_prefect_logs()
-    if server is not None:
-        # Everything that wrote to it has stopped: it need not wait for clients.
-        logger.info("stopping: the Prefect server")
-        server.stop(grace_seconds=STOP_SERVER_SECONDS)
-    with contextlib.suppress(Exception), JobStore(settings=settings) as store:
-        store.presence(serve_worker(settings), "consumer", leaving=True)
+class _Serving:
+    """What serve started, so that it stops in order whenever it is asked to."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.server: PrefectServer | None = None
+        self.state: ServeState | None = None
+        self.consumer_thread: _ConsumerThread | None = None
+        self.runner_thread: _RunnerThread | None = None
+
+    def start(self, prefect_port: int, upgrade: bool, ui: bool) -> None:
+        settings = self.settings
+        api_url = os.environ.get("PREFECT_API_URL", "").strip()
+        home = settings.data_dir / "prefect"
+        if not api_url:
+            port = processes.free_port(prefect_port)
+            if port != prefect_port:
+                taken = f"port {prefect_port} is taken; the Prefect server uses {port}"
+                print(taken, flush=True)
+            self.server = PrefectServer(
+                home, port, ui=ui, reuse=False, retention_days=settings.retention_days
+            ).start()
+            api_url = self.server.api_url
+        elif not is_healthy(api_url):
+            raise RuntimeError(f"PREFECT_API_URL={api_url} does not answer")
+        # This process and the flow runs it starts report to that server. Prefect reads its
+        # settings once, when first imported: have it read them again.
+        os.environ.update(client_env(api_url, home))
+        os.environ.setdefault("PREFECT_RUNNER_POLL_FREQUENCY", str(RUNNER_POLL_SECONDS))
+        refresh_global_settings_context()
+        runtime = Runtime.open(settings)
+        runtime.redact_logs()
+        worker = serve_worker(settings)
+        left = ServeState.read_left(settings)
+        prepare(runtime, worker, upgrade, left.leases if left else ())
+        ui_url = api_url.removesuffix("/api")
+        state = self.state = ServeState(api_url, ui_url, os.getpid(), worker)
+        state.write(settings)
+
+        def record_leases(held: frozenset[str]) -> None:
+            # Where a restart after a crash finds the slots to give back.
+            dataclasses.replace(state, leases=tuple(sorted(held))).write(settings)
+
+        consumer, ledger = prefect_consumer(
+            runtime,
+            "consumer",
+            worker=worker,
+            on_change=record_leases,
+            standby=True,
+            hold_slot_when_idle=True,  # a screen never waits for a slot
+        )
+        self.consumer_thread = _ConsumerThread(consumer, ledger)
+        self.consumer_thread.start()
+        self.runner_thread = _RunnerThread()
+        self.runner_thread.start()
+        print(f"insight-queue serving; Prefect UI at {ui_url}", flush=True)
+
+    def supervise(self) -> None:
+        """Until the consumer ends, or the runner with a fault."""
+        assert self.consumer_thread is not None and self.runner_thread is not None
+        while self.consumer_thread.is_alive() and self.runner_thread.is_alive():
+            time.sleep(0.5)
+        for thread in (self.consumer_thread, self.runner_thread):
+            if thread.error is not None:
+                raise RuntimeError(f"{thread.name} stopped: {thread.error}") from thread.error
+
+    def stop(self) -> None:
+        """In order: the call in flight, the runner's runs, the Prefect server."""
+        if self.consumer_thread is not None:
+            logger.info("stopping: the consumer")
+            self.consumer_thread.consumer.stop("serve is stopping")
+            self.consumer_thread.join(STOP_CONSUMER_SECONDS)
+        if self.runner_thread is not None:
+            logger.info("stopping: Prefect's runner and its runs")
+            self.runner_thread.stop(STOP_RUNNER_SECONDS)
+        # Whatever the runner could not stop (the Prefect server may be gone
+        # already), and nothing else of ours, by PID.
+        own = {self.server.pid} if self.server is not None and self.server.pid else set()
+        for pid in processes.children():
+            if pid not in own:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, 15)
+        if self.state is not None:
+            self.state.remove(self.settings)
+        try:  # the runs' last log lines, while the Prefect server is still up
+            APILogWorker.drain_all(timeout=3.0)
+        except Exception as exc:  # noqa: BLE001 - history only; stopping goes on
+            logger.warning("could not flush the run logs to Prefect: %s", exc)
+        if self.server is not None:
+            # Everything that wrote to it has stopped: it need not wait for clients.
+            logger.info("stopping: the Prefect server")
+            self.server.stop(grace_seconds=STOP_SERVER_SECONDS)
+        with contextlib.suppress(Exception), JobStore(settings=self.settings) as store:
+            store.presence(serve_worker(self.settings), "consumer", leaving=True)

@@ -1,12 +1,8 @@
-"""The local Prefect server, for `serve`, the demo, the tests and the benchmarks.
-
-`PrefectServer` is a `prefect server start` subprocess with its own home, bound to 127.0.0.1,
-its concurrency leases in files (with the in-memory default a restart forgets who holds the
-`gateway` slots but not that they are taken). It stops what it started, by PID.
-"""
+"""The local Prefect server for `serve`, the demo, the tests and the benchmarks."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -25,6 +21,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_PORT = 4200
 STARTUP_TIMEOUT_SECONDS = 120.0
 DEFAULT_RETENTION_DAYS = 90.0  # AI_JOB_RETENTION_DAYS's default
+# With in-memory leases a restarted server forgets who holds the `gateway` slots, but not that
+# they are taken.
 FILE_LEASES = "prefect.server.concurrency.lease_storage.filesystem"
 BIN = Path(sys.executable).parent
 
@@ -37,8 +35,7 @@ def executable(name: str) -> str:
 def server_env(
     home: Path, *, ui: bool = True, retention_days: float = DEFAULT_RETENTION_DAYS
 ) -> dict[str, str]:
-    """Environment of a Prefect server process with its own home, whose vacuum deletes runs
-    (and their logs) that ended more than `retention_days` ago, as the store's retention does."""
+    """Its own home, file-backed leases, and the store's retention for its runs."""
     env = {
         "PREFECT_HOME": str(home),
         "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{home / 'prefect.db'}",
@@ -49,8 +46,7 @@ def server_env(
         "DO_NOT_TRACK": "1",
     }
     if not ui:
-        env["PREFECT_UI_ENABLED"] = "false"
-        env["PREFECT_SERVER_UI_ENABLED"] = "false"
+        env |= {"PREFECT_UI_ENABLED": "false", "PREFECT_SERVER_UI_ENABLED": "false"}
     return env
 
 
@@ -71,27 +67,22 @@ def is_healthy(api_url: str, timeout: float = 2.0) -> bool:
         return False
 
 
+@dataclasses.dataclass(eq=False)
 class PrefectServer:
-    """A local Prefect server subprocess (or a server already answering at the address)."""
+    """A local Prefect server subprocess; with `reuse`, a server already answering at the port."""
 
-    def __init__(
-        self,
-        home: Path,
-        port: int = DEFAULT_PORT,
-        *,
-        ui: bool = True,
-        database_url: str | None = None,
-        reuse: bool = True,
-        retention_days: float = DEFAULT_RETENTION_DAYS,
-    ) -> None:
-        self.home = home
-        self.retention_days = retention_days
-        self.port = port
-        self.ui = ui
-        self.database_url = database_url
-        self.reuse = reuse
-        self.log = home / "server.log"
-        self.process: subprocess.Popen[bytes] | None = None
+    home: Path
+    port: int = DEFAULT_PORT
+    _: dataclasses.KW_ONLY
+    ui: bool = True
+    database_url: str | None = None
+    reuse: bool = True
+    retention_days: float = DEFAULT_RETENTION_DAYS
+    process: subprocess.Popen[bytes] | None = dataclasses.field(default=None, init=False)
+
+    @property
+    def log(self) -> Path:
+        return self.home / "server.log"
 
     @property
     def api_url(self) -> str:
@@ -106,7 +97,6 @@ class PrefectServer:
         return self.process.pid if self.process else None
 
     def start(self) -> Self:
-        """Start the server; with `reuse`, use one already answering at this address."""
         if self.reuse and is_healthy(self.api_url):
             logger.info("using the Prefect server already running at %s", self.api_url)
             return self
@@ -147,13 +137,7 @@ class PrefectServer:
         return self
 
     def stop(self, grace_seconds: float = 15.0) -> None:
-        """Stop the server this object started (never one it merely reused)."""
+        """Stop the server this object started (never one it reused)."""
         process, self.process = self.process, None
         if process is not None:
             processes.stop_group(process, grace_seconds=grace_seconds)
-
-    def __enter__(self) -> Self:
-        return self.start()
-
-    def __exit__(self, *_: object) -> None:
-        self.stop()

@@ -1,10 +1,5 @@
-"""The store's verbs on the command line: `db`, `enqueue`, `status`, `jobs`, `queue`, ...
-
-They need nothing but the store, so they start without importing Prefect. Every error becomes
-one line on stderr and a non-zero exit, never a traceback. JSON output uses the store's one
-vocabulary (snake_case keys, ISO 8601 UTC times). Read-only commands never create a database or
-a directory.
-"""
+"""The store's verbs on the command line, and `forget`. They never import Prefect (but to erase a
+forgotten user's runs), and the read-only ones never create a database or a directory."""
 
 from __future__ import annotations
 
@@ -16,28 +11,27 @@ import click
 
 from deployments.cli import (
     EXIT_FAILURE,
-    echo_json,
-    fails_cleanly,
-    json_option,
+    command,
+    key_arguments,
+    main,
     open_store,
-    priority_option,
+    registry,
     settings_from,
+    triggers_for,
 )
 from deployments.render import as_json as as_json_text
 from deployments.render import describe_gate, printable, render_jobs, render_queue
-from queue_store import GateState, InvalidArgument, JobStore, StoreError, job_id, migrate
+from queue_store import GateState, InvalidArgument, StoreError, job_id, migrate
 from queue_store.models import INTERACTIVE, PREFETCH, iso
 from queue_store.redact import mask_url
 
 
-@click.group("db")
-def db_group() -> None:
+@main.group("db", short_help="The store's schema: `db upgrade`, `db status`.")
+def db_command() -> None:
     """The store's schema."""
 
 
-@db_group.command("upgrade")
-@click.pass_context
-@fails_cleanly
+@command("upgrade", group=db_command)
 def db_upgrade(ctx: click.Context) -> None:
     """Create the schema, or upgrade it (an original ai_jobs table is adopted in place)."""
     settings = settings_from(ctx)
@@ -45,25 +39,24 @@ def db_upgrade(ctx: click.Context) -> None:
     click.echo(f"{mask_url(settings.database_url)} is at schema revision {revision}")
 
 
-@db_group.command("status")
-@click.pass_context
-@fails_cleanly
+@command("status", group=db_command)
 def db_status(ctx: click.Context) -> None:
     """Say whether the schema is current (creates nothing)."""
-    settings = settings_from(ctx)
-    JobStore(settings.database_url, settings=settings, create=False).close()  # checks the schema
-    click.echo(f"{mask_url(settings.database_url)}: schema is current")
+    open_store(ctx, write=False).close()  # opening checks the schema
+    click.echo(f"{mask_url(settings_from(ctx).database_url)}: schema is current")
 
 
-@click.command("enqueue")
-@click.argument("user_id")
-@click.argument("kind")
-@click.argument("subject")
+@command("enqueue", "Queue one generation, or promote it.")
+@key_arguments
 @click.option("--fingerprint", default=None, help="hash of the data the insight is made from")
-@priority_option
-@json_option
-@click.pass_context
-@fails_cleanly
+@click.option("--interactive", is_flag=True, help=f"a screen is waiting: priority {INTERACTIVE}")
+@click.option(
+    "--priority",
+    type=click.IntRange(0, 1_000_000),
+    default=None,
+    help=f"lower runs first (interactive {INTERACTIVE}, prefetch {PREFETCH})",
+)
+@click.option("--json", "as_json", is_flag=True, help="print JSON")
 def enqueue_command(
     ctx: click.Context,
     user_id: str,
@@ -77,26 +70,18 @@ def enqueue_command(
     """Queue one generation, or promote it; prints the job's status."""
     if interactive and priority is not None:
         raise InvalidArgument("priority", "give --interactive or --priority, not both")
-    # How the command that mounts these verbs checks a kind, once the plugins are loaded.
-    if callable(check := (ctx.find_root().obj or {}).get("check_kind")):
-        check(kind)
+    registry().check_kind(kind)
     chosen = INTERACTIVE if interactive else PREFETCH if priority is None else priority
     with open_store(ctx, write=True) as store:
         status = store.enqueue(user_id, kind, subject, fingerprint, chosen)
         jid = job_id(user_id, kind, subject)
         job = store.jobs([jid]).get(jid)
-    if as_json:
-        echo_json({"status": str(status), "job": job.as_dict() if job else None})
-    else:
-        click.echo(status)
+    shown = {"status": str(status), "job": job.as_dict() if job else None}
+    click.echo(as_json_text(shown) if as_json else status)
 
 
-@click.command("status")
-@click.argument("user_id")
-@click.argument("kind")
-@click.argument("subject")
-@click.pass_context
-@fails_cleanly
+@command("status", "One job: status, place, ETA, latest result (JSON).")
+@key_arguments
 def status_command(ctx: click.Context, user_id: str, kind: str, subject: str) -> None:
     """One job's status, place in line, ETA and latest result, as JSON."""
     with open_store(ctx, write=False) as store:
@@ -104,27 +89,35 @@ def status_command(ctx: click.Context, user_id: str, kind: str, subject: str) ->
     if state is None:
         click.echo(f"error: no job for {user_id!r} {kind}:{subject}", err=True)
         sys.exit(EXIT_FAILURE)
-    echo_json(state.as_dict(settings_from(ctx).max_attempts))
+    click.echo(as_json_text(state.as_dict(settings_from(ctx).max_attempts)))
 
 
-@click.command("jobs")
+@command("result", "The latest result for a key (JSON).")
+@key_arguments
+def result_command(ctx: click.Context, user_id: str, kind: str, subject: str) -> None:
+    """The latest result for a key, as JSON (also while a newer one is being made)."""
+    with open_store(ctx, write=False) as store:
+        state = store.poll(user_id, kind, subject, queue=False)
+    result = state.result if state is not None else None
+    if result is None:
+        click.echo(f"error: no result yet for {user_id!r} {kind}:{subject}", err=True)
+        sys.exit(EXIT_FAILURE)
+    click.echo(as_json_text(result.as_dict()))
+
+
+@command("jobs", "One user's queue in worker order.")
 @click.option("--user", "user_id", required=True, help="whose queue to show")
 @click.option("--limit", type=click.IntRange(1, 1000), default=60, show_default=True)
-@json_option
-@click.pass_context
-@fails_cleanly
+@click.option("--json", "as_json", is_flag=True, help="print JSON")
 def jobs_command(ctx: click.Context, user_id: str, limit: int, as_json: bool) -> None:
     """The user's queue in the order the worker will take it."""
     with open_store(ctx, write=False) as store:
         found = store.list_jobs(user_id, limit)
     listed = [entry.as_dict(settings_from(ctx).max_attempts) for entry in found]
-    if as_json:
-        echo_json(listed)
-        return
-    click.echo(render_jobs(listed))
+    click.echo(as_json_text(listed) if as_json else render_jobs(listed))
 
 
-@click.command("queue")
+@command("queue", "The whole queue at a glance (--json, --watch).")
 @click.option(
     "--limit",
     type=click.IntRange(1, 1000),
@@ -134,7 +127,6 @@ def jobs_command(ctx: click.Context, user_id: str, limit: int, as_json: bool) ->
 )
 @click.option(
     "--watch",
-    "watch",
     type=click.FloatRange(0.5, 3600),
     default=None,
     is_flag=False,
@@ -142,18 +134,13 @@ def jobs_command(ctx: click.Context, user_id: str, limit: int, as_json: bool) ->
     metavar="[SECONDS]",
     help="refresh in place every SECONDS (default 2) until Ctrl-C",
 )
-@json_option
-@click.pass_context
-@fails_cleanly
+@click.option("--json", "as_json", is_flag=True, help="print JSON")
 def queue_command(ctx: click.Context, limit: int, watch: float | None, as_json: bool) -> None:
     """The whole queue at a glance: every user, in the order the worker takes them."""
     with open_store(ctx, write=False) as store:
         if watch is None:
             view = store.queue_view(limit)
-            if as_json:
-                echo_json(view.as_dict())
-            else:
-                click.echo(render_queue(view))
+            click.echo(as_json_text(view.as_dict()) if as_json else render_queue(view))
             return
         try:
             while True:
@@ -170,10 +157,8 @@ def queue_command(ctx: click.Context, limit: int, watch: float | None, as_json: 
             click.echo()
 
 
-@click.command("retry-failed")
+@command("retry-failed", "Put a user's failed jobs back now.")
 @click.argument("user_id")
-@click.pass_context
-@fails_cleanly
 def retry_failed_command(ctx: click.Context, user_id: str) -> None:
     """Put every failed job of the user back in the queue now."""
     with open_store(ctx, write=True) as store:
@@ -184,10 +169,8 @@ def retry_failed_command(ctx: click.Context, user_id: str) -> None:
     )
 
 
-@click.command("requeue")
+@command("requeue", "Queue every finished job again (after a prompt change).")
 @click.option("--kind", "kinds", multiple=True, help="only this kind (repeatable); default all")
-@click.pass_context
-@fails_cleanly
 def requeue_command(ctx: click.Context, kinds: tuple[str, ...]) -> None:
     """Queue every finished job again, for every user: after a prompt change."""
     with open_store(ctx, write=True) as store:
@@ -195,41 +178,22 @@ def requeue_command(ctx: click.Context, kinds: tuple[str, ...]) -> None:
     click.echo(f"queued {queued} finished job(s) again at prefetch priority")
 
 
-@click.command("result")
-@click.argument("user_id")
-@click.argument("kind")
-@click.argument("subject")
-@click.pass_context
-@fails_cleanly
-def result_command(ctx: click.Context, user_id: str, kind: str, subject: str) -> None:
-    """The latest result for a key, as JSON (also while a newer one is being made)."""
-    with open_store(ctx, write=False) as store:
-        state = store.poll(user_id, kind, subject, queue=False)
-    result = state.result if state is not None else None
-    if result is None:
-        click.echo(f"error: no result yet for {user_id!r} {kind}:{subject}", err=True)
-        sys.exit(EXIT_FAILURE)
-    echo_json(result.as_dict())
-
-
-@click.command("settings")
-@json_option
-@click.pass_context
-@fails_cleanly
+@command("settings", "Every setting, and whether claiming is paused.")
+@click.option("--json", "as_json", is_flag=True, help="print JSON")
 def settings_command(ctx: click.Context, as_json: bool) -> None:
     """Every setting with its environment variable and value (secrets masked), and claiming."""
-    settings = settings_from(ctx)
-    by_variable = settings.public()
+    by_variable = settings_from(ctx).public()
     gate: GateState | None = None
     try:
-        with JobStore(settings.database_url, settings=settings, create=False) as store:
+        with open_store(ctx, write=False) as store:
             gate = store.gate_state()
     except StoreError as exc:
         gate_line = f"claiming: unknown ({exc})"
     else:
         gate_line = describe_gate(gate)
     if as_json:
-        echo_json({"settings": by_variable, "gate": gate.as_dict() if gate else None})
+        shown = {"settings": by_variable, "gate": gate.as_dict() if gate else None}
+        click.echo(as_json_text(shown))
         return
     width = max(len(name) for name in by_variable)
     for name, value in by_variable.items():
@@ -237,11 +201,13 @@ def settings_command(ctx: click.Context, as_json: bool) -> None:
     click.echo(gate_line)
 
 
-@click.command("pause", context_settings={"ignore_unknown_options": True})
+@command(
+    "pause",
+    "Stop every worker from claiming for SECONDS.",
+    context_settings={"ignore_unknown_options": True},
+)
 @click.argument("seconds", type=click.FloatRange(0, 7 * 24 * 3600))
 @click.option("--reason", default="paused by an operator", show_default=True)
-@click.pass_context
-@fails_cleanly
 def pause_command(ctx: click.Context, seconds: float, reason: str) -> None:
     """Stop every worker from claiming for SECONDS (0 to 604800)."""
     with open_store(ctx, write=True) as store:
@@ -249,9 +215,7 @@ def pause_command(ctx: click.Context, seconds: float, reason: str) -> None:
     click.echo(f"claiming paused until {iso(gate.paused_until)}")
 
 
-@click.command("resume")
-@click.pass_context
-@fails_cleanly
+@command("resume", "Lift a pause.")
 def resume_command(ctx: click.Context) -> None:
     """Lift a pause (an operator's, or one the gateway's answers caused)."""
     with open_store(ctx, write=True) as store:
@@ -259,10 +223,8 @@ def resume_command(ctx: click.Context) -> None:
     click.echo("claiming resumed")
 
 
-@click.command("recover")
+@command("recover", "Take back claims whose worker is gone.")
 @click.option("--worker", default=None, help="also take back this worker's own claims")
-@click.pass_context
-@fails_cleanly
 def recover_command(ctx: click.Context, worker: str | None) -> None:
     """Take back claims whose worker is gone (never a live one)."""
     with open_store(ctx, write=True) as store:
@@ -273,7 +235,7 @@ def recover_command(ctx: click.Context, worker: str | None) -> None:
         click.echo(f"  {printable(job.run_name)} ({who})")
 
 
-@click.command("prune")
+@command("prune", "Delete what is past retention (--dry-run counts).")
 @click.option("--dry-run", is_flag=True, help="count what would be deleted, delete nothing")
 @click.option(
     "--days",
@@ -281,14 +243,21 @@ def recover_command(ctx: click.Context, worker: str | None) -> None:
     default=None,
     help="keep this many days (default AI_JOB_RETENTION_DAYS)",
 )
-@click.pass_context
-@fails_cleanly
 def prune_command(ctx: click.Context, dry_run: bool, days: float | None) -> None:
     """Delete what is past retention: finished jobs and their results, who used tokens (kept as
-    daily totals), people with nothing left (JSON). Also a scheduled run of `serve` and
-    `deploy`, which deletes the run history of forgotten users too."""
-    settings = settings_from(ctx)
-    by_kind = (ctx.find_root().obj or {}).get("retention", lambda: {})()
+    daily totals), people with nothing left (JSON). Also an hourly run of `serve` and `deploy`,
+    which erases the run history of forgotten users too."""
+    by_kind = registry().retention()
     with open_store(ctx, write=not dry_run) as store:
         pruned = store.prune(retention_days=days, by_kind=by_kind, dry_run=dry_run)
-    echo_json(pruned.as_dict() | {"retention_days": days or settings.retention_days})
+    kept = days or settings_from(ctx).retention_days
+    click.echo(as_json_text(pruned.as_dict() | {"retention_days": kept}))
+
+
+@command("forget", "Erase a user from the store and the run history.")
+@click.argument("user_id")
+def forget_command(ctx: click.Context, user_id: str) -> None:
+    """Erase USER: their rows from the store at once (a call of theirs in flight is cut), then
+    their runs from Prefect, now or at the next forget or prune if it is away (JSON; idempotent)."""
+    with triggers_for(ctx) as triggers:
+        click.echo(as_json_text(triggers.forget(user_id).as_dict()))

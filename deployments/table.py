@@ -1,8 +1,4 @@
-"""The one table of deployments: what `serve`, `deploy` and the triggers all read.
-
-Plain data, no Prefect import: the app-side triggers read names from here
-without paying for Prefect.
-"""
+"""The one table of deployments for `serve`, `deploy` and the triggers; no Prefect import."""
 
 from __future__ import annotations
 
@@ -20,15 +16,14 @@ SAFETY_NET_SECONDS = 3600
 # Backfill runs following their scopes at once; more wait for a slot without
 # a process (each run follows, the consumer does the work).
 BACKFILL_RUNS_AT_ONCE = 4
-# How often retention runs (D2), under `serve` and on a work pool: each run is one row of the
-# history, with what it removed; a forgotten user's runs go at the next one if Prefect was away.
+# Retention (D2): each run is one row of the history; a forgotten user's runs go at the next one
+# if Prefect was away.
 PRUNE_SECONDS = 3600
 
 
 @dataclasses.dataclass(frozen=True)
 class Deployment:
-    flow: str  # the flow's name, as Prefect knows it
-    function: str  # the function in flows/flows.py
+    flow: str  # the flow's name, as Prefect knows it, and its function in flows/flows.py
     queue: str  # work queue on a pool (scale-out)
     description: str
     interval_seconds: int | None = None  # scheduled on a work pool
@@ -42,11 +37,10 @@ class Deployment:
 
     @property
     def entrypoint(self) -> str:
-        return f"flows/flows.py:{self.function}"
+        return f"flows/flows.py:{self.flow}"
 
 
 BACKFILL = Deployment(
-    "backfill",
     "backfill",
     BACKFILL_QUEUE,
     "after a data sync: queue every scope of a user and see them through",
@@ -54,20 +48,16 @@ BACKFILL = Deployment(
 )
 INTERACTIVE = Deployment(
     "interactive",
-    "interactive",
     INTERACTIVE_QUEUE,
     "a screen is open: its insight goes to the front; the run tells the screen's story",
 )
 DRAIN = Deployment(
     "drain",
-    "drain",
     BACKFILL_QUEUE,
     "run what is runnable, then stop (the safety net where no consumer stands by)",
     interval_seconds=SAFETY_NET_SECONDS,
 )
-
 PRUNE = Deployment(
-    "prune",
     "prune",
     BACKFILL_QUEUE,
     "retention: delete what is past its time, and the runs of forgotten users",

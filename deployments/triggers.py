@@ -1,19 +1,14 @@
-"""What the app calls: the post-sync hook's `trigger_backfill`, and a screen's `request_insight`.
-
-One `Triggers` per process, called from any thread. Both return within a few seconds
-whatever Prefect's state: they queue their work in the store first. A run is started only
-when the store says one is needed, at most one per job per `RUN_WINDOW_SECONDS`.
-"""
+"""What the app calls: `trigger_backfill`, `request_insight` and `forget`. Each writes the store
+first and starts a Prefect run only when the store says one is needed."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any, Self
 
 from deployments import table
@@ -35,11 +30,10 @@ logger = logging.getLogger(__name__)
 
 # One screen run per job per window at most, however often its screen polls.
 RUN_WINDOW_SECONDS = 30
-# A backfill triggered twice for the same sync (or, without a sync id, within
-# this window) starts one run.
+# Without a sync id, a backfill triggered twice within this window starts one run.
 BACKFILL_WINDOW_SECONDS = 60
 NO_SCOPES = "no scope to queue for this user"
-# How a run names its user: by pseudonym (as flows.history tags generation runs).
+# Runs name their user by pseudonym, as flows.history tags generation runs (D4).
 TAG_PREFIX_USER = "user:"
 NO_SERVER = (
     "no Prefect server: PREFECT_API_URL is not set and no `insight-queue serve` "
@@ -49,19 +43,19 @@ NO_SERVER = (
 
 @dataclasses.dataclass(frozen=True)
 class InsightState:
-    """What a screen gets back from every poll (snake_case, like every JSON of the project)."""
+    """What a screen gets back from every poll (README.md, "Using it from an app")."""
 
     status: str  # pending | running | done | failed | unknown (the store was unreachable)
-    ahead: int | None = None  # jobs that will run before this one
-    ahead_exact: bool | None = None  # False: more than `ahead` (the ETA then counts those)
+    ahead: int | None = None
+    ahead_exact: bool | None = None
     in_flight: int | None = None
     eta_seconds: float | None = None
-    result: dict[str, Any] | None = None  # the latest result, possibly for older data
-    fresh: bool = False  # the result answers the fingerprint asked about
+    result: dict[str, Any] | None = None
+    fresh: bool = False
     flow_run_id: str | None = None  # the run this call started, if any
-    run_note: str | None = None  # why no run was started when one was needed
-    paused: str | None = None  # claiming is paused: why, and for how long
-    error: str | None = None  # the store could not be reached
+    run_note: str | None = None
+    paused: str | None = None
+    error: str | None = None
     # Not part of the answer: the store's version of it, and whether the
     # caller's version still holds (then `result` was not loaded).
     version: str | None = dataclasses.field(default=None, compare=False)
@@ -69,13 +63,9 @@ class InsightState:
 
     @classmethod
     def of(cls, state: JobState, run_id: str | None = None, note: str | None = None) -> Self:
-        position = state.position
         return cls(
-            status=str(state.status),
-            ahead=position.ahead if position else None,
-            ahead_exact=position.ahead_exact if position else None,
-            in_flight=position.in_flight if position else None,
-            eta_seconds=round(position.eta_seconds, 1) if position else None,
+            str(state.status),
+            **(state.position.as_dict() if state.position else {}),
             result=state.result.as_dict() if state.result else None,
             fresh=state.fresh,
             flow_run_id=run_id,
@@ -93,9 +83,7 @@ class InsightState:
 
 @dataclasses.dataclass(frozen=True)
 class ForgetState:
-    """What `forget` did: the store's part, and the run history's."""
-
-    forgotten: Forgotten
+    forgotten: Forgotten  # the store's part
     history_note: str | None = None  # why the run history's part is not done yet
 
     def as_dict(self) -> dict[str, Any]:
@@ -104,11 +92,9 @@ class ForgetState:
 
 @dataclasses.dataclass(frozen=True)
 class BackfillState:
-    """What the post-sync hook gets back."""
-
     user_id: str
     queued: int  # scopes queued or already in hand
-    flow_run_id: str | None  # the backfill run (the same for the same sync)
+    flow_run_id: str | None  # the same for the same sync
     run_note: str | None = None  # why no run was started
     error: str | None = None  # the store could not be reached
 
@@ -117,7 +103,7 @@ class BackfillState:
 
 
 class Triggers:
-    """The app side: a runtime (store, registry) and the way to Prefect. Thread-safe."""
+    """One per process, used from any thread."""
 
     def __init__(self, runtime: Runtime, prefect_url: str | None = None) -> None:
         self.runtime = runtime
@@ -131,25 +117,21 @@ class Triggers:
 
     @classmethod
     def open(cls, settings: Settings | None = None, *, prefect_url: str | None = None) -> Self:
-        """Triggers on a runtime of their own, for these settings (default: the environment)."""
         return cls(Runtime.open(settings), prefect_url)
 
     @property
     def store(self) -> ScreenStore:
-        """The store as the app's side uses it."""
         return self.runtime.store
 
     @property
     def operator(self) -> OperatorStore:
-        """The store as an operator's routes use it: the queue and its actions."""
         return self.runtime.store
 
     def close(self) -> None:
-        """Close the store and the connection to Prefect."""
         with self._lock:
-            if self._api is not None:
-                self._api.close()
-                self._api = None
+            api, self._api = self._api, None
+        if api is not None:
+            api.close()
         self.runtime.close()
 
     def __enter__(self) -> Self:
@@ -158,9 +140,11 @@ class Triggers:
     def __exit__(self, *_: object) -> None:
         self.close()
 
+    def _url(self) -> str | None:
+        return self._prefect_url or api_url(self.runtime.settings)
+
     def _prefect(self) -> PrefectApi:
-        url = self._prefect_url or api_url(self.runtime.settings)
-        if url is None:
+        if (url := self._url()) is None:
             raise PrefectUnavailable(NO_SERVER)
         with self._lock:
             if self._api is None or self._api.base_url != url.rstrip("/"):
@@ -193,11 +177,8 @@ class Triggers:
         *,
         known: str | None = None,
     ) -> InsightState:
-        """A screen's poll: queue the insight at the front, start a run if needed, report.
-
-        While `known`, the `version` the screen has, holds, the answer is `unchanged`, with no
-        result. Raises `InvalidArgument` for bad input, never because Prefect or the database
-        is down: the state says so instead."""
+        """A screen's poll; while `known` (the screen's `version`) holds, `unchanged`, no result.
+        Raises `InvalidArgument` for bad input only; an outage is told in the state."""
         user_id, kind, subject = validation.key(user_id, kind, subject)
         fingerprint = validation.fingerprint(fingerprint)
         self.runtime.registry.check(kind, subject)
@@ -230,10 +211,7 @@ class Triggers:
         return InsightState.of(state, run_id, note)
 
     def trigger_backfill(self, user_id: str, sync_id: str | None = None) -> BackfillState:
-        """After a data sync: queue every scope of the user, start the backfill run, return at once.
-
-        The same `sync_id` (or, without one, a minute) starts one run. The scopes are queued in
-        the store first, so they survive Prefect being down or the run crashing."""
+        """Queue the user's scopes and start one backfill run per `sync_id` (or per minute)."""
         user_id = validation.user_id(user_id)
         if sync_id is not None:
             sync_id = validation.text("sync_id", sync_id, 200)
@@ -260,10 +238,7 @@ class Triggers:
         return BackfillState(user_id, len(scopes), run_id, note)
 
     def forget(self, user_id: str) -> ForgetState:
-        """Erase the user (D3): every row of theirs from the store at once, then their runs (with
-        their logs and artifacts) from Prefect, and those of users forgotten while Prefect was
-        away. With Prefect away, the store's part is done and the rest waits: `history_pending`
-        says how many users', and the next `forget` or the scheduled prune does it."""
+        """D3: the store's rows at once, then the runs in Prefect, with those left waiting."""
         user_id = validation.user_id(user_id)
         forgotten = self.operator.forget(user_id)
         erased, note = self.erase_history(forgotten.history_pending)
@@ -273,24 +248,14 @@ class Triggers:
         return ForgetState(forgotten, note)
 
     def erase_history(self, pseudonyms: Sequence[str]) -> tuple[list[str], str | None]:
-        """Delete the runs of these forgotten users' pseudonyms from Prefect (Prefect's client,
-        imported now: an operator's action, not a screen's); returns those done, and why not the
-        rest."""
+        """Prefect's client, for an operator's action: returns those done, and why not the rest."""
         if not pseudonyms:
             return [], None
-        url = self._prefect_url or api_url(self.runtime.settings)
-        if url is None:
+        if (url := self._url()) is None:
             return [], NO_SERVER
+        from prefect.settings import PREFECT_API_URL, temporary_settings
+
         from flows.history import erase_runs
 
-        with _prefect_at(url):
+        with temporary_settings(updates={PREFECT_API_URL: url}):
             return asyncio.run(erase_runs(list(pseudonyms)))
-
-
-@contextlib.contextmanager
-def _prefect_at(url: str) -> Iterator[None]:
-    """Prefect's client pointed at `url` for a moment (it reads PREFECT_API_URL)."""
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-
-    with temporary_settings(updates={PREFECT_API_URL: url}):
-        yield

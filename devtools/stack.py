@@ -188,7 +188,7 @@ class Machine:
         """Every process of this machine: its first, and all it started, whatever the session."""
         found = {self.process.pid}
         while True:
-            more = {pid for pid, parent, _ in processes._processes() if parent in found}
+            more = {pid for pid, parent, _ in processes.process_table() if parent in found}
             if more <= found:
                 return found
             found |= more

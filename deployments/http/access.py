@@ -1,16 +1,6 @@
-"""Who is calling, and what they may do: every route knows its caller (A1, A2, A3).
-
-Three callers, each with its own credential, and nothing open without one:
-
-- a screen acts for one user: a signed, expiring token naming the user (`ScreenTokens`);
-- the app's backend and its post-sync hook act for any user: the service token;
-- the operator: the queue, its actions, `/metrics` and the page: the operator token.
-
-Tokens are compared in constant time. Credentials a browser sends by itself (the page's Basic)
-count only for the page, and only from the same site; a bearer token is never sent by a browser
-on its own, so it needs no such check. Each credential has a rate (requests a minute): past it,
-`429` with `Retry-After`.
-"""
+"""Who may call what (A1-A3), by a credential compared in constant time, within its rate, and in
+what form (P3); the checks routes depend on. What a browser sends by itself (the page's Basic)
+counts only from the same site."""
 
 from __future__ import annotations
 
@@ -26,10 +16,11 @@ import threading
 import time
 from collections.abc import Callable
 
-from starlette.requests import Request
+from fastapi import Depends, Request
+from pydantic import BaseModel, ConfigDict
 
 from deployments.http.credentials import Credentials, InvalidToken
-from deployments.http.errors import Refused
+from deployments.http.edges import ENCODED_SLASHES, SLASH, Refused
 from queue_store.settings import ApiSettings
 
 BEARER_NEEDED = "a credential is required: Authorization: Bearer <token>"
@@ -87,42 +78,33 @@ class Rates:
 
     def _forget_full(self, now: float) -> None:
         for key, (tokens, at) in list(self._buckets.items()):
-            role = Role(key.partition(":")[0])
-            rate = self._per_second[role]
+            rate = self._per_second[Role(key.partition(":")[0])]
             if tokens + (now - at) * rate >= max(1.0, rate * BURST_SECONDS):
                 del self._buckets[key]
 
 
 class Gatekeeper:
-    """Identifies callers by their credential and keeps their rates."""
-
     def __init__(self, credentials: Credentials, settings: ApiSettings) -> None:
         self._operator = _digest(credentials.operator_token)
         self._service = _digest(credentials.service_token)
-        # A credential that is not set matches nothing.
         self._screens = credentials.screens
-        self.rates = Rates(
-            {
-                Role.SCREEN: settings.screen_rate,
-                Role.SERVICE: settings.service_rate,
-                Role.OPERATOR: settings.operator_rate,
-            }
-        )
+        self.rates = Rates({role: getattr(settings, f"{role}_rate") for role in Role})
 
     def identify(self, request: Request, *, basic: bool = False) -> Caller:
-        """The caller of `request`, or `Refused(401)`. `basic`: the page, where a browser may
-        send the operator's token as Basic's password, from the same site only."""
+        """The caller, or `Refused(401)`; `basic`: the operator's token as Basic's password too."""
         scheme, _, credential = request.headers.get("authorization", "").strip().partition(" ")
         credential = credential.strip()
         if scheme.lower() == "bearer" and credential:
             return self._bearer(credential)
         if scheme.lower() == "basic" and basic and credential:
             password = _basic_password(credential)
-            if password is not None and from_this_site(request):
-                digest = _digest(password)
-                if hmac.compare_digest(digest, self._operator):
-                    return Caller(Role.OPERATOR)
-        raise Refused(401, BEARER_NEEDED, "authorization", challenge=True)
+            if (
+                password is not None
+                and from_this_site(request)
+                and hmac.compare_digest(_digest(password), self._operator)
+            ):
+                return Caller(Role.OPERATOR)
+        raise Refused(401, BEARER_NEEDED, "authorization")
 
     def _bearer(self, token: str) -> Caller:
         digest = _digest(token)
@@ -136,24 +118,19 @@ class Gatekeeper:
         try:
             return Caller(Role.SCREEN, self._screens.user_of(token))
         except InvalidToken as exc:
-            raise Refused(401, str(exc), "authorization", challenge=True) from None
+            raise Refused(401, str(exc), "authorization") from None
 
     def admit(self, caller: Caller) -> None:
         """Spend one request of the caller's rate, or `Refused(429)` with `Retry-After`."""
         wait = self.rates.take(caller)
         if wait is not None:
             retry = max(1, math.ceil(wait))
-            raise Refused(
-                429,
-                f"too many requests for this {caller.role} credential; retry in {retry} s",
-                "authorization",
-                headers={"Retry-After": str(retry)},
-            )
+            message = f"too many requests for this {caller.role} credential; retry in {retry} s"
+            raise Refused(429, message, "authorization", {"Retry-After": str(retry)})
 
 
 def from_this_site(request: Request, allowed: tuple[str, ...] = ()) -> bool:
-    """Whether a browser sent this from a page of this API's own origin (or of `allowed`), or
-    not from a page at all: the `Sec-Fetch-Site` and `Origin` a browser adds."""
+    """Whether a browser sent this from a page of this origin (or of `allowed`), or from no page."""
     site = request.headers.get("sec-fetch-site")
     origin = request.headers.get("origin")
     own = f"{request.url.scheme}://{request.headers.get('host', '')}"
@@ -174,8 +151,83 @@ def _basic_password(credential: str) -> str | None:
 
 
 def _digest(token: str) -> bytes:
-    """Digests of equal length, so a comparison takes the same time whatever was sent; an
-    empty token's is random, matching nothing."""
+    """Equal lengths, so a comparison takes the same time; an unset token's matches nothing."""
     if not token:
         return secrets.token_bytes(hashlib.sha256().digest_size)
     return hashlib.sha256(token.encode("utf-8", "surrogateescape")).digest()
+
+
+class Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+def path_text(request: Request, name: str) -> str:
+    """A path parameter as the client meant it (an encoded slash is a slash)."""
+    found = str(request.path_params[name])
+    return found.replace(SLASH, "/") if request.scope.get(ENCODED_SLASHES) else found
+
+
+def _caller(request: Request, *, basic: bool = False) -> Caller:
+    """Whoever calls, by their credential (401 without one), within their rate (429)."""
+    gatekeeper: Gatekeeper = request.app.state.gatekeeper
+    found = gatekeeper.identify(request, basic=basic)
+    gatekeeper.admit(found)
+    return found
+
+
+def for_user(request: Request) -> str:
+    """The path's user, if the caller may act for them: the service, or a screen of that user."""
+    found = _caller(request)
+    user_id = path_text(request, "user_id")
+    if not found.may_act_for(user_id):
+        who = "this screen's token names another user" if found.role is Role.SCREEN else ""
+        raise Refused(403, who or f"the {found.role} credential cannot act for a user", "user_id")
+    return user_id
+
+
+def only(role: Role, refusal: str, *, basic: bool = False) -> Callable[[Request], Caller]:
+    """The caller, if it has `role` (403 otherwise, `refusal` naming the caller's role)."""
+
+    def check(request: Request) -> Caller:
+        found = _caller(request, basic=basic)
+        if found.role is not role:
+            raise Refused(403, refusal.format(role=found.role))
+        return found
+
+    return check
+
+
+service = only(Role.SERVICE, "this route is the app's: the {role} credential cannot call it")
+operator = only(Role.OPERATOR, "this route is the operator's: the {role} credential cannot")
+# The page also takes the operator token as Basic's password, from the same site: a browser
+# asks for it once and sends it by itself.
+page_operator = only(
+    Role.OPERATOR, "the page is the operator's: the {role} credential cannot", basic=True
+)
+
+
+def same_site(request: Request) -> None:
+    """A request that writes comes from no page of another site but the app's own origins."""
+    allowed: tuple[str, ...] = request.app.state.origins
+    if not from_this_site(request, allowed):
+        raise Refused(403, "cross-site requests are refused here", "origin")
+
+
+def json_only(request: Request) -> None:
+    """A body, if any, is JSON (415 otherwise); its size is held by `LimitedBodies`."""
+    headers = request.headers
+    if headers.get("content-length", "0") == "0" and "transfer-encoding" not in headers:
+        return
+    media = headers.get("content-type", "").partition(";")[0].strip().lower()
+    if media != "application/json" and not media.endswith("+json"):
+        raise Refused(415, "body: send it as application/json", "content-type")
+
+
+def single_values(request: Request) -> None:
+    """A query parameter given twice is refused, not silently chosen from."""
+    for name in request.query_params:
+        if len(request.query_params.getlist(name)) > 1:
+            raise Refused(422, f"{name}: given more than once; give it once", name)
+
+
+Writes = [Depends(json_only), Depends(same_site)]

@@ -1,12 +1,5 @@
-"""The API's credentials: the operator's and the service's tokens, and a screen's signed token.
-
-Tokens are the settings' (`AI_API_OPERATOR_TOKEN`, `AI_API_SERVICE_TOKEN`); a token not set is
-made once, at random, and kept in the data directory (`api-credentials.json`, readable by the
-service account only), so every process of the API and the `token` command read the same.
-A screen's token is a JWT the app signs for one user, checked with PyJWT: HS256 with a shared
-secret (`AI_API_SCREEN_SECRET`, else the one kept in that file), or RS256/ES256 with the app's
-public key or JWKS file; `sub` is the user, `exp` is required, the audience is checked.
-"""
+"""The API's credentials: the operator's and the service's tokens, and a screen's JWT. What is not
+set is made once and kept in the data directory, so every API process reads the same."""
 
 from __future__ import annotations
 
@@ -36,7 +29,7 @@ class InvalidToken(Exception):
 
 
 class ScreenTokens:
-    """Checks (and, with a shared secret, makes) the tokens that let a screen act for a user."""
+    """Checks (and, with a shared secret, makes) the tokens that let a screen act for its user."""
 
     def __init__(
         self,
@@ -121,35 +114,21 @@ class Credentials:
 
     @classmethod
     def load(cls, settings: Settings, *, create: bool = True) -> Credentials:
-        """The credentials of these settings; what is not set comes from the data directory's
-        file, made (0600, in a 0700 directory) when `create` and it is missing."""
+        """What is not set comes from the data directory's file, made if `create`."""
         api = settings.api
         path = settings.data_dir / CREDENTIALS_FILE
+        keys = api.screen_public_key is not None or api.screen_jwks is not None
         given = {
             "operator_token": api.operator_token.get_secret_value(),
             "service_token": api.service_token.get_secret_value(),
-            "screen_secret": api.screen_secret.get_secret_value(),
         }
-        if api.screen_public_key is not None or api.screen_jwks is not None:
-            given["screen_secret"] = ""
-        needed = [
-            name
-            for name, value in given.items()
-            if not value and not (name == "screen_secret" and _keys_given(settings))
-        ]
+        if not keys:
+            given["screen_secret"] = api.screen_secret.get_secret_value()
+        needed = [name for name, value in given.items() if not value]
         kept, made = _kept(path, needed, create=create)
         values = {name: given[name] or kept.get(name, "") for name in given}
-        return cls(
-            values["operator_token"],
-            values["service_token"],
-            _screens(settings, values["screen_secret"] or None),
-            path,
-            made,
-        )
-
-
-def _keys_given(settings: Settings) -> bool:
-    return settings.api.screen_public_key is not None or settings.api.screen_jwks is not None
+        screens = _screens(settings, None if keys else values["screen_secret"] or None)
+        return cls(values["operator_token"], values["service_token"], screens, path, made)
 
 
 def _screens(settings: Settings, secret: str | None) -> ScreenTokens:
@@ -159,7 +138,7 @@ def _screens(settings: Settings, secret: str | None) -> ScreenTokens:
     try:
         jwks = json.loads(jwks_text) if jwks_text is not None else None
         return ScreenTokens(
-            secret=secret if public_key is None and jwks is None else None,
+            secret=secret,
             public_key=public_key,
             jwks=jwks,
             audience=api.screen_audience,

@@ -1,11 +1,4 @@
-"""`insight-queue api`: the HTTP API on uvicorn, with a protocol that makes slow clients cheap.
-
-`GuardedH11Protocol` is uvicorn's h11 protocol with three limits a bare uvicorn lacks: a request
-whose headers have not all come within `HEADER_SECONDS` (a new connection, or the next request
-on a kept-alive one) is closed; headers over `MAX_HEADER_BYTES` are answered `431`; and past
-`MAX_CONNECTIONS` open connections, the idle ones that have waited longest are closed. A reverse
-proxy in front should add TLS and its own limits (README, "Who may call what").
-"""
+"""The HTTP API on uvicorn (`insight-queue api`), slow and oversized clients cheap."""
 
 from __future__ import annotations
 
@@ -23,19 +16,13 @@ import uvicorn
 from fastapi import FastAPI
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from deployments import processes
-from deployments.cli import fails_cleanly, settings_from
-from deployments.http.app import create_app
+from deployments.cli import LOG_FORMAT
+from deployments.http import create_app
 from deployments.http.credentials import Credentials
-from deployments.http.middleware import MAX_HEADER_BYTES
-from deployments.render import printable
+from deployments.http.edges import MAX_HEADER_BYTES
 from deployments.triggers import Triggers
 from queue_store import Settings
 
-logger = logging.getLogger(__name__)
-
-DEFAULT_HOST = "127.0.0.1"
-DEFAULT_PORT = 8000
 # Store calls at once in the threadpool: as many as the store's connection pool holds.
 STORE_THREADS = 10
 # An idle connection is kept past the longest Retry-After, so a screen's next
@@ -48,8 +35,8 @@ HEADERS_TOO_LARGE = b"request header fields larger than 16 KB"
 
 
 class GuardedH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol, with a deadline for headers, a cap on their size and on idle
-    connections."""
+    """uvicorn's h11 protocol, and what it lacks: a deadline for a request's headers (also the
+    next on a kept-alive connection), a 431, and past `MAX_CONNECTIONS` the longest idle closed."""
 
     def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
         super().__init__(config, *args, **kwargs)
@@ -94,9 +81,8 @@ class GuardedH11Protocol(H11Protocol):
             super().send_400_response(msg)
             return
         headers = [(b"content-type", b"text/plain; charset=utf-8"), (b"connection", b"close")]
-        event = h11.Response(
-            status_code=431, headers=headers, reason=b"Request Header Fields Too Large"
-        )
+        reason = b"Request Header Fields Too Large"
+        event = h11.Response(status_code=431, headers=headers, reason=reason)
         for part in (event, h11.Data(data=HEADERS_TOO_LARGE), h11.EndOfMessage()):
             self.transport.write(self.conn.send(part) or b"")
         self.transport.close()
@@ -127,44 +113,24 @@ class GuardedH11Protocol(H11Protocol):
 
 
 def app_from_env() -> FastAPI:
-    """The app for uvicorn's workers: settings from the environment, logs redacted here too."""
+    """The app for uvicorn's workers, from the environment, logs redacted."""
     anyio.to_thread.current_default_thread_limiter().total_tokens = STORE_THREADS
     settings = Settings()
-    logging.basicConfig(
-        level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    logging.basicConfig(level=logging.WARNING, format=LOG_FORMAT)
     triggers = Triggers.open(settings)
     triggers.runtime.redact_logs()
     return create_app(triggers, Credentials.load(settings, create=False))
 
 
-@click.command("api")
-@click.option("--host", default=DEFAULT_HOST, show_default=True, help="address to bind")
-@click.option("--port", type=click.IntRange(0, 65535), default=DEFAULT_PORT, show_default=True)
-@click.option(
-    "--workers",
-    type=click.IntRange(1, 64),
-    default=1,
-    show_default=True,
-    help="server processes (uvicorn's); one core serves about a few hundred polls a second",
-)
-@click.pass_context
-@fails_cleanly
-def api_command(ctx: click.Context, host: str, port: int, workers: int) -> None:
-    """Serve the HTTP API and the queue page until SIGTERM or SIGINT (uvicorn's).
-
-    Every route needs a credential (README, "Who may call what"); the service and operator
-    tokens not set are made once and kept in the data directory, which this prints.
-    """
-    settings = settings_from(ctx)
-    verbose = bool(ctx.find_root().params.get("verbose"))
+def serve_api(settings: Settings, host: str, port: int, workers: int, *, verbose: bool) -> None:
+    """`insight-queue api`: until SIGTERM or SIGINT (uvicorn's)."""
     credentials = Credentials.load(settings)
     kept = "made now and kept" if credentials.made else "kept"
     click.echo(
         f"insight-queue API at http://{host}:{port}; page at /queue. Credentials not set in "
         f"AI_API_* are {kept} in {credentials.path} (this account only)"
     )
-    processes.export_to_children(settings)
+    os.environ.update(settings.to_env())  # for uvicorn's worker processes
     # With one process, SIGHUP stops it like SIGTERM; uvicorn's supervisor of
     # several restarts its workers on SIGHUP, as it documents.
     signal.signal(signal.SIGHUP, lambda *_: os.kill(os.getpid(), signal.SIGTERM))
@@ -184,46 +150,3 @@ def api_command(ctx: click.Context, host: str, port: int, workers: int) -> None:
         timeout_graceful_shutdown=GRACEFUL_STOP_SECONDS,
         h11_max_incomplete_event_size=MAX_HEADER_BYTES,
     )
-
-
-DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-MAX_TOKEN_SECONDS = 30 * 86400
-
-
-class Duration(click.ParamType[float, str]):
-    """A duration such as 30s, 15m, 1h or 2d (a bare number is seconds)."""
-
-    name = "duration"
-
-    def convert(
-        self, value: Any, param: click.Parameter | None, ctx: click.Context | None
-    ) -> float:
-        if isinstance(value, int | float):
-            return float(value)
-        text = str(value).strip().lower()
-        unit = DURATION_UNITS.get(text[-1:])
-        number = text[:-1] if unit is not None else text
-        try:
-            seconds = float(number) * (unit or 1)
-        except ValueError:
-            self.fail(f"{value!r} is not a duration such as 30s, 15m, 1h or 2d", param, ctx)
-        if not 0 < seconds <= MAX_TOKEN_SECONDS:
-            self.fail(f"{value!r}: between 1 s and {MAX_TOKEN_SECONDS // 86400} days", param, ctx)
-        return seconds
-
-
-@click.command("token")
-@click.argument("user_id")
-@click.option("--ttl", type=Duration(), default="1h", show_default=True, help="how long it holds")
-@click.pass_context
-@fails_cleanly
-def token_command(ctx: click.Context, user_id: str, ttl: float) -> None:
-    """Print a screen's token for USER, on its last line (for tests and small deployments).
-
-    Signed with AI_API_SCREEN_SECRET, or the secret `insight-queue api` keeps in the data
-    directory; an app that signs its own tokens (a private key) makes them itself.
-    """
-    credentials = Credentials.load(settings_from(ctx))
-    token = credentials.screens.issue(user_id, ttl)
-    click.echo(f"a screen token for {printable(user_id)}, valid {ttl:g} s:", err=True)
-    click.echo(token)

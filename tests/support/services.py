@@ -29,6 +29,7 @@ __all__ = [
     "PrefectServer",
     "cli",
     "client_env",
+    "group_members",
     "run_cli",
     "running",
     "server_env",
@@ -39,6 +40,11 @@ __all__ = [
 def stop(process: subprocess.Popen[bytes] | subprocess.Popen[str], grace: float = 15) -> None:
     """Stop a process we started, and its group: TERM, then KILL after `grace`."""
     processes.stop_group(process, grace)
+
+
+def group_members(pgid: int) -> list[int]:
+    """PIDs in the process group `pgid`, from /proc."""
+    return [found for found, _, group in processes.process_table() if group == pgid]
 
 
 @contextlib.contextmanager
