@@ -633,7 +633,7 @@ def measure_scrapes(url: str, calls: int) -> list[float]:
     """A /metrics scrape: the store's figures, rendered by the API's collector."""
     from prometheus_client import generate_latest
 
-    from deployments.http.routes import registry_for
+    from deployments.metrics import registry_for
 
     store = open_store(url)
     try:

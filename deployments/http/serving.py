@@ -19,7 +19,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from deployments.cli import LOG_FORMAT
 from deployments.http import create_app
 from deployments.http.credentials import Credentials
-from deployments.http.edges import MAX_HEADER_BYTES
+from deployments.http.middleware import MAX_HEADER_BYTES
 from deployments.triggers import Triggers
 from queue_store import Settings
 

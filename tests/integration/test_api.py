@@ -32,7 +32,7 @@ from sqlalchemy.engine import make_url
 
 from deployments.http import StrictPaths, add_error_handlers, create_app, insights_router
 from deployments.http.credentials import CREDENTIALS_FILE, Credentials
-from deployments.http.routes import etag
+from deployments.http.screens import etag
 from deployments.processes import free_port
 from deployments.triggers import NO_SERVER, InsightState, Triggers
 from devtools.stack import ApiServer

@@ -33,7 +33,7 @@ from pydantic import SecretStr
 from deployments.http import create_app
 from deployments.http.access import Caller, Rates, Role
 from deployments.http.credentials import Credentials
-from deployments.http.edges import MAX_HEADER_BYTES
+from deployments.http.middleware import MAX_HEADER_BYTES
 from deployments.processes import free_port
 from deployments.triggers import Triggers
 from devtools.stack import ApiServer
