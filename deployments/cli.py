@@ -284,9 +284,9 @@ def _require_prefect(settings: Settings) -> None:
             "no Prefect server: set PREFECT_API_URL, or run `insight-queue serve` "
             "for this data directory"
         )
-    # The processes this command starts inherit it.
-    os.environ["PREFECT_API_URL"] = url
-    os.environ.setdefault("PREFECT_SERVER_ALLOW_EPHEMERAL_MODE", "false")
+    processes.export_to_children(
+        overrides={"PREFECT_API_URL": url}, PREFECT_SERVER_ALLOW_EPHEMERAL_MODE="false"
+    )
 
 
 def _stand_by(settings: Settings, beside: Callable[[], None] | None = None) -> None:

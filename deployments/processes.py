@@ -141,6 +141,20 @@ def stop_signals() -> Iterator[None]:
             signal.signal(signum, handler)
 
 
+def export_to_children(
+    settings: Any = None, overrides: Mapping[str, str] | None = None, **defaults: str
+) -> None:
+    """The one way a command hands its configuration to the processes it starts (uvicorn's
+    workers, Prefect's runner and workers, flow runs): this process's environment, which they
+    inherit. `settings`: the `AI_*` variables that reproduce them; `overrides` win over the
+    environment; `defaults` are set only where it names nothing."""
+    if settings is not None:
+        os.environ.update(settings.to_env())
+    os.environ.update(overrides or {})
+    for name, value in defaults.items():
+        os.environ.setdefault(name, value)
+
+
 def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
     """Whether a server could bind the port (as a server would: TIME_WAIT does not count)."""
     with socket.socket() as sock:

@@ -226,8 +226,10 @@ class _Serving:
             raise RuntimeError(f"PREFECT_API_URL={api_url} does not answer")
         # This process and the flow runs it starts report to that server. Prefect reads its
         # settings once, when first imported: have it read them again.
-        os.environ.update(client_env(api_url, home))
-        os.environ.setdefault("PREFECT_RUNNER_POLL_FREQUENCY", str(RUNNER_POLL_SECONDS))
+        processes.export_to_children(
+            overrides=client_env(api_url, home),
+            PREFECT_RUNNER_POLL_FREQUENCY=str(RUNNER_POLL_SECONDS),
+        )
         refresh_global_settings_context()
         runtime = Runtime.open(settings)
         runtime.redact_logs()

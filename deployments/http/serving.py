@@ -16,6 +16,7 @@ import uvicorn
 from fastapi import FastAPI
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from deployments import processes
 from deployments.cli import LOG_FORMAT
 from deployments.http import create_app
 from deployments.http.credentials import Credentials
@@ -130,7 +131,7 @@ def serve_api(settings: Settings, host: str, port: int, workers: int, *, verbose
         f"insight-queue API at http://{host}:{port}; page at /queue. Credentials not set in "
         f"AI_API_* are {kept} in {credentials.path} (this account only)"
     )
-    os.environ.update(settings.to_env())  # for uvicorn's worker processes
+    processes.export_to_children(settings)
     # With one process, SIGHUP stops it like SIGTERM; uvicorn's supervisor of
     # several restarts its workers on SIGHUP, as it documents.
     signal.signal(signal.SIGHUP, lambda *_: os.kill(os.getpid(), signal.SIGTERM))
