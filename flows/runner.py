@@ -1,11 +1,7 @@
 """Running one claimed job under a self-fencing lease (L2), and telling the store what happened.
 
-The gateway cannot check a fencing token, so the runner fences itself (README, "The lease
-holds at the gateway"): its deadline, on its monotonic clock, is the time it *sent* its last
-confirmed renewal plus the lease minus the margin, never past the claim's own limit. The
-whole attempt (prompt, call, parsing) runs in one cancel scope ending there: a confirmed
-renewal moves it, a refused one ends it at once, failing ones let it come; ending it cancels
-the call and closes its socket. The outcome goes to the store as a `Failure`. No Prefect.
+The whole attempt (prompt, call, parsing) runs in one cancel scope that ends at the lease's
+deadline; ending it cancels the call and closes its socket. No Prefect here.
 """
 
 from __future__ import annotations
@@ -18,7 +14,7 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, Self
 
-from flows.gateway import Completion, GatewayClient, GatewayError, GatewayRateLimited
+from flows.gateway import Completion, GatewayClient, GatewayError
 from flows.ledger import Ledger, LedgerEntry, NullLedger, Outcome, Report
 from flows.registry import Registry
 from queue_store import (
@@ -41,18 +37,16 @@ logger = logging.getLogger(__name__)
 # A result must reach the store even through a short database outage: the
 # call behind it cost minutes of a shared gateway. Waits between tries, seconds.
 RECORD_BACKOFF_SECONDS = (0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 15.0, 15.0)
-# How long a stopped attempt waits for its history entry's id, seconds.
-STOP_RUN_ID_WAIT_SECONDS = 5.0
-# How long the job row waits for its attempt's history entry, seconds: past the attempt's end,
-# so an entry a slow Prefect writes late is still linked.
+STOP_RUN_ID_WAIT_SECONDS = 5.0  # a stopped attempt's wait for its history entry's id
+# The job row waits this long for its attempt's history entry: past the attempt's end, so an
+# entry a slow Prefect writes late is still linked.
 RUN_ID_NOTE_SECONDS = 120.0
-# Less than this left before the deadline: do not start a call.
-MIN_CALL_SECONDS = 1.0
+MIN_CALL_SECONDS = 1.0  # less than this left before the deadline: no call starts
 
 
 @dataclasses.dataclass(frozen=True)
 class LeaseConfig:
-    """What the runner reads of the settings: the lease's times, and the longest pause."""
+    """What the runner reads of the settings, under the settings' names."""
 
     heartbeat_seconds: float
     lease_seconds: float
@@ -61,14 +55,8 @@ class LeaseConfig:
     backoff_max_seconds: float
 
     @classmethod
-    def of(cls, settings: Settings) -> LeaseConfig:
-        return cls(
-            settings.heartbeat_seconds,
-            settings.lease_seconds,
-            settings.lease_margin,
-            settings.claim_timeout_seconds,
-            settings.backoff_max_seconds,
-        )
+    def of(cls, settings: Settings) -> Self:
+        return cls(**{f.name: getattr(settings, f.name) for f in dataclasses.fields(cls)})
 
 
 class LeaseEnded(Exception):
@@ -76,7 +64,12 @@ class LeaseEnded(Exception):
 
 
 class LeaseKeeper:
-    """Renews a claim in the background and ends the attempt's scope before it could lapse."""
+    """Renews a claim in the background and ends the attempt's scope before it could lapse.
+
+    The deadline, on this process's monotonic clock, is the time the last confirmed renewal was
+    *sent* plus the lease minus the margin: the store counts its lease from no earlier, so this
+    side stops first however long the renewal took. A refused renewal ends the scope at once;
+    failing ones let the deadline come."""
 
     def __init__(
         self, store: WorkerStore, job: Job, settings: LeaseConfig, claim_sent: float
@@ -96,10 +89,6 @@ class LeaseKeeper:
         self._scope: asyncio.Timeout | None = None
         self._task: asyncio.Task[None] | None = None
 
-    @property
-    def time_left(self) -> float:
-        return self.deadline - asyncio.get_running_loop().time()
-
     async def __aenter__(self) -> Self:
         self._task = asyncio.create_task(self._beat(), name=f"heartbeat-{self._job.id[:8]}")
         return self
@@ -110,7 +99,6 @@ class LeaseKeeper:
             await asyncio.gather(self._task, return_exceptions=True)
 
     def scope(self) -> asyncio.Timeout:
-        """The cancel scope the whole attempt runs in; it ends at the deadline."""
         self._scope = asyncio.timeout_at(self.deadline)
         return self._scope
 
@@ -143,12 +131,11 @@ class LeaseKeeper:
 
     def _renewed(self, sent: float) -> None:
         self.deadline = min(sent + self._budget, self.hard_deadline)
-        if self._scope is not None and not self._scope.expired():
-            self._scope.reschedule(self.deadline)
+        self._end_at(self.deadline)
 
-    def _end_now(self) -> None:
+    def _end_at(self, when: float) -> None:
         if self._scope is not None and not self._scope.expired():
-            self._scope.reschedule(asyncio.get_running_loop().time())
+            self._scope.reschedule(when)
 
     async def _beat(self) -> None:
         loop = asyncio.get_running_loop()
@@ -169,11 +156,11 @@ class LeaseKeeper:
                 continue
             self.renewal = renewal
             logger.warning("the claim on %s was %s; stopping at once", self._job.run_name, renewal)
-            self._end_now()
+            self._end_at(loop.time())
             return
 
     def why_ended(self, phase: str, started: float) -> tuple[Failure | None, str]:
-        """The verdict for an attempt whose scope ended in `phase`; None: nothing to record."""
+        """The verdict on an attempt whose scope ended in `phase`; None: nothing to record."""
         held = time.monotonic() - started
         if self.renewal is Renewal.LOST:
             return None, "the claim was taken over by another worker"
@@ -227,11 +214,10 @@ class JobRunner:
         self._redact = redactor
 
     async def run(self, job: Job, claim_sent: float) -> Report:
-        """Make the job's gateway call under its lease and record what happened.
-
-        `claim_sent`: the loop's time just before the claim was asked for, whence the lease's
-        first deadline. Cancelling this (a graceful stop) stops the call, hands the job back
-        with its attempt and re-raises; an outcome in hand is recorded to its end regardless."""
+        """Make the job's call under its lease (whose first deadline counts from `claim_sent`, the
+        loop's time just before the claim was asked for) and record what happened. Cancelling
+        this stops the call, hands the job back with its attempt and re-raises; an outcome in
+        hand is recorded to its end regardless."""
         attempt = _Attempt(job, self.ledger.open(job))
         noted = asyncio.create_task(self._note_run(attempt))
         keeper = LeaseKeeper(self._store, job, self._settings, claim_sent)
@@ -245,7 +231,7 @@ class JobRunner:
         except LeaseEnded as ended:
             recording = self._lease_ended(attempt, keeper, ended)
         except GatewayError as exc:
-            retry_after = exc.retry_after if isinstance(exc, GatewayRateLimited) else None
+            retry_after = exc.retry_after
             if retry_after is not None:
                 # The store pauses at most this long (G1) and refuses absurd waits.
                 retry_after = min(retry_after, self._settings.backoff_max_seconds)
@@ -261,7 +247,6 @@ class JobRunner:
         return await self._close(attempt, noted, recording)
 
     async def _attempt(self, attempt: _Attempt, keeper: LeaseKeeper) -> Any:
-        """Build the prompt, call, parse, all inside the lease's scope; returns the result."""
         job, entry = attempt.job, attempt.entry
         async with keeper:
             try:
@@ -302,25 +287,24 @@ class JobRunner:
         self, attempt: _Attempt, noted: asyncio.Task[None], recording: Coroutine[Any, Any, Report]
     ) -> Report:
         """Record the outcome to its end, even through a stop; then close the history entry."""
-        task = asyncio.ensure_future(recording)
+
+        async def record() -> Report:
+            report = await recording
+            attempt.entry.close(report)
+            return report
+
         try:
-            await asyncio.shield(task)
+            report: Report = await _shielded(record())
         except asyncio.CancelledError:
-            await asyncio.gather(task, return_exceptions=True)
-            if not task.cancelled() and task.exception() is None:
-                attempt.entry.close(task.result())
             noted.cancel()
             raise
         # The history entry may still be on its way: `_note_run` links it when it comes.
         self._notes.add(noted)
         noted.add_done_callback(self._notes.discard)
-        report = task.result()
-        attempt.entry.close(report)
         return report
 
     async def _note_run(self, attempt: _Attempt) -> None:
-        """Once the attempt's history entry exists, the job row points at it (N4), even when
-        the entry is written after the attempt ended (a slow Prefect)."""
+        """Once the attempt's history entry exists, the job row points at it (N4)."""
         run_id = await attempt.entry.run_id(RUN_ID_NOTE_SECONDS)
         if run_id is None:
             return
@@ -333,19 +317,15 @@ class JobRunner:
     async def _finish(self, attempt: _Attempt, result: Any) -> Report:
         job, answer = attempt.job, attempt.answer
         run_id = await attempt.entry.run_id()
-
-        def write() -> Status:
-            return self._store.finish(
-                job.id,
-                job.holder or "",
+        try:
+            status = await self._record(
+                job,
+                self._store.finish,
                 result=result,
                 duration_seconds=answer.elapsed_seconds if answer else None,
                 flow_run_id=run_id,
                 usage=answer.usage if answer else None,
             )
-
-        try:
-            status = await self._record(job, write)
         except ClaimLost:
             taken = "the claim was taken over before the result was recorded"
             return self._report(attempt, Outcome.LOST, taken)
@@ -369,19 +349,18 @@ class JobRunner:
     ) -> Report:
         """Tell the store; `quoted`: what of `message` is the gateway's or the generator's own
         words (the store keeps them; the history and the logs do not, D4)."""
-        job = attempt.job
+        job, answer = attempt.job, attempt.answer
         message = self._redact(" ".join(message.split()))
-        said = {"quoted": self._redact(" ".join(quoted.split()))} if quoted.strip() else {}
+        quoted = self._redact(" ".join(quoted.split()))
         # A stop can afford to wait a little longer for the history entry: the
         # job row then points at the run that says it was stopped.
         wait = STOP_RUN_ID_WAIT_SECONDS if failure is Failure.STOPPED else None
         run_id = await attempt.entry.run_id(wait)
-        answer = attempt.answer
-
-        def write() -> Settlement:
-            return self._store.fail(
-                job.id,
-                job.holder or "",
+        settled: dict[str, Any] = {}
+        try:
+            settlement: Settlement = await self._record(
+                job,
+                self._store.fail,
                 failure,
                 message,
                 retry_after=retry_after,
@@ -389,39 +368,31 @@ class JobRunner:
                 duration_seconds=attempt.call_seconds,
                 answer=(answer.usage or True) if answer is not None else False,
             )
-
-        try:
-            settlement = await self._record(job, write)
         except ClaimLost:
-            lost = f"{message} (the claim had been taken over; nothing recorded)"
-            return self._report(attempt, Outcome.LOST, lost, failure=failure, **said)
+            outcome = Outcome.LOST
+            message += " (the claim had been taken over; nothing recorded)"
         except StoreError as exc:
-            unrecorded = f"{message} (not recorded: {exc})"
-            return self._report(attempt, Outcome.UNRECORDED, unrecorded, failure=failure, **said)
-        if not settlement.attempt_spent:
-            outcome = Outcome.RELEASED
-        elif settlement.status is Status.FAILED:
-            outcome = Outcome.FAILED
+            outcome, message = Outcome.UNRECORDED, f"{message} (not recorded: {exc})"
         else:
-            outcome = Outcome.REQUEUED
-        if settlement.pause_seconds:
-            logger.warning("%s: %s", job.run_name, settlement.verdict)
-        return self._report(
-            attempt,
-            outcome,
-            message,
-            failure=failure,
-            settlement=settlement,
-            flow_run_id=run_id,
-            **said,
-        )
+            settled = {"settlement": settlement, "flow_run_id": run_id}
+            if not settlement.attempt_spent:
+                outcome = Outcome.RELEASED
+            elif settlement.status is Status.FAILED:
+                outcome = Outcome.FAILED
+            else:
+                outcome = Outcome.REQUEUED
+            if settlement.pause_seconds:
+                logger.warning("%s: %s", job.run_name, settlement.verdict)
+        return self._report(attempt, outcome, message, failure=failure, quoted=quoted, **settled)
 
-    async def _record(self, job: Job, write: Callable[[], Any]) -> Any:
-        """Write the outcome, riding out a short store outage; `ClaimLost` and
+    async def _record(self, job: Job, write: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """`write(job.id, job.holder, ...)`, riding out a short store outage; `ClaimLost` and
         `InvalidArgument` are final."""
         for attempt, pause in enumerate((*RECORD_BACKOFF_SECONDS, None), start=1):
             try:
-                return await _shielded(asyncio.to_thread(write))
+                return await _shielded(
+                    asyncio.to_thread(write, job.id, job.holder or "", *args, **kwargs)
+                )
             except (ClaimLost, InvalidArgument):
                 raise  # the same write would be refused again
             except StoreError as exc:
@@ -451,8 +422,6 @@ class JobRunner:
 
 @dataclasses.dataclass
 class _Attempt:
-    """One attempt as the runner follows it: the job, its history entry, its phase and times."""
-
     job: Job
     entry: LedgerEntry
     started: float = dataclasses.field(default_factory=time.monotonic)
@@ -473,11 +442,10 @@ def _tokens(usage: Usage | None) -> str:
 
 
 async def _shielded(awaitable: Awaitable[Any]) -> Any:
-    """Await a store write that must complete even if this task is being cancelled."""
+    """Await what must complete even if this task is cancelled (then re-raised once it has)."""
     task = asyncio.ensure_future(awaitable)
     try:
         return await asyncio.shield(task)
     except asyncio.CancelledError:
-        # Cancelled again while recording: let the write finish, then give up.
         await asyncio.gather(task, return_exceptions=True)
         raise
