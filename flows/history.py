@@ -1,12 +1,6 @@
-"""Prefect as the ledger of generations: a `generate` flow run per attempt (README, "The run
-history in the Prefect UI").
-
-The call starts first and its record is written beside it, by one background task per
-consumer: a Prefect server that is slow or down delays or drops history, never a generation
-(Prefect's engine would put several round trips, and "database is locked" retries, between
-the claim and the call). Open runs send `prefect.flow-run.heartbeat` like the engine's, and
-the consumer `insight-queue.consumer.alive` and `.stopped`, for the automations of `deploy`.
-"""
+"""The run history in Prefect: a `generate` flow run per attempt, written beside the call by one
+background task per consumer, so that a slow or absent Prefect delays or drops history, never a
+generation (README, "The run history in the Prefect UI")."""
 
 from __future__ import annotations
 
@@ -19,7 +13,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from flows.ledger import LedgerEntry
+from flows.ledger import LedgerEntry, Outcome
 from queue_store import Failure, Job, Redactor
 
 if TYPE_CHECKING:
@@ -30,27 +24,30 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# How long a result waits for its history entry's id before it is stored without it.
-RUN_ID_WAIT_SECONDS = 2.0
-# History writes waiting beyond this are dropped (the Prefect server is away).
-MAX_PENDING_WRITES = 1000
+RUN_ID_WAIT_SECONDS = 2.0  # a result's wait for its history entry's id before it is stored
+MAX_PENDING_WRITES = 1000  # history writes waiting beyond this are dropped (Prefect is away)
+ERASE_BATCH = 50  # runs a round of erasing reads and deletes at most
 TAG_PREFIX_USER = "user:"
 UNKNOWN_PSEUDONYM = "p-unknown"  # a job read without its user's pseudonym (never a user id)
+PROJECT_TAG = "insight-queue"  # on every run of ours: the automations of `deploy` match on it
+CONSUMER_ALIVE = "insight-queue.consumer.alive"
+CONSUMER_STOPPED = "insight-queue.consumer.stopped"
+# How often an open generation run says it is alive: as often as the runs
+# Prefect's engine executes on our deployments (PREFECT_FLOWS_HEARTBEAT_FREQUENCY).
+RUN_HEARTBEAT_SECONDS = 30.0
+_ENDED = {  # how a generation's run names an outcome it failed with
+    Outcome.REQUEUED: "attempt failed, queued again",
+    Outcome.FAILED: "failed, attempts spent",
+    Outcome.RELEASED: "handed back, attempt kept",
+    Outcome.LOST: "claim taken over",
+    Outcome.UNRECORDED: "outcome not recorded",
+}
 
 
 def run_url(ui_url: str | None, run_id: str) -> str:
     """Where a flow run is in the Prefect UI (a relative path without a UI address)."""
     path = f"/runs/flow-run/{run_id}"
     return f"{ui_url.rstrip('/')}{path}" if ui_url else path
-
-
-# Every run of ours carries this tag: the automations match on it.
-PROJECT_TAG = "insight-queue"
-CONSUMER_ALIVE = "insight-queue.consumer.alive"
-CONSUMER_STOPPED = "insight-queue.consumer.stopped"
-# How often an open generation run says it is alive: as often as the runs
-# Prefect's engine executes on our deployments (PREFECT_FLOWS_HEARTBEAT_FREQUENCY).
-RUN_HEARTBEAT_SECONDS = 30.0
 
 
 def user_tag(job: Job) -> str:
@@ -67,46 +64,6 @@ def generation_tags(job: Job) -> list[str]:
         f"priority:{job.priority_class}",
         f"attempt:{job.attempts}",
     ]
-
-
-class _Writer:
-    """Runs history writes one after another in the background, never raising."""
-
-    def __init__(self) -> None:
-        self._queue: asyncio.Queue[Callable[[PrefectClient], Awaitable[None]]] = asyncio.Queue()
-        self._task: asyncio.Task[None] | None = None
-        self._failing = False
-
-    def submit(self, write: Callable[[PrefectClient], Awaitable[None]]) -> None:
-        if self._queue.qsize() >= MAX_PENDING_WRITES:
-            logger.warning("run history: %d writes waiting; dropping one", MAX_PENDING_WRITES)
-            return
-        self._queue.put_nowait(write)
-        if self._task is None or self._task.done():
-            self._task = asyncio.create_task(self._drain(), name="run-history")
-
-    async def _drain(self) -> None:
-        from prefect.client.orchestration import get_client
-
-        async with get_client() as client:
-            while not self._queue.empty():
-                write = self._queue.get_nowait()
-                try:
-                    await write(client)
-                except Exception as exc:  # noqa: BLE001 - history never breaks a generation
-                    if not self._failing:
-                        logger.warning("run history not written (%s: %s)", type(exc).__name__, exc)
-                    self._failing = True
-                else:
-                    if self._failing:
-                        logger.warning("run history written again")
-                    self._failing = False
-
-    async def flush(self, timeout: float) -> None:
-        """Wait (up to `timeout`) for the writes submitted so far."""
-        if self._task is not None and not self._task.done():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.shield(self._task), timeout)
 
 
 class _PrefectEntry:
@@ -139,9 +96,14 @@ class _PrefectEntry:
     def close(self, report: Report) -> None:
         self._ledger._close(self, report)
 
+    @property
+    def recorded_id(self) -> str | None:
+        return self._run.result() if self._run.done() else None
+
 
 class PrefectLedger:
-    """Writes each generation attempt as a Prefect flow run (see the module docstring)."""
+    """Writes each generation attempt as a Prefect flow run: one write after another, in the
+    background, never raising."""
 
     def __init__(
         self,
@@ -155,15 +117,18 @@ class PrefectLedger:
         self.redact = redactor
         self._flow = flow
         self._parent = parent_flow_run_id
-        self._writer = _Writer()
         self._open: set[_PrefectEntry] = set()
+        self._writes: asyncio.Queue[Callable[[PrefectClient], Awaitable[None]]] = asyncio.Queue()
+        self._writer: asyncio.Task[None] | None = None
+        self._failing = False
 
     def alive(self, worker: str, role: str) -> None:
-        """Say that `worker` is alive, and that each of its open runs is."""
+        """Say that `worker` is alive, and that each of its open runs is, as Prefect's engine
+        does (the automations of `deploy` end the runs of a consumer that stops saying so)."""
         _emit(CONSUMER_ALIVE, _consumer(worker, role))
         now = time.monotonic()
         for entry in list(self._open):
-            run_id = entry._run.result() if entry._run.done() else None
+            run_id = entry.recorded_id
             if run_id is not None and now - entry.beat_at >= RUN_HEARTBEAT_SECONDS:
                 entry.beat_at = now
                 run = _resource(f"prefect.flow-run.{run_id}", entry._job.run_name)
@@ -211,21 +176,14 @@ class PrefectLedger:
             if job.attempts > 1 or job.flow_run_id or job.losses:
                 await _close_earlier_attempts(client, job, run.id, self._flow.name)
 
-        self._writer.submit(create)
+        self._submit(create)
         return entry
 
     def _close(self, entry: _PrefectEntry, report: Report) -> None:
-        from flows.ledger import Outcome
-
         self._open.discard(entry)
         logs = list(entry._logs)
         name = entry._job.run_name
-        if report.outcome is Outcome.DONE:
-            state_name, message = "completed", _done_message(report)
-        elif report.outcome is Outcome.RELEASED and report.failure == Failure.STOPPED:
-            state_name, message = "cancelled", report.public_message
-        else:
-            state_name, message = "failed", _failed_message(report)
+        state_name, message = _final_state(report)
         level = logging.INFO if state_name == "completed" else logging.WARNING
         logs.append((time.time(), level, f"{report.outcome}: {report.public_message}"))
         if report.settlement is not None and report.settlement.verdict:
@@ -235,7 +193,7 @@ class PrefectLedger:
             from prefect.client.schemas.actions import LogCreate
             from prefect.states import Cancelled, Completed, Failed
 
-            run_id = entry._run.result() if entry._run.done() else None
+            run_id = entry.recorded_id
             if run_id is None:
                 logger.warning("run history: %s was never recorded, so it cannot be closed", name)
                 return
@@ -258,18 +216,45 @@ class PrefectLedger:
                 uuid.UUID(run_id), state(message=self.redact(message)), force=True
             )
 
-        self._writer.submit(finish)
+        self._submit(finish)
+
+    def _submit(self, write: Callable[[PrefectClient], Awaitable[None]]) -> None:
+        if self._writes.qsize() >= MAX_PENDING_WRITES:
+            logger.warning("run history: %d writes waiting; dropping one", MAX_PENDING_WRITES)
+            return
+        self._writes.put_nowait(write)
+        if self._writer is None or self._writer.done():
+            self._writer = asyncio.create_task(self._write_all(), name="run-history")
+
+    async def _write_all(self) -> None:
+        from prefect.client.orchestration import get_client
+
+        async with get_client() as client:
+            while not self._writes.empty():
+                write = self._writes.get_nowait()
+                try:
+                    await write(client)
+                except Exception as exc:  # noqa: BLE001 - history never breaks a generation
+                    if not self._failing:
+                        logger.warning("run history not written (%s: %s)", type(exc).__name__, exc)
+                    self._failing = True
+                else:
+                    if self._failing:
+                        logger.warning("run history written again")
+                    self._failing = False
 
     async def flush(self, timeout: float = 10.0) -> None:
-        await self._writer.flush(timeout)
+        """Wait (up to `timeout`) for the writes submitted so far."""
+        if self._writer is not None and not self._writer.done():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self._writer), timeout)
 
 
 async def _close_earlier_attempts(
     client: PrefectClient, job: Job, current: uuid.UUID, flow_name: str
 ) -> None:
-    """Earlier attempts of this job whose worker never ended their run: it died, say so. Found
-    by their record (flow, name, user's tag, a state not final), not by an id the dying worker
-    may not have written."""
+    """End Crashed the runs of this job's earlier attempts that are still open, found by their
+    record (W3), not by an id the dying worker may not have written."""
     from prefect.client.schemas.filters import (
         FlowFilter,
         FlowFilterName,
@@ -299,23 +284,18 @@ async def _close_earlier_attempts(
             await client.set_flow_run_state(run.id, Crashed(message=message), force=True)
 
 
-def _tags(tags: list[str]) -> list[dict[str, str]]:
-    return [
-        {"prefect.resource.id": f"prefect.tag.{t}", "prefect.resource.role": "tag"} for t in tags
-    ]
-
-
-def _resource(resource_id: str, name: str, role: str = "") -> dict[str, str]:
+def _resource(resource_id: str, name: str = "", role: str = "") -> dict[str, str]:
     found = {"prefect.resource.id": resource_id, "prefect.resource.name": name}
-    return found | ({"prefect.resource.role": role} if role else {})
+    return {key: value for key, value in (found | {"prefect.resource.role": role}).items() if value}
+
+
+def _tags(tags: list[str]) -> list[dict[str, str]]:
+    return [_resource(f"prefect.tag.{tag}", role="tag") for tag in tags]
 
 
 def _consumer(worker: str, role: str) -> dict[str, str]:
-    return {
-        "prefect.resource.id": f"insight-queue.consumer.{worker}",
-        "prefect.resource.name": worker,
-        **({"insight-queue.role": role} if role else {}),
-    }
+    found = _resource(f"insight-queue.consumer.{worker}", worker)
+    return found | ({"insight-queue.role": role} if role else {})
 
 
 def _emit(
@@ -330,44 +310,28 @@ def _emit(
         logger.debug("event %s not sent: %s", event, exc)
 
 
-def _done_message(report: Report) -> str:
-    call = f" in {report.call_seconds:.1f} s" if report.call_seconds is not None else ""
-    waited = ""
-    job = report.job
-    if job.requested_at is not None:
-        waited = f"; the screen waited {max(0.0, time.time() - job.requested_at.timestamp()):.0f} s"
-    return f"generated{call} (attempt {job.attempts}, {_tokens(report)}){waited}"
-
-
-def _tokens(report: Report) -> str:
-    used = report.usage
-    if used is None:
-        return "tokens unknown"
-    return f"{used.prompt_tokens + used.completion_tokens:,} tokens"
-
-
-def _failed_message(report: Report) -> str:
+def _final_state(report: Report) -> tuple[str, str]:
+    """The state a generation's run ends in, and its message."""
+    job, tokens = report.job, "tokens unknown"
+    if (used := report.usage) is not None:
+        tokens = f"{used.prompt_tokens + used.completion_tokens:,} tokens"
+    if report.outcome is Outcome.DONE:
+        call = f" in {report.call_seconds:.1f} s" if report.call_seconds is not None else ""
+        waited = ""
+        if (asked := job.requested_at) is not None:
+            waited = f"; the screen waited {max(0.0, time.time() - asked.timestamp()):.0f} s"
+        return "completed", f"generated{call} (attempt {job.attempts}, {tokens}){waited}"
+    if report.outcome is Outcome.RELEASED and report.failure == Failure.STOPPED:
+        return "cancelled", report.public_message
     shown = report.public_message
     first = shown.splitlines()[0] if shown else str(report.outcome)
-    what = {
-        "requeued": "attempt failed, queued again",
-        "failed": "failed, attempts spent",
-        "released": "handed back, attempt kept",
-        "lost": "claim taken over",
-        "unrecorded": "outcome not recorded",
-    }.get(str(report.outcome), str(report.outcome))
-    spent = f" ({_tokens(report)})" if report.answered else ""
-    return f"{what}{spent}: {first}"[:500]
-
-
-# Runs a round of erasing reads and deletes at most.
-ERASE_BATCH = 50
+    spent = f" ({tokens})" if report.answered else ""
+    return "failed", f"{_ENDED.get(report.outcome, str(report.outcome))}{spent}: {first}"[:500]
 
 
 async def erase_runs(pseudonyms: list[str]) -> tuple[list[str], str | None]:
-    """Delete the runs of these forgotten users' pseudonyms from Prefect, with their artifacts
-    (Prefect deletes a run's logs with it) (D3). Returns the pseudonyms done, and why not the
-    rest (Prefect unreachable, say)."""
+    """Delete the runs of these forgotten users' pseudonyms, with their artifacts (Prefect deletes
+    a run's logs with it) (D3). Returns the pseudonyms done, and why not the rest."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import (
         ArtifactFilter,
