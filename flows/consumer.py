@@ -1,11 +1,6 @@
-"""The consumer: take the gateway slot, claim the most urgent job, run it; again.
-
-The warm consumer of `serve` and `consume` (`standby=True`) never stops on its own: it looks for
-work with one read-only query every `STANDBY_POLL_SECONDS`, says it is alive in the store (so a
-screen's trigger starts no run it does not need), and may keep its gateway slot while idle. A
-flow's consumer (`standby=False`) stops when nothing is runnable. It runs `AI_JOB_CONCURRENCY`
-lanes, each holding at most one slot and one claim. `stop()` cancels the calls in flight: each
-really stopped, its job handed back with its attempt.
+"""The consumer: take a gateway slot, claim the most urgent job, run it; again, in
+`AI_JOB_CONCURRENCY` lanes. A warm one (`standby=True`: `serve`, `consume`) never stops on its own;
+a flow's drains until nothing is runnable (W2). What runs next is the store's choice, never its.
 """
 
 from __future__ import annotations
@@ -20,7 +15,7 @@ import socket
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Self
 
 from flows.guard import Guard, GuardUnavailable, Held, NullGuard
 from flows.ledger import Outcome, Report
@@ -29,12 +24,11 @@ from queue_store import Blocked, Failure, PauseKind, Settings, StoreError, Worke
 
 logger = logging.getLogger(__name__)
 
-# How often a consumer standing by looks for queued work (a read-only query).
-STANDBY_POLL_SECONDS = 0.2
+STANDBY_POLL_SECONDS = 0.2  # how often a consumer standing by looks for work (a read-only query)
 # Longest single sleep while waiting out a gap or a pause, so a change (an
 # operator's `resume`, a stop) is noticed soon.
 MAX_WAIT_SECONDS = 5.0
-# How long a draining consumer rides out a store it cannot reach before it stops.
+# How long a draining consumer rides out a store, or a guard, it cannot reach before it stops.
 STORE_OUTAGE_SECONDS = 60.0
 
 
@@ -50,7 +44,7 @@ def short_hostname() -> str:
 
 @dataclasses.dataclass(frozen=True)
 class ConsumerConfig:
-    """What a consumer reads of the settings."""
+    """What a consumer reads of the settings, under the settings' names."""
 
     enabled: bool  # AI_JOBS: false makes `run` return at once
     concurrency: int  # lanes, each with at most one slot and one claim
@@ -58,13 +52,8 @@ class ConsumerConfig:
     heartbeat_seconds: float  # how often to say it is alive
 
     @classmethod
-    def of(cls, settings: Settings) -> ConsumerConfig:
-        return cls(
-            settings.enabled,
-            settings.concurrency,
-            settings.poll_seconds,
-            settings.heartbeat_seconds,
-        )
+    def of(cls, settings: Settings) -> Self:
+        return cls(**{f.name: getattr(settings, f.name) for f in dataclasses.fields(cls)})
 
 
 @dataclasses.dataclass
@@ -122,8 +111,6 @@ class Consumer:
         self._store_down_since: float | None = None
         self._guard_down_since: float | None = None
 
-    # -- control -----------------------------------------------------------
-
     def stop(self, reason: str = "stopped") -> None:
         """Stop: cancel the calls in flight (their jobs are handed back). Thread-safe."""
         self._in_loop(self._stop_now, reason)
@@ -151,8 +138,6 @@ class Consumer:
     def busy(self) -> list[str]:
         """The jobs being worked on now, as `kind:subject`."""
         return list(self._busy.values())
-
-    # -- the loop ------------------------------------------------------------
 
     async def run(self) -> Summary:
         self._loop = asyncio.get_running_loop()
@@ -210,7 +195,7 @@ class Consumer:
                         held = await slot.enter_async_context(self._guard.slot())
                     except GuardUnavailable as exc:
                         slot = None
-                        await self._pause(self._guard_trouble(exc))
+                        await self._pause(self._no_slot(exc))
                         continue
                     self._guard_down_since = None
                 wait = await self._claim_and_run(lane)
@@ -231,7 +216,11 @@ class Consumer:
         try:
             claim = await asyncio.to_thread(self._store.claim_next, self.worker)
         except StoreError as exc:
-            return self._store_trouble(exc)
+            self._store_down_since = self._store_down_since or time.monotonic()
+            if self._gives_up(self._store_down_since, exc, "store unavailable", "store error"):
+                return 0.0
+            logger.warning("claim failed, retrying: %s", exc)
+            return self._settings.poll_seconds
         self._store_down_since = None
         job = claim.job
         if job is None:
@@ -261,40 +250,33 @@ class Consumer:
         return 0.0
 
     def _stop_refused(self, reason: str) -> None:
-        """A draining consumer stops once the gateway refuses our credentials: only a fixed token
-        (or an operator's `resume`) ends such a pause, so it leaves the job queued with its
-        attempts and stops, saying why, rather than probe again and again."""
+        # Only a fixed token (or an operator's `resume`) ends such a pause: a draining consumer
+        # leaves the job queued with its attempts and stops, rather than probe again and again.
         logger.error("the gateway refuses us, stopping: %s", reason)
         self._finished(f"refused: {reason}")
 
-    def _store_trouble(self, exc: StoreError) -> float:
-        now = time.monotonic()
-        self._store_down_since = self._store_down_since or now
-        down = now - self._store_down_since
-        if not self._standby and down > STORE_OUTAGE_SECONDS:
-            logger.error("store unavailable for %.0f s, stopping: %s", down, exc)
-            self._finished(f"store error: {exc}")
-            return 0.0
-        logger.warning("claim failed, retrying: %s", exc)
-        return self._settings.poll_seconds
-
-    def _guard_trouble(self, exc: GuardUnavailable) -> float:
-        """No gateway slot can be had (Prefect is away): claim nothing, look again later. A
-        draining consumer stops after `STORE_OUTAGE_SECONDS`, as when the store is away."""
-        now = time.monotonic()
+    def _no_slot(self, exc: GuardUnavailable) -> float:
+        """Prefect is away: no slot, so no call starts; seconds to wait before asking again."""
         if self._guard_down_since is None:
             logger.warning("%s; no call starts until one can", exc)
-        self._guard_down_since = self._guard_down_since or now
-        down = now - self._guard_down_since
-        if not self._standby and down > STORE_OUTAGE_SECONDS:
-            logger.error("no gateway slot for %.0f s, stopping: %s", down, exc)
-            self._finished(f"gateway slot unavailable: {exc}")
+            self._guard_down_since = time.monotonic()
+        since = self._guard_down_since
+        if self._gives_up(since, exc, "no gateway slot", "gateway slot unavailable"):
             return 0.0
         return self._settings.poll_seconds
 
+    def _gives_up(self, since: float, exc: Exception, what: str, reason: str) -> bool:
+        """Whether a draining consumer stops, `what` (the store, a slot) away since `since`."""
+        down = time.monotonic() - since
+        if self._standby or down <= STORE_OUTAGE_SECONDS:
+            return False
+        logger.error("%s for %.0f s, stopping: %s", what, down, exc)
+        self._finished(f"{reason}: {exc}")
+        return True
+
     async def _work_waiting(self) -> bool:
-        """Whether a claim could find something (indexed reads; never a write). A drain counts
-        every call in flight too, so that it stays until every call is over, its own or anyone's."""
+        """Whether a claim could find something (indexed reads). A drain counts every call in
+        flight too, so that it stays until every call is over, its own or anyone's (W2)."""
         try:
             return await asyncio.to_thread(self._store.has_work, or_running=not self._standby)
         except StoreError:
@@ -306,7 +288,7 @@ class Consumer:
             await asyncio.wait_for(self._stopping.wait(), seconds)
 
     async def _say_alive(self) -> None:
-        """Say, in the store and in the run history, that this consumer is alive and working."""
+        """Say, in the store and in the run history, that this consumer is alive (W1)."""
         while True:
             try:
                 await asyncio.to_thread(
