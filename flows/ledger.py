@@ -33,7 +33,6 @@ class Report:
     called: bool = False  # a request was sent to the gateway
     call_started_at: float | None = None  # wall-clock time the call began
     call_seconds: float | None = None
-    seconds: float = 0.0  # from the claim to the recorded outcome
     flow_run_id: str | None = None
     answered: bool = False  # the gateway's answer came (it may have cost tokens)
     usage: Usage | None = None  # the tokens it said it used; None: unknown

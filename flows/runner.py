@@ -1,8 +1,6 @@
 """Running one claimed job under a self-fencing lease (L2), and telling the store what happened.
-
 The whole attempt (prompt, call, parsing) runs in one cancel scope that ends at the lease's
-deadline; ending it cancels the call and closes its socket. No Prefect here.
-"""
+deadline, which cancels the call and closes its socket. No Prefect here."""
 
 from __future__ import annotations
 
@@ -11,7 +9,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any, Self
 
 from flows.gateway import Completion, GatewayClient, GatewayError
@@ -28,19 +26,15 @@ from queue_store import (
     Settlement,
     Status,
     StoreError,
-    Usage,
     WorkerStore,
 )
 
 logger = logging.getLogger(__name__)
 
-# A result must reach the store even through a short database outage: the
-# call behind it cost minutes of a shared gateway. Waits between tries, seconds.
+# Waits (s) to record an outcome through a short store outage: its call cost minutes.
 RECORD_BACKOFF_SECONDS = (0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 15.0, 15.0)
 STOP_RUN_ID_WAIT_SECONDS = 5.0  # a stopped attempt's wait for its history entry's id
-# The job row waits this long for its attempt's history entry: past the attempt's end, so an
-# entry a slow Prefect writes late is still linked.
-RUN_ID_NOTE_SECONDS = 120.0
+RUN_ID_NOTE_SECONDS = 120.0  # the job row's: past the attempt's end, for a slow Prefect
 MIN_CALL_SECONDS = 1.0  # less than this left before the deadline: no call starts
 
 
@@ -64,12 +58,7 @@ class LeaseEnded(Exception):
 
 
 class LeaseKeeper:
-    """Renews a claim in the background and ends the attempt's scope before it could lapse.
-
-    The deadline, on this process's monotonic clock, is the time the last confirmed renewal was
-    *sent* plus the lease minus the margin: the store counts its lease from no earlier, so this
-    side stops first however long the renewal took. A refused renewal ends the scope at once;
-    failing ones let the deadline come."""
+    """Renews a claim in the background and ends the attempt's scope before it could lapse."""
 
     def __init__(
         self, store: WorkerStore, job: Job, settings: LeaseConfig, claim_sent: float
@@ -87,86 +76,83 @@ class LeaseKeeper:
         self.store_error: str | None = None  # the last renewal that failed to reach the store
         self.unconfirmed: str | None = None  # the store error of the renewal before the call
         self._scope: asyncio.Timeout | None = None
-        self._task: asyncio.Task[None] | None = None
 
-    async def __aenter__(self) -> Self:
-        self._task = asyncio.create_task(self._beat(), name=f"heartbeat-{self._job.id[:8]}")
-        return self
-
-    async def __aexit__(self, *_: object) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-
-    def scope(self) -> asyncio.Timeout:
+    @contextlib.asynccontextmanager
+    async def held(self) -> AsyncIterator[None]:
+        """Renew the claim while the block runs, and end it at the deadline (`LeaseEnded`)."""
+        beat = asyncio.create_task(self._beat(), name=f"heartbeat-{self._job.id[:8]}")
         self._scope = asyncio.timeout_at(self.deadline)
-        return self._scope
-
-    def ended(self) -> bool:
-        return self._scope is not None and self._scope.expired()
+        try:
+            async with self._scope:
+                yield
+        except TimeoutError:
+            if not self._scope.expired():
+                raise
+            raise LeaseEnded("the attempt's deadline passed") from None
+        finally:
+            beat.cancel()
+            await asyncio.gather(beat, return_exceptions=True)
 
     async def confirm(self) -> None:
-        """Renew now, marking the call as started (H1); raise `LeaseEnded` unless the claim
-        is live with time for a call."""
-        loop = asyncio.get_running_loop()
-        sent = loop.time()
+        """Renew, marking the call as started (H1); `LeaseEnded` unless there is time for a call."""
         # A short lease (tests) leaves a short budget: ask for half of it at most. A renewal
         # always leaves the whole budget, so only the attempt's own limit can be too close.
-        left = self.hard_deadline - sent
+        left = self.hard_deadline - asyncio.get_running_loop().time()
         if left < min(MIN_CALL_SECONDS, self._budget / 2):
             raise LeaseEnded(
                 f"only {left:.1f} s left of the attempt (AI_JOB_CLAIM_TIMEOUT); no call started"
             )
         try:
-            renewal = await asyncio.to_thread(
-                self._store.heartbeat, self._job.id, self._holder, calling=True
-            )
+            renewal = await self._renew(calling=True)
         except StoreError as exc:
             self.store_error = self.unconfirmed = str(exc)
             raise LeaseEnded(f"the claim could not be renewed: {exc}") from exc
         if not renewal:
-            self.renewal = renewal
             raise LeaseEnded(f"the claim was {renewal} before the call could start")
-        self._renewed(sent)
 
-    def _renewed(self, sent: float) -> None:
+    async def _renew(self, calling: bool = False) -> Renewal:
+        sent = asyncio.get_running_loop().time()
+        renewal = await asyncio.to_thread(
+            self._store.heartbeat, self._job.id, self._holder, calling=calling
+        )
+        if not renewal:
+            self.renewal = renewal
+            return renewal
+        # From the renewal's *send* time: the store counts the lease from no earlier, so this
+        # side stops first however long the renewal took to confirm.
         self.deadline = min(sent + self._budget, self.hard_deadline)
         self._end_at(self.deadline)
+        return renewal
 
     def _end_at(self, when: float) -> None:
         if self._scope is not None and not self._scope.expired():
             self._scope.reschedule(when)
 
     async def _beat(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(self._settings.heartbeat_seconds)
-            sent = loop.time()
             try:
-                renewal = await asyncio.to_thread(self._store.heartbeat, self._job.id, self._holder)
+                renewal = await self._renew()
             except StoreError as exc:
                 # The database may be restarting: keep trying. If it stays away, the deadline
                 # comes and the attempt stops before the claim could lapse in anyone else's view.
                 self.store_error = str(exc)
                 logger.warning("renewing the claim on %s failed: %s", self._job.run_name, exc)
                 continue
-            if renewal:
-                self.store_error = None
-                self._renewed(sent)
-                continue
-            self.renewal = renewal
-            logger.warning("the claim on %s was %s; stopping at once", self._job.run_name, renewal)
-            self._end_at(loop.time())
-            return
+            if not renewal:
+                logger.warning(
+                    "the claim on %s was %s; stopping at once", self._job.run_name, renewal
+                )
+                self._end_at(asyncio.get_running_loop().time())
+                return
+            self.store_error = None
 
     def why_ended(self, phase: str, started: float) -> tuple[Failure | None, str]:
         """The verdict on an attempt whose scope ended in `phase`; None: nothing to record."""
         held = time.monotonic() - started
         if self.renewal is Renewal.LOST:
             return None, "the claim was taken over by another worker"
-        if self.unconfirmed is not None:
-            # The store could not be reached right before the call: no call
-            # started, and this side stopped, so the attempt is not spent.
+        if self.unconfirmed is not None:  # no call started, and this side stopped: not spent
             return Failure.STOPPED, (
                 "no call started: the claim could not be renewed right before it "
                 f"({self.unconfirmed})"
@@ -193,8 +179,6 @@ class LeaseKeeper:
 
 
 class JobRunner:
-    """Runs claimed jobs for one worker: generator, gateway, store, and the run history."""
-
     def __init__(
         self,
         store: WorkerStore,
@@ -214,10 +198,8 @@ class JobRunner:
         self._redact = redactor
 
     async def run(self, job: Job, claim_sent: float) -> Report:
-        """Make the job's call under its lease (whose first deadline counts from `claim_sent`, the
-        loop's time just before the claim was asked for) and record what happened. Cancelling
-        this stops the call, hands the job back with its attempt and re-raises; an outcome in
-        hand is recorded to its end regardless."""
+        """Make the job's call under its lease, counted from `claim_sent` (the loop's time before
+        the claim was asked for), and record what happened, even when cancelled (L4)."""
         attempt = _Attempt(job, self.ledger.open(job))
         noted = asyncio.create_task(self._note_run(attempt))
         keeper = LeaseKeeper(self._store, job, self._settings, claim_sent)
@@ -231,10 +213,9 @@ class JobRunner:
         except LeaseEnded as ended:
             recording = self._lease_ended(attempt, keeper, ended)
         except GatewayError as exc:
-            retry_after = exc.retry_after
-            if retry_after is not None:
-                # The store pauses at most this long (G1) and refuses absurd waits.
-                retry_after = min(retry_after, self._settings.backoff_max_seconds)
+            # The store pauses at most this long (G1) and refuses absurd waits.
+            asked, most = exc.retry_after, self._settings.backoff_max_seconds
+            retry_after = None if asked is None else min(asked, most)
             recording = self._settle(attempt, exc.failure, str(exc), retry_after, exc.excerpt)
         except Exception as exc:  # noqa: BLE001 - a bad generator fails its job only
             building = attempt.phase == "build"
@@ -248,29 +229,28 @@ class JobRunner:
 
     async def _attempt(self, attempt: _Attempt, keeper: LeaseKeeper) -> Any:
         job, entry = attempt.job, attempt.entry
-        async with keeper:
-            try:
-                async with keeper.scope():
-                    generator = self._registry.generator_for(job.kind)
-                    messages = await asyncio.to_thread(generator.build, job.user_id, job.subject)
-                    await keeper.confirm()
-                    attempt.phase = "call"
-                    attempt.call_started, attempt.call_clock = time.time(), time.monotonic()
-                    entry.call_started(attempt.call_started)
-                    timeout = keeper.hard_deadline - asyncio.get_running_loop().time()
-                    answer = await self._client.complete(
-                        messages, job=job.run_name, timeout=timeout, **generator.options
-                    )
-                    attempt.phase, attempt.answer = "parse", answer
-                    entry.note(
-                        f"the gateway answered in {answer.elapsed_seconds:.1f} s "
-                        f"({answer.size_bytes:,} bytes; {_tokens(answer.usage)})"
-                    )
-                    return await asyncio.to_thread(generator.parse, answer)
-            except TimeoutError:
-                if not keeper.ended():
-                    raise
-                raise LeaseEnded("the attempt's deadline passed") from None
+        async with keeper.held():
+            generator = self._registry.generator_for(job.kind)
+            messages = await asyncio.to_thread(generator.build, job.user_id, job.subject)
+            await keeper.confirm()
+            attempt.phase = "call"
+            attempt.call_started, attempt.call_clock = time.time(), time.monotonic()
+            entry.call_started(attempt.call_started)
+            timeout = keeper.hard_deadline - asyncio.get_running_loop().time()
+            answer = await self._client.complete(
+                messages, job=job.run_name, timeout=timeout, **generator.options
+            )
+            attempt.phase, attempt.answer = "parse", answer
+            tokens = "tokens unknown: the answer did not say"
+            if (used := answer.usage) is not None:
+                tokens = (
+                    f"{used.prompt_tokens:,} prompt + {used.completion_tokens:,} completion tokens"
+                )
+            entry.note(
+                f"the gateway answered in {answer.elapsed_seconds:.1f} s "
+                f"({answer.size_bytes:,} bytes; {tokens})"
+            )
+            return await asyncio.to_thread(generator.parse, answer)
 
     async def _lease_ended(
         self, attempt: _Attempt, keeper: LeaseKeeper, ended: LeaseEnded
@@ -352,8 +332,7 @@ class JobRunner:
         job, answer = attempt.job, attempt.answer
         message = self._redact(" ".join(message.split()))
         quoted = self._redact(" ".join(quoted.split()))
-        # A stop can afford to wait a little longer for the history entry: the
-        # job row then points at the run that says it was stopped.
+        # A stop can wait longer: the job row then points at the run that says it was stopped.
         wait = STOP_RUN_ID_WAIT_SECONDS if failure is Failure.STOPPED else None
         run_id = await attempt.entry.run_id(wait)
         settled: dict[str, Any] = {}
@@ -386,8 +365,7 @@ class JobRunner:
         return self._report(attempt, outcome, message, failure=failure, quoted=quoted, **settled)
 
     async def _record(self, job: Job, write: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """`write(job.id, job.holder, ...)`, riding out a short store outage; `ClaimLost` and
-        `InvalidArgument` are final."""
+        """`write(job.id, job.holder, ...)`, riding out a short store outage."""
         for attempt, pause in enumerate((*RECORD_BACKOFF_SECONDS, None), start=1):
             try:
                 return await _shielded(
@@ -413,7 +391,6 @@ class JobRunner:
             called=attempt.call_started is not None,
             call_started_at=attempt.call_started,
             call_seconds=attempt.call_seconds,
-            seconds=round(time.monotonic() - attempt.started, 3),
             answered=answer is not None,
             usage=answer.usage if answer is not None else None,
             **more,
@@ -433,12 +410,6 @@ class _Attempt:
     @property
     def call_seconds(self) -> float | None:
         return None if self.call_clock is None else round(time.monotonic() - self.call_clock, 3)
-
-
-def _tokens(usage: Usage | None) -> str:
-    if usage is None:
-        return "tokens unknown: the answer did not say"
-    return f"{usage.prompt_tokens:,} prompt + {usage.completion_tokens:,} completion tokens"
 
 
 async def _shielded(awaitable: Awaitable[Any]) -> Any:
