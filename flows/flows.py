@@ -1,8 +1,6 @@
 """The Prefect flows: a backfill, a screen's run, the drain, a generation's record, retention.
-
 A backfill and a screen's run follow their jobs and tell their story, draining the queue
-themselves when no warm consumer stands by. They see a user only as a pseudonym (D4).
-"""
+themselves when no warm consumer stands by. They know a user only by a pseudonym (D4)."""
 
 from __future__ import annotations
 
@@ -94,18 +92,16 @@ def prefect_consumer(
     on_change: Callable[[frozenset[str]], None] | None = None,
     **options: Any,
 ) -> tuple[Consumer, PrefectLedger]:
-    """A consumer that holds `gateway` slots and writes each attempt as a `generate` run
-    (of the flow run `parent`, if any); `on_change` as `PrefectSlotGuard` takes it."""
+    """A consumer that holds `gateway` slots and writes each attempt as a `generate` run."""
     worker = worker or worker_name(role)
     ledger = PrefectLedger(worker, rt.redactor, generate, parent_flow_run_id=parent)
-    guard = PrefectSlotGuard.for_settings(rt.settings, on_change=on_change)
+    guard = PrefectSlotGuard(rt.settings.lease_seconds, on_change=on_change)
     return rt.consumer(role=role, ledger=ledger, guard=guard, worker=worker, **options), ledger
 
 
 @flow(name="backfill", flow_run_name="backfill:{user}", log_prints=False)
 async def backfill(user: str) -> State[Any]:
-    """After a data sync: queue the scopes of the user (`user`: their pseudonym) at prefetch
-    priority and see them through."""
+    """After a data sync: queue the scopes of the user (`user`: a pseudonym), see them through."""
     with _runtime() as rt:
         user_id = await asyncio.to_thread(rt.store.user_of, user)
         if user_id is None:
@@ -142,8 +138,7 @@ async def backfill(user: str) -> State[Any]:
 
 @flow(name="interactive", flow_run_name="{kind}:{subject}", log_prints=False)
 async def interactive(user: str, kind: str, subject: str) -> State[Any]:
-    """A screen is open: put its insight at the front and tell the screen's story (`user`: the
-    user's pseudonym)."""
+    """A screen is open: put its insight at the front and tell the screen's story."""
     with _runtime() as rt:
         user_id = await asyncio.to_thread(rt.store.user_of, user)
         if user_id is None:
@@ -193,8 +188,7 @@ async def interactive(user: str, kind: str, subject: str) -> State[Any]:
 async def generate(
     user: str, kind: str, subject: str, attempt: int | None = None, worker: str | None = None
 ) -> State[Any]:
-    """The run history's record of each attempt: a consumer writes it beside the call
-    (`flows.history`). Run by hand, it asks for the insight as a screen does."""
+    """An attempt's record, written by its consumer; run by hand, it asks as a screen does."""
     return await interactive.fn(user, kind, subject)
 
 
@@ -214,8 +208,7 @@ async def drain(max_jobs: int | None = None) -> dict[str, Any]:
 
 @flow(name="prune", log_prints=False)
 async def prune(dry_run: bool = False) -> dict[str, Any]:
-    """Retention (D2, D3): delete what is past its time from the store, and the runs of users
-    forgotten while the run history was away; with `dry_run`, only count what would go."""
+    """Retention (D2), and the erasure of runs left while the run history was away (D3)."""
     with _runtime() as rt:
         log = get_run_logger()
         pruned = await asyncio.to_thread(
@@ -240,9 +233,8 @@ async def prune(dry_run: bool = False) -> dict[str, Any]:
 async def _follow(
     rt: Runtime, ids: list[str], show: Any, consumer: Consumer | None
 ) -> dict[str, Job]:
-    """Watch these jobs until each is done, failed or gone; returns their last rows. With
-    `consumer`, drain the queue meanwhile; once these jobs are settled it takes nothing new, and
-    a call it has in flight for another job ends before the run does."""
+    """Watch these jobs until each is done, failed or gone; returns their last rows. A `consumer`
+    drains meanwhile; once they are settled it takes nothing new, and ends with its call."""
     drain = asyncio.create_task(consumer.run()) if consumer is not None else None
     deadline = time.monotonic() + FOLLOW_LIMIT_SECONDS
     latest: dict[str, Job] = {}
@@ -251,20 +243,17 @@ async def _follow(
     try:
         while time.monotonic() < deadline:
             try:
-                found = await asyncio.to_thread(rt.store.jobs, ids)
+                latest = await asyncio.to_thread(rt.store.jobs, ids)
             except StoreError:
                 await asyncio.sleep(FOLLOW_POLL_SECONDS)
                 continue
-            latest = found
-            finished = sum(
-                1 for i in ids if i not in found or found[i].status in (Status.DONE, Status.FAILED)
-            )
+            ended = (Status.DONE, Status.FAILED)
+            finished = sum(1 for i in ids if i not in latest or latest[i].status in ended)
             if show is not None and finished != shown:
                 shown = finished
                 with contextlib.suppress(Exception):
                     await show(finished)
-            if finished == len(ids):
-                settled = True
+            if settled := finished == len(ids):
                 break
             if drain is not None and drain.done():
                 drain = None  # nothing more it can run now; a warm consumer or a retry will
@@ -303,8 +292,7 @@ _QUOTING = re.compile(r"^(.*?\(HTTP \d{3}\)|generator '[^']*' failed [a-z ]+: \w
 
 
 def _shown(error: str) -> str:
-    """A job's error as a run may show it: a gateway's or a generator's own words stay in the
-    store (they may quote a prompt or an answer, D4)."""
+    """A job's error, a gateway's or a generator's own words left in the store (D4)."""
     quoting = _QUOTING.match(error)
     return f"{quoting.group(1)} {QUOTED_ELSEWHERE}" if quoting else error
 
