@@ -75,16 +75,13 @@ class _PrefectEntry:
         self.flow_id: str | None = None  # known once the run is recorded
         self.beat_at = time.monotonic()
 
-    def _log(self, level: int, message: str) -> None:
-        self._logs.append((time.time(), level, self._ledger.redact(message)))
-
     def call_started(self, at: float) -> None:
         asked = self._job.requested_at
         waited = f"; a screen asked {max(0.0, at - asked.timestamp()):.1f} s ago" if asked else ""
-        self._log(logging.INFO, f"call sent to the gateway{waited}")
+        self.note(f"call sent to the gateway{waited}")
 
     def note(self, message: str) -> None:
-        self._log(logging.INFO, message)
+        self._logs.append((time.time(), logging.INFO, self._ledger.redact(message)))
 
     async def run_id(self, wait: float | None = None) -> str | None:
         timeout = RUN_ID_WAIT_SECONDS if wait is None else wait
@@ -102,8 +99,7 @@ class _PrefectEntry:
 
 
 class PrefectLedger:
-    """Writes each generation attempt as a Prefect flow run: one write after another, in the
-    background, never raising."""
+    """Writes each attempt as a flow run, one write at a time in the background, never raising."""
 
     def __init__(
         self,
@@ -123,8 +119,7 @@ class PrefectLedger:
         self._failing = False
 
     def alive(self, worker: str, role: str) -> None:
-        """Say that `worker` is alive, and that each of its open runs is, as Prefect's engine
-        does (the automations of `deploy` end the runs of a consumer that stops saying so)."""
+        """Say that `worker` is alive, and its open runs too, as Prefect's engine does (W3)."""
         _emit(CONSUMER_ALIVE, _consumer(worker, role))
         now = time.monotonic()
         for entry in list(self._open):
@@ -253,27 +248,18 @@ class PrefectLedger:
 async def _close_earlier_attempts(
     client: PrefectClient, job: Job, current: uuid.UUID, flow_name: str
 ) -> None:
-    """End Crashed the runs of this job's earlier attempts that are still open, found by their
-    record (W3), not by an id the dying worker may not have written."""
-    from prefect.client.schemas.filters import (
-        FlowFilter,
-        FlowFilterName,
-        FlowRunFilter,
-        FlowRunFilterName,
-        FlowRunFilterState,
-        FlowRunFilterStateType,
-        FlowRunFilterTags,
-    )
+    """End Crashed this job's earlier attempts' open runs, found by their record (W3)."""
+    from prefect.client.schemas import filters
     from prefect.client.schemas.objects import StateType
     from prefect.states import Crashed
 
     runs = await client.read_flow_runs(
-        flow_filter=FlowFilter(name=FlowFilterName(any_=[flow_name])),
-        flow_run_filter=FlowRunFilter(
-            name=FlowRunFilterName(any_=[job.run_name]),
-            tags=FlowRunFilterTags(all_=[PROJECT_TAG, user_tag(job)]),
-            state=FlowRunFilterState(
-                type=FlowRunFilterStateType(any_=[StateType.RUNNING, StateType.PENDING])
+        flow_filter=filters.FlowFilter(name=filters.FlowFilterName(any_=[flow_name])),
+        flow_run_filter=filters.FlowRunFilter(
+            name=filters.FlowRunFilterName(any_=[job.run_name]),
+            tags=filters.FlowRunFilterTags(all_=[PROJECT_TAG, user_tag(job)]),
+            state=filters.FlowRunFilterState(
+                type=filters.FlowRunFilterStateType(any_=[StateType.RUNNING, StateType.PENDING])
             ),
         ),
         limit=20,
@@ -330,28 +316,22 @@ def _final_state(report: Report) -> tuple[str, str]:
 
 
 async def erase_runs(pseudonyms: list[str]) -> tuple[list[str], str | None]:
-    """Delete the runs of these forgotten users' pseudonyms, with their artifacts (Prefect deletes
-    a run's logs with it) (D3). Returns the pseudonyms done, and why not the rest."""
+    """Delete the runs and artifacts of forgotten pseudonyms (D3): those done, and why not all."""
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import (
-        ArtifactFilter,
-        ArtifactFilterFlowRunId,
-        FlowRunFilter,
-        FlowRunFilterTags,
-    )
+    from prefect.client.schemas import filters
 
     done: list[str] = []
     try:
         async with get_client() as client:
             for pseudonym in pseudonyms:
-                tagged = FlowRunFilter(
-                    tags=FlowRunFilterTags(all_=[f"{TAG_PREFIX_USER}{pseudonym}"])
-                )
+                tag = filters.FlowRunFilterTags(all_=[f"{TAG_PREFIX_USER}{pseudonym}"])
+                tagged = filters.FlowRunFilter(tags=tag)
                 while runs := await client.read_flow_runs(
                     flow_run_filter=tagged, limit=ERASE_BATCH
                 ):
                     ids = [run.id for run in runs]
-                    of_runs = ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=ids))
+                    run_ids = filters.ArtifactFilterFlowRunId(any_=ids)
+                    of_runs = filters.ArtifactFilter(flow_run_id=run_ids)
                     for artifact in await client.read_artifacts(artifact_filter=of_runs):
                         await client.delete_artifact(artifact.id)
                     for run_id in ids:
