@@ -1,7 +1,6 @@
 """The consumer: take a gateway slot, claim the most urgent job, run it; again, in
 `AI_JOB_CONCURRENCY` lanes. A warm one (`standby=True`: `serve`, `consume`) never stops on its own;
-a flow's drains until nothing is runnable (W2). What runs next is the store's choice, never its.
-"""
+a flow's drains until nothing is runnable (W2). What runs next is the store's choice, never its."""
 
 from __future__ import annotations
 
@@ -25,11 +24,8 @@ from queue_store import Blocked, Failure, PauseKind, Settings, StoreError, Worke
 logger = logging.getLogger(__name__)
 
 STANDBY_POLL_SECONDS = 0.2  # how often a consumer standing by looks for work (a read-only query)
-# Longest single sleep while waiting out a gap or a pause, so a change (an
-# operator's `resume`, a stop) is noticed soon.
-MAX_WAIT_SECONDS = 5.0
-# How long a draining consumer rides out a store, or a guard, it cannot reach before it stops.
-STORE_OUTAGE_SECONDS = 60.0
+MAX_WAIT_SECONDS = 5.0  # longest sleep through a gap or a pause: a `resume` is noticed soon
+STORE_OUTAGE_SECONDS = 60.0  # a draining consumer stops after the store or guard is away so long
 
 
 def worker_name(role: str = "consumer") -> str:
@@ -58,8 +54,6 @@ class ConsumerConfig:
 
 @dataclasses.dataclass
 class Summary:
-    """What a consumer did, for logs and for the flows that ran it."""
-
     ran: int = 0
     outcomes: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
     stopped_because: str = ""
@@ -79,8 +73,6 @@ class Summary:
 
 
 class Consumer:
-    """Claims and runs jobs until told to stop (standby) or until nothing is runnable (drain)."""
-
     def __init__(
         self,
         store: WorkerStore,
@@ -107,7 +99,7 @@ class Consumer:
         self._stopping: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._lanes: list[asyncio.Task[None]] = []
-        self._busy: dict[int, str] = {}
+        self._busy: dict[int, str] = {}  # lane -> the job it runs, as `kind:subject`
         self._store_down_since: float | None = None
         self._guard_down_since: float | None = None
 
@@ -121,23 +113,15 @@ class Consumer:
 
     def _in_loop(self, callback: Callable[[str], object], reason: str) -> None:
         loop = self._loop
-        if loop is None or loop.is_closed():
-            return
-        with contextlib.suppress(RuntimeError):  # the loop has just closed
-            loop.call_soon_threadsafe(callback, reason)
+        if loop is not None and not loop.is_closed():
+            with contextlib.suppress(RuntimeError):  # the loop has just closed
+                loop.call_soon_threadsafe(callback, reason)
 
     def _stop_now(self, reason: str) -> None:
-        if self._stopping is None or self._stopping.is_set():
-            return
-        self.summary.stopped_because = self.summary.stopped_because or reason
-        self._stopping.set()
-        for lane in self._lanes:
-            lane.cancel()
-
-    @property
-    def busy(self) -> list[str]:
-        """The jobs being worked on now, as `kind:subject`."""
-        return list(self._busy.values())
+        if self._stopping is not None and not self._stopping.is_set():
+            self._finished(reason)
+            for lane in self._lanes:
+                lane.cancel()
 
     async def run(self) -> Summary:
         self._loop = asyncio.get_running_loop()
@@ -164,7 +148,7 @@ class Consumer:
         return self.summary
 
     def _finished(self, reason: str) -> None:
-        """A draining consumer ends here; record why (first reason wins)."""
+        """Claim nothing more; the first reason given is the one recorded."""
         if not self.summary.stopped_because:
             self.summary.stopped_because = reason
         assert self._stopping is not None
@@ -210,9 +194,7 @@ class Consumer:
 
     async def _claim_and_run(self, lane: int) -> float | None:
         """One claim (and its job, if any); returns seconds to wait before the next, 0: none."""
-        assert self._stopping is not None
-        loop = asyncio.get_running_loop()
-        claim_sent = loop.time()
+        claim_sent = asyncio.get_running_loop().time()
         try:
             claim = await asyncio.to_thread(self._store.claim_next, self.worker)
         except StoreError as exc:
@@ -231,9 +213,8 @@ class Consumer:
             if claim.blocked in (Blocked.GAP, Blocked.PAUSED):
                 return min(claim.retry_in or self._settings.poll_seconds, MAX_WAIT_SECONDS)
             if claim.blocked is Blocked.CONCURRENCY:
-                # Another consumer is mid-call. A drain stays too: that call may
-                # be a dead machine's, whose job only a claim takes back once
-                # its lease runs out. It ends when no job waits and no call runs.
+                # Another consumer is mid-call. A drain stays too: that call may be a dead
+                # machine's, whose job only a claim takes back once its lease runs out (W2).
                 return self._settings.poll_seconds
             return STANDBY_POLL_SECONDS
         self._busy[lane] = job.run_name
@@ -275,8 +256,7 @@ class Consumer:
         return True
 
     async def _work_waiting(self) -> bool:
-        """Whether a claim could find something (indexed reads). A drain counts every call in
-        flight too, so that it stays until every call is over, its own or anyone's (W2)."""
+        """Whether a claim could find something; a drain waits for anyone's call in flight (W2)."""
         try:
             return await asyncio.to_thread(self._store.has_work, or_running=not self._standby)
         except StoreError:
@@ -290,13 +270,9 @@ class Consumer:
     async def _say_alive(self) -> None:
         """Say, in the store and in the run history, that this consumer is alive (W1)."""
         while True:
+            doing = {"busy": list(self._busy.values()), "lanes": self._settings.concurrency}
             try:
-                await asyncio.to_thread(
-                    self._store.presence,
-                    self.worker,
-                    self._role,
-                    {"busy": self.busy, "lanes": self._settings.concurrency},
-                )
+                await asyncio.to_thread(self._store.presence, self.worker, self._role, doing)
             except StoreError as exc:
                 logger.debug("could not say the consumer is alive: %s", exc)
             self._runner.ledger.alive(self.worker, self._role)

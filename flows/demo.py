@@ -1,9 +1,6 @@
-"""DEMO generators and scopes over synthetic data: not health advice.
-
-Eight kinds of insight for any user id, made from numbers derived from a hash of the user id and
-the day, so the same user always gets the same data and the demo needs nothing outside this
-project. A host app replaces this module with its own (see `AI_JOB_PLUGINS`).
-"""
+"""DEMO generators and scopes over synthetic data, not health advice: eight kinds of insight for
+any user id, from numbers hashed from the user id and the day. A host app replaces this module
+with its own (`AI_JOB_PLUGINS`)."""
 
 from __future__ import annotations
 
@@ -16,7 +13,6 @@ from flows.gateway import Completion
 from flows.registry import Messages, Registry, Scope, iso_dates, periods
 
 DEMO_DAYS = 28
-
 SYSTEM = (
     "You are a careful health-data coach. Give one short, concrete insight "
     "about the data below. This is synthetic demo data."
@@ -52,12 +48,8 @@ def fingerprint(data: Any) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:32]
 
 
-def today() -> dt.date:
-    return dt.datetime.now(dt.UTC).date()
-
-
 def demo_scopes(user_id: str) -> list[Scope]:
-    end = today()
+    end = dt.datetime.now(dt.UTC).date()
     scopes = [
         Scope(kind, end.isoformat(), fingerprint(synthetic_series(user_id, kind, end)))
         for kind in METRICS

@@ -1,7 +1,6 @@
 """The gateway client, the only code that talks to the LLM gateway: one request per call, its
 answer read for what it says (G1-G5). It decides nothing about jobs (no retries, no store, no
-Prefect), and no secret reaches a message, a repr or a body excerpt (G5).
-"""
+Prefect), and no secret reaches a message, a repr or a body excerpt (G5)."""
 
 from __future__ import annotations
 
@@ -29,20 +28,14 @@ logger = logging.getLogger(__name__)
 
 EXCERPT_CHARS = 300  # characters of a response body kept on an error
 ERROR_BODY_BYTES = 16 * 1024  # bytes of an error answer read for its excerpt
-# Seconds spent reading an error answer for its excerpt: its status already
-# says what happened, and a stalled body must not turn it into a timeout.
-EXCERPT_SECONDS = 5.0
+EXCERPT_SECONDS = 5.0  # spent reading them: the status says enough, a stalled body is no timeout
 USER_AGENT = "insight-queue"
-# Labels a call for the gateway's logs (and the simulator's records) without
-# adding a body field, which strict OpenAI-compatible servers reject.
+# Labels a call for the gateway's logs without a body field, which strict servers reject.
 JOB_HEADER = "X-Insight-Job"
 JOB_HEADER_SAFE = ":/@-_.~"  # left readable; everything else is percent-encoded
-
-# What gateways and their proxies answer while the model server is down or overloaded.
-UNAVAILABLE_STATUSES = frozenset({502, 503, 504})
+UNAVAILABLE_STATUSES = frozenset({502, 503, 504})  # a proxy's, while the model server is away
 REFUSED_STATUSES = frozenset({401, 403})
 RATE_LIMITED_STATUS = 429
-
 _TOKEN_CHARACTERS = re.compile(r"[!-~]*")  # printable ASCII, no space
 _DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|h|m|s)")
 
@@ -114,12 +107,10 @@ class Completion:
         found = self.raw.get("usage")
         if not isinstance(found, dict):
             return None
-        prompt, completion = found.get("prompt_tokens"), found.get("completion_tokens")
-        if type(prompt) is not int or type(completion) is not int:  # bool and float are not
-            return None
-        if not (0 <= prompt < 2**53 and 0 <= completion < 2**53):
-            return None
-        return Usage(prompt, completion)
+        counts: list[Any] = [found.get("prompt_tokens"), found.get("completion_tokens")]
+        if all(type(n) is int and 0 <= n < 2**53 for n in counts):  # bool and float are not
+            return Usage(*counts)
+        return None
 
 
 def parse_retry_after(headers: Mapping[str, str], now: float | None = None) -> float | None:
@@ -187,8 +178,8 @@ class _Borrowed(httpx.AsyncBaseTransport):
 
 
 class GatewayClient:
-    """A client for one gateway, shared by the tasks of one event loop. Each call has its own
-    connection, so cancelling `complete()` really ends the call."""
+    """Shared by the tasks of one event loop; each call has its own connection, so cancelling
+    `complete()` really ends the call."""
 
     def __init__(
         self,
@@ -201,9 +192,7 @@ class GatewayClient:
         """`call_timeout`: the whole call's deadline (default the read timeout, G3)."""
         parts = urllib.parse.urlsplit(gateway.url)
         token = gateway.token.get_secret_value()
-        if not _TOKEN_CHARACTERS.fullmatch(token):
-            # A control character would make httpx fail with the header, and
-            # so the token, in its message.
+        if not _TOKEN_CHARACTERS.fullmatch(token):  # else httpx would quote it in an error
             raise SettingsError("AI_GATEWAY_TOKEN: expected printable ASCII without spaces")
         # Credentials never ride in the URL we log; they become the auth header.
         host = parts.hostname or ""
