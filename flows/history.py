@@ -44,12 +44,6 @@ _ENDED = {  # how a generation's run names an outcome it failed with
 }
 
 
-def run_url(ui_url: str | None, run_id: str) -> str:
-    """Where a flow run is in the Prefect UI (a relative path without a UI address)."""
-    path = f"/runs/flow-run/{run_id}"
-    return f"{ui_url.rstrip('/')}{path}" if ui_url else path
-
-
 def user_tag(job: Job) -> str:
     """How a run names its user: the pseudonym, never the user's id (D4)."""
     return f"{TAG_PREFIX_USER}{job.pseudonym or UNKNOWN_PSEUDONYM}"
@@ -67,9 +61,12 @@ def generation_tags(job: Job) -> list[str]:
 
 
 class _PrefectEntry:
+    """One attempt's run: created as its job is claimed, ended with its report."""
+
     def __init__(self, ledger: PrefectLedger, job: Job) -> None:
         self._ledger = ledger
         self._job = job
+        self._claimed = job.claimed_at or dt.datetime.now(dt.UTC)
         self._run: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
         self._logs: list[tuple[float, int, str]] = []
         self.flow_id: str | None = None  # known once the run is recorded
@@ -90,12 +87,77 @@ class _PrefectEntry:
         except TimeoutError:
             return None
 
-    def close(self, report: Report) -> None:
-        self._ledger._close(self, report)
-
     @property
     def recorded_id(self) -> str | None:
         return self._run.result() if self._run.done() else None
+
+    async def create(self, client: PrefectClient) -> None:
+        from prefect.states import Running
+
+        job, worker, flow = self._job, self._ledger.worker, self._ledger.flow
+        try:
+            run = await client.create_flow_run(
+                flow=flow,
+                name=job.run_name,
+                parameters={
+                    "user": job.pseudonym or UNKNOWN_PSEUDONYM,
+                    "kind": job.kind,
+                    "subject": job.subject,
+                    "attempt": job.attempts,
+                    "worker": worker,
+                },
+                tags=generation_tags(job),
+                context={"insight_queue": {"parent": self._ledger.parent}},
+                state=Running(
+                    timestamp=self._claimed, message=f"attempt {job.attempts}, claimed by {worker}"
+                ),
+            )
+        except BaseException:
+            self._run.set_result(None)
+            raise
+        self.flow_id = str(run.flow_id)
+        self._run.set_result(str(run.id))
+        # An earlier attempt's run may still be open: a spent attempt, or a lost one (H2, W3).
+        if job.attempts > 1 or job.flow_run_id or job.losses:
+            await _close_earlier_attempts(client, job, run.id, flow.name)
+
+    def close(self, report: Report) -> None:
+        self._ledger.opened.discard(self)
+        state_name, message = _final_state(report)
+        level = logging.INFO if state_name == "completed" else logging.WARNING
+        logs = [*self._logs, (time.time(), level, f"{report.outcome}: {report.public_message}")]
+        if report.settlement is not None and report.settlement.verdict:
+            logs.append((time.time(), level, report.settlement.verdict))
+        redact = self._ledger.redact
+
+        async def finish(client: PrefectClient) -> None:
+            from prefect.client.schemas.actions import LogCreate
+            from prefect.states import Cancelled, Completed, Failed
+
+            if (run_id := self.recorded_id) is None:
+                name = self._job.run_name
+                logger.warning("run history: %s was never recorded, so it cannot be closed", name)
+                return
+            state = {"completed": Completed, "failed": Failed, "cancelled": Cancelled}[state_name]
+            await client.create_logs(
+                [
+                    LogCreate.model_validate(
+                        {
+                            "name": "insight_queue.generation",
+                            "level": lvl,
+                            "message": redact(text),
+                            "timestamp": dt.datetime.fromtimestamp(at, dt.UTC),
+                            "flow_run_id": uuid.UUID(run_id),
+                        }
+                    )
+                    for at, lvl, text in logs
+                ]
+            )
+            await client.set_flow_run_state(
+                uuid.UUID(run_id), state(message=redact(message)), force=True
+            )
+
+        self._ledger.submit(finish)
 
 
 class PrefectLedger:
@@ -111,9 +173,9 @@ class PrefectLedger:
     ) -> None:
         self.worker = worker
         self.redact = redactor
-        self._flow = flow
-        self._parent = parent_flow_run_id
-        self._open: set[_PrefectEntry] = set()
+        self.flow = flow
+        self.parent = parent_flow_run_id
+        self.opened: set[_PrefectEntry] = set()
         self._writes: asyncio.Queue[Callable[[PrefectClient], Awaitable[None]]] = asyncio.Queue()
         self._writer: asyncio.Task[None] | None = None
         self._failing = False
@@ -122,12 +184,12 @@ class PrefectLedger:
         """Say that `worker` is alive, and its open runs too, as Prefect's engine does (W3)."""
         _emit(CONSUMER_ALIVE, _consumer(worker, role))
         now = time.monotonic()
-        for entry in list(self._open):
+        for entry in list(self.opened):
             run_id = entry.recorded_id
             if run_id is not None and now - entry.beat_at >= RUN_HEARTBEAT_SECONDS:
                 entry.beat_at = now
                 run = _resource(f"prefect.flow-run.{run_id}", entry._job.run_name)
-                flow = _resource(f"prefect.flow.{entry.flow_id}", self._flow.name, role="flow")
+                flow = _resource(f"prefect.flow.{entry.flow_id}", self.flow.name, role="flow")
                 related = [flow, *_tags(generation_tags(entry._job))]
                 _emit("prefect.flow-run.heartbeat", run, related)
 
@@ -136,84 +198,11 @@ class PrefectLedger:
 
     def open(self, job: Job) -> LedgerEntry:
         entry = _PrefectEntry(self, job)
-        self._open.add(entry)
-        claimed = job.claimed_at or dt.datetime.now(dt.UTC)
-
-        async def create(client: PrefectClient) -> None:
-            from prefect.states import Running
-
-            try:
-                run = await client.create_flow_run(
-                    flow=self._flow,
-                    name=job.run_name,
-                    parameters={
-                        "user": job.pseudonym or UNKNOWN_PSEUDONYM,
-                        "kind": job.kind,
-                        "subject": job.subject,
-                        "attempt": job.attempts,
-                        "worker": self.worker,
-                    },
-                    tags=generation_tags(job),
-                    context={"insight_queue": {"parent": self._parent}},
-                    state=Running(
-                        timestamp=claimed,
-                        message=f"attempt {job.attempts}, claimed by {self.worker}",
-                    ),
-                )
-            except BaseException:
-                entry._run.set_result(None)
-                raise
-            entry.flow_id = str(run.flow_id)
-            entry._run.set_result(str(run.id))
-            # An earlier attempt's run may be open: a spent attempt, the run the job row
-            # names, or a claim the store took back from a lost worker, whose attempt H2
-            # gave back and whose run's id the dying worker may never have written.
-            if job.attempts > 1 or job.flow_run_id or job.losses:
-                await _close_earlier_attempts(client, job, run.id, self._flow.name)
-
-        self._submit(create)
+        self.opened.add(entry)
+        self.submit(entry.create)
         return entry
 
-    def _close(self, entry: _PrefectEntry, report: Report) -> None:
-        self._open.discard(entry)
-        logs = list(entry._logs)
-        name = entry._job.run_name
-        state_name, message = _final_state(report)
-        level = logging.INFO if state_name == "completed" else logging.WARNING
-        logs.append((time.time(), level, f"{report.outcome}: {report.public_message}"))
-        if report.settlement is not None and report.settlement.verdict:
-            logs.append((time.time(), level, report.settlement.verdict))
-
-        async def finish(client: PrefectClient) -> None:
-            from prefect.client.schemas.actions import LogCreate
-            from prefect.states import Cancelled, Completed, Failed
-
-            run_id = entry.recorded_id
-            if run_id is None:
-                logger.warning("run history: %s was never recorded, so it cannot be closed", name)
-                return
-            state = {"completed": Completed, "failed": Failed, "cancelled": Cancelled}[state_name]
-            await client.create_logs(
-                [
-                    LogCreate.model_validate(
-                        {
-                            "name": "insight_queue.generation",
-                            "level": lvl,
-                            "message": self.redact(text),
-                            "timestamp": dt.datetime.fromtimestamp(at, dt.UTC),
-                            "flow_run_id": uuid.UUID(run_id),
-                        }
-                    )
-                    for at, lvl, text in logs
-                ]
-            )
-            await client.set_flow_run_state(
-                uuid.UUID(run_id), state(message=self.redact(message)), force=True
-            )
-
-        self._submit(finish)
-
-    def _submit(self, write: Callable[[PrefectClient], Awaitable[None]]) -> None:
+    def submit(self, write: Callable[[PrefectClient], Awaitable[None]]) -> None:
         if self._writes.qsize() >= MAX_PENDING_WRITES:
             logger.warning("run history: %d writes waiting; dropping one", MAX_PENDING_WRITES)
             return
