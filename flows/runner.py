@@ -134,8 +134,7 @@ class LeaseKeeper:
             try:
                 renewal = await self._renew()
             except StoreError as exc:
-                # The database may be restarting: keep trying. If it stays away, the deadline
-                # comes and the attempt stops before the claim could lapse in anyone else's view.
+                # The database may be restarting: keep trying until the deadline (L2).
                 self.store_error = str(exc)
                 logger.warning("renewing the claim on %s failed: %s", self._job.run_name, exc)
                 continue
@@ -198,8 +197,7 @@ class JobRunner:
         self._redact = redactor
 
     async def run(self, job: Job, claim_sent: float) -> Report:
-        """Make the job's call under its lease, counted from `claim_sent` (the loop's time before
-        the claim was asked for), and record what happened, even when cancelled (L4)."""
+        """Call under a lease counted from `claim_sent`; record what happened, even if cancelled."""
         attempt = _Attempt(job, self.ledger.open(job))
         noted = asyncio.create_task(self._note_run(attempt))
         keeper = LeaseKeeper(self._store, job, self._settings, claim_sent)
@@ -266,15 +264,9 @@ class JobRunner:
     async def _close(
         self, attempt: _Attempt, noted: asyncio.Task[None], recording: Coroutine[Any, Any, Report]
     ) -> Report:
-        """Record the outcome to its end, even through a stop; then close the history entry."""
-
-        async def record() -> Report:
-            report = await recording
-            attempt.entry.close(report)
-            return report
-
+        """Record the outcome to its end, even through a stop."""
         try:
-            report: Report = await _shielded(record())
+            report: Report = await _shielded(recording)
         except asyncio.CancelledError:
             noted.cancel()
             raise
@@ -327,8 +319,7 @@ class JobRunner:
         retry_after: float | None = None,
         quoted: str = "",
     ) -> Report:
-        """Tell the store; `quoted`: what of `message` is the gateway's or the generator's own
-        words (the store keeps them; the history and the logs do not, D4)."""
+        """Tell the store; `quoted`: the gateway's or a generator's words in `message` (D4)."""
         job, answer = attempt.job, attempt.answer
         message = self._redact(" ".join(message.split()))
         quoted = self._redact(" ".join(quoted.split()))
@@ -383,8 +374,9 @@ class JobRunner:
         raise AssertionError("unreachable")
 
     def _report(self, attempt: _Attempt, outcome: Outcome, message: str, **more: Any) -> Report:
+        """The attempt's one report, with which its history entry closes."""
         answer = attempt.answer
-        return Report(
+        report = Report(
             job=attempt.job,
             outcome=outcome,
             message=self._redact(message),
@@ -395,6 +387,8 @@ class JobRunner:
             usage=answer.usage if answer is not None else None,
             **more,
         )
+        attempt.entry.close(report)
+        return report
 
 
 @dataclasses.dataclass
