@@ -34,7 +34,6 @@ def worker_name(role: str = "consumer") -> str:
 
 
 def short_hostname() -> str:
-    """This host's name as a worker name may hold it."""
     return "".join(c if c.isalnum() or c in ".-" else "-" for c in socket.gethostname())[:60]
 
 
@@ -148,7 +147,6 @@ class Consumer:
         return self.summary
 
     def _finished(self, reason: str) -> None:
-        """Claim nothing more; the first reason given is the one recorded."""
         if not self.summary.stopped_because:
             self.summary.stopped_because = reason
         assert self._stopping is not None
@@ -213,8 +211,7 @@ class Consumer:
             if claim.blocked in (Blocked.GAP, Blocked.PAUSED):
                 return min(claim.retry_in or self._settings.poll_seconds, MAX_WAIT_SECONDS)
             if claim.blocked is Blocked.CONCURRENCY:
-                # Another consumer is mid-call. A drain stays too: that call may be a dead
-                # machine's, whose job only a claim takes back once its lease runs out (W2).
+                # Another consumer is mid-call; a drain stays too: it may be a dead machine's (W2).
                 return self._settings.poll_seconds
             return STANDBY_POLL_SECONDS
         self._busy[lane] = job.run_name
@@ -231,8 +228,7 @@ class Consumer:
         return 0.0
 
     def _stop_refused(self, reason: str) -> None:
-        # Only a fixed token (or an operator's `resume`) ends such a pause: a draining consumer
-        # leaves the job queued with its attempts and stops, rather than probe again and again.
+        # Only a fixed token or a `resume` ends such a pause: a drain stops instead of probing.
         logger.error("the gateway refuses us, stopping: %s", reason)
         self._finished(f"refused: {reason}")
 

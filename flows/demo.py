@@ -92,7 +92,6 @@ def _with_model(answer: Completion) -> Any:
 
 
 def register(registry: Registry) -> None:
-    """The demo set: a generator per metric and one for trends, and the scopes of any user."""
     for kind in METRICS:
         registry.register_generator(kind, _metric_request(kind), _with_model, subjects=iso_dates())
     registry.register_generator(TRENDS, _trends_request, _with_model, subjects=periods(DEMO_DAYS))

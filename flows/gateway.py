@@ -47,8 +47,7 @@ def _tls_context() -> ssl.SSLContext:
 
 
 class GatewayError(Exception):
-    """`status`: the HTTP status if the gateway answered; `excerpt`: the start of its body,
-    secrets removed; `retry_after`: the wait it asked for (G1); `failure`: the store's verdict."""
+    """With the HTTP `status`, a redacted body `excerpt`, the wait asked for, and the verdict."""
 
     failure: ClassVar[Failure] = Failure.REJECTED
 
@@ -114,8 +113,7 @@ class Completion:
 
 
 def parse_retry_after(headers: Mapping[str, str], now: float | None = None) -> float | None:
-    """Seconds the gateway asks us to wait, the longest any header names (G1); None if none
-    does. OpenAI's `x-ratelimit-reset-*` are durations (`1s`, `6m0s`, `20ms`)."""
+    """Seconds the gateway asks us to wait, the longest any header names (G1); None if none does."""
     lowered = {k.lower(): v.strip() for k, v in headers.items()}
     ms = _plain_number(lowered.get("retry-after-ms", "x"))
     found = [None if ms is None else ms / 1000]
@@ -178,8 +176,7 @@ class _Borrowed(httpx.AsyncBaseTransport):
 
 
 class GatewayClient:
-    """Shared by the tasks of one event loop; each call has its own connection, so cancelling
-    `complete()` really ends the call."""
+    """Shared by one event loop's tasks; each call has its own connection, which cancelling ends."""
 
     def __init__(
         self,
@@ -211,17 +208,13 @@ class GatewayClient:
         self._transport = _Borrowed(transport) if transport is not None else None
         self._redact = redactor
         self._max_bytes = gateway.max_answer_bytes
-        self._call_timeout = call_timeout if call_timeout is not None else gateway.read_timeout
+        self.call_timeout = call_timeout if call_timeout is not None else gateway.read_timeout
         # Connecting, sending and waiting for the pool are short; the answer may take minutes.
-        self._timeout = httpx.Timeout(gateway.connect_timeout, read=self._call_timeout)
+        self._timeout = httpx.Timeout(gateway.connect_timeout, read=self.call_timeout)
 
     @property
     def url(self) -> str:
         return self._url
-
-    @property
-    def call_timeout(self) -> float:
-        return self._call_timeout
 
     def __repr__(self) -> str:
         return f"GatewayClient(url={self._url!r}, model={self._model!r})"
@@ -234,8 +227,7 @@ class GatewayClient:
         timeout: float | None = None,
         **extra: Any,
     ) -> Completion:
-        """One chat-completions call, or a `GatewayError`. `job` labels it in `JOB_HEADER`;
-        `timeout` may shorten its deadline; `extra` goes into the body (`temperature`)."""
+        """`job` labels the call in `JOB_HEADER`; `timeout` may shorten it; `extra`: body fields."""
         if isinstance(messages, str | bytes) or not messages:
             raise ValueError("messages: expected a non-empty sequence of message objects")
         body: dict[str, Any] = {
@@ -248,19 +240,17 @@ class GatewayClient:
             headers["Authorization"] = f"Bearer {self._token}"
         if job is not None:
             headers[JOB_HEADER] = urllib.parse.quote(job, safe=JOB_HEADER_SAFE)
-        budget = self._call_timeout if timeout is None else min(timeout, self._call_timeout)
+        budget = self.call_timeout if timeout is None else min(timeout, self.call_timeout)
         progress = _Progress()
         started = time.monotonic()
         try:
             async with asyncio.timeout(budget):
                 completion = await self._call(body, headers, progress)
         except TimeoutError:
-            status = f", HTTP {progress.status} headers" if progress.status else ""
-            raise GatewayTimeout(
-                f"POST {self._url}: no complete answer within {budget:g} s "
-                f"(received {progress.received:,} bytes{status})",
-                progress.status,
-            ) from None
+            got = f"received {progress.received:,} bytes"
+            got += f", HTTP {progress.status} headers" if progress.status else ""
+            what = f"no complete answer within {budget:g} s ({got})"
+            raise GatewayTimeout(f"POST {self._url}: {what}", progress.status) from None
         elapsed = time.monotonic() - started
         logger.debug("gateway answered HTTP %d in %.1f s", completion.status, elapsed)
         return dataclasses.replace(completion, elapsed_seconds=elapsed)
@@ -293,11 +283,8 @@ class GatewayClient:
         async for chunk in response.aiter_bytes():
             progress.received += len(chunk)
             if progress.received > self._max_bytes:
-                raise GatewayRejected(
-                    f"POST {self._url}: answer larger than {self._max_bytes:,} bytes "
-                    "(AI_GATEWAY_MAX_ANSWER_BYTES); cut off",
-                    response.status_code,
-                )
+                what = f"answer larger than {self._max_bytes:,} bytes (AI_GATEWAY_MAX_ANSWER_BYTES)"
+                raise GatewayRejected(f"POST {self._url}: {what}; cut off", response.status_code)
             chunks.append(chunk)
         return b"".join(chunks)
 
@@ -353,8 +340,7 @@ class GatewayClient:
 
     def _transport_error(self, exc: httpx.TransportError, progress: _Progress) -> GatewayError:
         where, detail = f"POST {self._url}", self._redact(str(exc) or type(exc).__name__)
-        # A gateway we cannot connect to (ConnectTimeout is a TimeoutException too), or that
-        # would not even take our request, is overloaded or away, not slow to answer.
+        # Not even connected (ConnectTimeout is a TimeoutException) or sent: away, not slow.
         if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout | httpx.ProxyError):
             return GatewayUnavailable(f"{where}: cannot connect: {detail}")
         if isinstance(exc, httpx.WriteTimeout | httpx.PoolTimeout):
@@ -368,8 +354,7 @@ class GatewayClient:
                 return GatewayUnavailable(f"{where}: connection lost before an answer: {detail}")
             what = f"connection closed mid-answer (HTTP {progress.status}, {received} received)"
             return GatewayUnavailable(f"{where}: {what}: {detail}", progress.status)
-        # Our own side is misconfigured (unsupported scheme, a local protocol error): the gateway
-        # said nothing; the attempt is spent, and it is no evidence that the gateway is up.
+        # Our side is misconfigured: the attempt is spent, and it says nothing of the gateway.
         return GatewayRequestFailed(f"{where}: request failed: {detail}")
 
     def _parse(self, data: bytes, status: int) -> tuple[str, dict[str, Any]]:
@@ -385,16 +370,12 @@ class GatewayClient:
         except (KeyError, IndexError, TypeError):
             content = None
         if not isinstance(content, str) or not isinstance(parsed, dict):
-            raise GatewayRejected(
-                f"POST {self._url}: answer has no choices[0].message.content text (HTTP {status})",
-                status,
-            )
+            what = "answer has no choices[0].message.content text"
+            raise GatewayRejected(f"POST {self._url}: {what} (HTTP {status})", status)
         return content, parsed
 
 
 @dataclasses.dataclass
-class _Progress:
-    """What a call has received so far, for the message of a timeout."""
-
+class _Progress:  # what a call has received so far, for the message of a timeout
     status: int | None = None
     received: int = 0

@@ -16,9 +16,8 @@ import httpx
 logger = logging.getLogger(__name__)
 
 GATEWAY_TAG = "gateway"
-# Prefect's shortest lease on a slot, which it renews while held and frees this long after its
-# holder died. Consumers lease for AI_JOB_LEASE_SECONDS, so a lost machine's slot frees when its
-# claim does, but never for less.
+# Prefect's shortest slot lease. A consumer's is its claim's, so that a lost machine's slot frees
+# when its claim does, but never shorter.
 SLOT_LEASE_SECONDS = 60.0
 SLOT_RENEWALS_PER_LEASE = 4  # a missed renewal or two still leave the lease alive
 
@@ -53,8 +52,7 @@ class PrefectSlotGuard:
     ) -> None:
         self._name = f"tag:{GATEWAY_TAG}"
         self._lease_seconds = max(lease_seconds, SLOT_LEASE_SECONDS)
-        # The leases held now: `on_change` records them where a restart after
-        # a crash finds them, to give them back at once.
+        # `on_change` records the leases held where a restart finds them, to give them back.
         self.lease_ids: set[str] = set()
         self._on_change = on_change
 

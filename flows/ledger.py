@@ -36,9 +36,7 @@ class Report:
     flow_run_id: str | None = None
     answered: bool = False  # the gateway's answer came (it may have cost tokens)
     usage: Usage | None = None  # the tokens it said it used; None: unknown
-    # Words of the gateway's or of a generator's in `message` (an error body, an exception's
-    # text): they may quote a prompt or an answer, so only the store keeps them (D4).
-    quoted: str = ""
+    quoted: str = ""  # the gateway's or a generator's words in `message`: the store's only (D4)
 
     @property
     def public_message(self) -> str:
