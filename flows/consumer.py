@@ -95,7 +95,7 @@ class Consumer:
         self._hold_slot = hold_slot_when_idle and standby
         self._role = role
         self.summary = Summary()
-        self._stopping: asyncio.Event | None = None
+        self._stopping = asyncio.Event()  # made anew by each `run`
         self._loop: asyncio.AbstractEventLoop | None = None
         self._lanes: list[asyncio.Task[None]] = []
         self._busy: dict[int, str] = {}  # lane -> the job it runs, as `kind:subject`
@@ -117,7 +117,7 @@ class Consumer:
                 loop.call_soon_threadsafe(callback, reason)
 
     def _stop_now(self, reason: str) -> None:
-        if self._stopping is not None and not self._stopping.is_set():
+        if not self._stopping.is_set():
             self._finished(reason)
             for lane in self._lanes:
                 lane.cancel()
@@ -149,46 +149,41 @@ class Consumer:
     def _finished(self, reason: str) -> None:
         if not self.summary.stopped_because:
             self.summary.stopped_because = reason
-        assert self._stopping is not None
         self._stopping.set()
 
     async def _lane(self, lane: int) -> None:
-        assert self._stopping is not None
-        slot: contextlib.AsyncExitStack | None = None
-        held: Held | None = None
+        slot = contextlib.AsyncExitStack()
+        held: Held | None = None  # while the lane holds a gateway slot
         try:
             while not self._stopping.is_set():
                 if self._max_jobs is not None and self.summary.ran >= self._max_jobs:
                     self._finished("max_jobs")
                     return
-                if slot is None and not await self._work_waiting():
+                if held is None and not await self._work_waiting():
                     if not self._standby:
                         self._finished("empty")
                         return
                     await self._pause(STANDBY_POLL_SECONDS)
                     continue
-                if slot is not None and held is not None and held.lost:
+                if held is not None and held.lost:
                     # The guard took the idle slot back: take a new one first.
                     await slot.aclose()
-                    slot = held = None
-                if slot is None:
-                    slot = contextlib.AsyncExitStack()
+                    held = None
+                if held is None:
                     try:
                         held = await slot.enter_async_context(self._guard.slot())
                     except GuardUnavailable as exc:
-                        slot = None
                         await self._pause(self._no_slot(exc))
                         continue
                     self._guard_down_since = None
                 wait = await self._claim_and_run(lane)
                 if not self._hold_slot or wait is None:
                     await slot.aclose()
-                    slot = held = None
+                    held = None
                 if wait:
                     await self._pause(wait)
         finally:
-            if slot is not None:
-                await asyncio.shield(slot.aclose())
+            await asyncio.shield(slot.aclose())
 
     async def _claim_and_run(self, lane: int) -> float | None:
         """One claim (and its job, if any); returns seconds to wait before the next, 0: none."""
@@ -259,7 +254,6 @@ class Consumer:
             return True  # let the claim find out, and ride out the outage there
 
     async def _pause(self, seconds: float) -> None:
-        assert self._stopping is not None
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._stopping.wait(), seconds)
 
