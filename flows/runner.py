@@ -277,14 +277,12 @@ class JobRunner:
 
     async def _note_run(self, attempt: _Attempt) -> None:
         """Once the attempt's history entry exists, the job row points at it (N4)."""
-        run_id = await attempt.entry.run_id(RUN_ID_NOTE_SECONDS)
-        if run_id is None:
-            return
         job = attempt.job
-        with contextlib.suppress(StoreError):
-            await asyncio.to_thread(
-                self._store.heartbeat, job.id, job.holder or "", flow_run_id=run_id
-            )
+        if (run_id := await attempt.entry.run_id(RUN_ID_NOTE_SECONDS)) is not None:
+            with contextlib.suppress(StoreError):
+                await asyncio.to_thread(
+                    self._store.heartbeat, job.id, job.holder or "", flow_run_id=run_id
+                )
 
     async def _finish(self, attempt: _Attempt, result: Any) -> Report:
         job, answer = attempt.job, attempt.answer
