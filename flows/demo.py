@@ -5,6 +5,7 @@ with its own (`AI_JOB_PLUGINS`)."""
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import hashlib
 import json
 from typing import Any
@@ -60,18 +61,13 @@ def demo_scopes(user_id: str) -> list[Scope]:
     return scopes
 
 
-def _metric_request(kind: str) -> Any:
+def _metric_request(kind: str, user_id: str, subject: str) -> Messages:
     name, unit, _ = METRICS[kind]
-
-    def build(user_id: str, subject: str) -> Messages:
-        end = dt.date.fromisoformat(subject)
-        series = synthetic_series(user_id, kind, end, days=7)
-        return [
-            {"role": "system", "content": SYSTEM},
-            {"role": "user", "content": f"{name} ({unit}), last 7 days to {subject}: {series}"},
-        ]
-
-    return build
+    series = synthetic_series(user_id, kind, dt.date.fromisoformat(subject), days=7)
+    return [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": f"{name} ({unit}), last 7 days to {subject}: {series}"},
+    ]
 
 
 def _trends_request(user_id: str, subject: str) -> Messages:
@@ -93,6 +89,7 @@ def _with_model(answer: Completion) -> Any:
 
 def register(registry: Registry) -> None:
     for kind in METRICS:
-        registry.register_generator(kind, _metric_request(kind), _with_model, subjects=iso_dates())
+        build = functools.partial(_metric_request, kind)
+        registry.register_generator(kind, build, _with_model, subjects=iso_dates())
     registry.register_generator(TRENDS, _trends_request, _with_model, subjects=periods(DEMO_DAYS))
     registry.register_scopes(demo_scopes)

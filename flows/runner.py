@@ -129,6 +129,7 @@ class LeaseKeeper:
             self._scope.reschedule(when)
 
     async def _beat(self) -> None:
+        name = self._job.run_name
         while True:
             await asyncio.sleep(self._settings.heartbeat_seconds)
             try:
@@ -136,12 +137,10 @@ class LeaseKeeper:
             except StoreError as exc:
                 # The database may be restarting: keep trying until the deadline (L2).
                 self.store_error = str(exc)
-                logger.warning("renewing the claim on %s failed: %s", self._job.run_name, exc)
+                logger.warning("renewing the claim on %s failed: %s", name, exc)
                 continue
             if not renewal:
-                logger.warning(
-                    "the claim on %s was %s; stopping at once", self._job.run_name, renewal
-                )
+                logger.warning("the claim on %s was %s; stopping at once", name, renewal)
                 self._end_at(asyncio.get_running_loop().time())
                 return
             self.store_error = None
