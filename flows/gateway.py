@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 EXCERPT_CHARS = 300  # characters of a response body kept on an error
 ERROR_BODY_BYTES = 16 * 1024  # bytes of an error answer read for its excerpt
-EXCERPT_SECONDS = 5.0  # spent reading them: the status says enough, a stalled body is no timeout
+EXCERPT_SECONDS = 5.0  # reading an excerpt: the status says enough; a stalled body is no timeout
 USER_AGENT = "insight-queue"
 # Labels a call for the gateway's logs without a body field, which strict servers reject.
 JOB_HEADER = "X-Insight-Job"
@@ -47,9 +47,9 @@ def _tls_context() -> ssl.SSLContext:
 
 
 class GatewayError(Exception):
-    """With the HTTP `status`, a redacted body `excerpt`, the wait asked for, and the verdict."""
+    """Carries the HTTP `status`, a redacted body `excerpt` and the `retry_after` asked for."""
 
-    failure: ClassVar[Failure] = Failure.REJECTED
+    failure: ClassVar[Failure] = Failure.REJECTED  # the store's verdict on the attempt
 
     def __init__(
         self,
@@ -176,7 +176,7 @@ class _Borrowed(httpx.AsyncBaseTransport):
 
 
 class GatewayClient:
-    """Shared by one event loop's tasks; each call has its own connection, which cancelling ends."""
+    """Shared by one event loop's tasks; each call has its own connection, closed if cancelled."""
 
     def __init__(
         self,
@@ -322,8 +322,8 @@ class GatewayClient:
         retry = parse_retry_after(response.headers)
         if status == RATE_LIMITED_STATUS or (status == 503 and retry is not None):
             asked = f"; it asks us to wait {retry:g} s" if retry is not None else ""
-            what = f"{where}: rate limited {http}{asked}{tail}"
-            return GatewayRateLimited(what, status, excerpt, retry)
+            message = f"{where}: rate limited {http}{asked}{tail}"
+            return GatewayRateLimited(message, status, excerpt, retry)
         error: type[GatewayError] = GatewayRefused
         if status in UNAVAILABLE_STATUSES:
             error, what = GatewayUnavailable, f"gateway unavailable {http}{tail}"

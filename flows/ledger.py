@@ -41,9 +41,7 @@ class Report:
     @property
     def public_message(self) -> str:
         """The message as the run history and the logs may say it: without what it quotes."""
-        if not self.quoted:
-            return self.message
-        return self.message.replace(self.quoted, QUOTED_ELSEWHERE)
+        return self.message.replace(self.quoted, QUOTED_ELSEWHERE) if self.quoted else self.message
 
     @property
     def pause_seconds(self) -> float | None:

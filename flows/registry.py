@@ -110,9 +110,8 @@ class Registry:
             try:
                 module = importlib.import_module(name)
             except Exception as exc:
-                raise PluginError(
-                    f"AI_JOB_PLUGINS: cannot import {name!r} ({type(exc).__name__}: {exc})"
-                ) from exc
+                cause = f"{type(exc).__name__}: {exc}"
+                raise PluginError(f"AI_JOB_PLUGINS: cannot import {name!r} ({cause})") from exc
             register = getattr(module, "register", None)
             if not callable(register):
                 raise PluginError(f"AI_JOB_PLUGINS: {name!r} has no register(registry) function")
