@@ -1,12 +1,6 @@
-"""The consumer: take the gateway slot, claim the most urgent job, run it; again.
-
-The warm consumer of `serve` and `consume` (`standby=True`) never stops on its own: it looks for
-work with one read-only query every `STANDBY_POLL_SECONDS`, says it is alive in the store (so a
-screen's trigger starts no run it does not need), and may keep its gateway slot while idle. A
-flow's consumer (`standby=False`) stops when nothing is runnable. It runs `AI_JOB_CONCURRENCY`
-lanes, each holding at most one slot and one claim. `stop()` cancels the calls in flight: each
-really stopped, its job handed back with its attempt.
-"""
+"""The consumer: take a gateway slot, claim the most urgent job, run it; again, in
+`AI_JOB_CONCURRENCY` lanes. A warm one (`standby=True`: `serve`, `consume`) never stops on its own;
+a flow's drains until nothing is runnable (W2). What runs next is the store's choice, never its."""
 
 from __future__ import annotations
 
@@ -20,7 +14,7 @@ import socket
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Self
 
 from flows.guard import Guard, GuardUnavailable, Held, NullGuard
 from flows.ledger import Outcome, Report
@@ -29,13 +23,9 @@ from queue_store import Blocked, Failure, PauseKind, Settings, StoreError, Worke
 
 logger = logging.getLogger(__name__)
 
-# How often a consumer standing by looks for queued work (a read-only query).
-STANDBY_POLL_SECONDS = 0.2
-# Longest single sleep while waiting out a gap or a pause, so a change (an
-# operator's `resume`, a stop) is noticed soon.
-MAX_WAIT_SECONDS = 5.0
-# How long a draining consumer rides out a store it cannot reach before it stops.
-STORE_OUTAGE_SECONDS = 60.0
+STANDBY_POLL_SECONDS = 0.2  # how often a consumer standing by looks for work (a read-only query)
+MAX_WAIT_SECONDS = 5.0  # longest sleep through a gap or a pause: a `resume` is noticed soon
+STORE_OUTAGE_SECONDS = 60.0  # a draining consumer stops after the store or guard is away so long
 
 
 def worker_name(role: str = "consumer") -> str:
@@ -44,13 +34,12 @@ def worker_name(role: str = "consumer") -> str:
 
 
 def short_hostname() -> str:
-    """This host's name as a worker name may hold it."""
     return "".join(c if c.isalnum() or c in ".-" else "-" for c in socket.gethostname())[:60]
 
 
 @dataclasses.dataclass(frozen=True)
 class ConsumerConfig:
-    """What a consumer reads of the settings."""
+    """What a consumer reads of the settings, under the settings' names."""
 
     enabled: bool  # AI_JOBS: false makes `run` return at once
     concurrency: int  # lanes, each with at most one slot and one claim
@@ -58,19 +47,12 @@ class ConsumerConfig:
     heartbeat_seconds: float  # how often to say it is alive
 
     @classmethod
-    def of(cls, settings: Settings) -> ConsumerConfig:
-        return cls(
-            settings.enabled,
-            settings.concurrency,
-            settings.poll_seconds,
-            settings.heartbeat_seconds,
-        )
+    def of(cls, settings: Settings) -> Self:
+        return cls(**{f.name: getattr(settings, f.name) for f in dataclasses.fields(cls)})
 
 
 @dataclasses.dataclass
 class Summary:
-    """What a consumer did, for logs and for the flows that ran it."""
-
     ran: int = 0
     outcomes: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
     stopped_because: str = ""
@@ -90,8 +72,6 @@ class Summary:
 
 
 class Consumer:
-    """Claims and runs jobs until told to stop (standby) or until nothing is runnable (drain)."""
-
     def __init__(
         self,
         store: WorkerStore,
@@ -115,14 +95,12 @@ class Consumer:
         self._hold_slot = hold_slot_when_idle and standby
         self._role = role
         self.summary = Summary()
-        self._stopping: asyncio.Event | None = None
+        self._stopping = asyncio.Event()  # made anew by each `run`
         self._loop: asyncio.AbstractEventLoop | None = None
         self._lanes: list[asyncio.Task[None]] = []
-        self._busy: dict[int, str] = {}
+        self._busy: dict[int, str] = {}  # lane -> the job it runs, as `kind:subject`
         self._store_down_since: float | None = None
         self._guard_down_since: float | None = None
-
-    # -- control -----------------------------------------------------------
 
     def stop(self, reason: str = "stopped") -> None:
         """Stop: cancel the calls in flight (their jobs are handed back). Thread-safe."""
@@ -134,25 +112,15 @@ class Consumer:
 
     def _in_loop(self, callback: Callable[[str], object], reason: str) -> None:
         loop = self._loop
-        if loop is None or loop.is_closed():
-            return
-        with contextlib.suppress(RuntimeError):  # the loop has just closed
-            loop.call_soon_threadsafe(callback, reason)
+        if loop is not None and not loop.is_closed():
+            with contextlib.suppress(RuntimeError):  # the loop has just closed
+                loop.call_soon_threadsafe(callback, reason)
 
     def _stop_now(self, reason: str) -> None:
-        if self._stopping is None or self._stopping.is_set():
-            return
-        self.summary.stopped_because = self.summary.stopped_because or reason
-        self._stopping.set()
-        for lane in self._lanes:
-            lane.cancel()
-
-    @property
-    def busy(self) -> list[str]:
-        """The jobs being worked on now, as `kind:subject`."""
-        return list(self._busy.values())
-
-    # -- the loop ------------------------------------------------------------
+        if not self._stopping.is_set():
+            self._finished(reason)
+            for lane in self._lanes:
+                lane.cancel()
 
     async def run(self) -> Summary:
         self._loop = asyncio.get_running_loop()
@@ -179,59 +147,55 @@ class Consumer:
         return self.summary
 
     def _finished(self, reason: str) -> None:
-        """A draining consumer ends here; record why (first reason wins)."""
         if not self.summary.stopped_because:
             self.summary.stopped_because = reason
-        assert self._stopping is not None
         self._stopping.set()
 
     async def _lane(self, lane: int) -> None:
-        assert self._stopping is not None
-        slot: contextlib.AsyncExitStack | None = None
-        held: Held | None = None
+        slot = contextlib.AsyncExitStack()
+        held: Held | None = None  # while the lane holds a gateway slot
         try:
             while not self._stopping.is_set():
                 if self._max_jobs is not None and self.summary.ran >= self._max_jobs:
                     self._finished("max_jobs")
                     return
-                if slot is None and not await self._work_waiting():
+                if held is None and not await self._work_waiting():
                     if not self._standby:
                         self._finished("empty")
                         return
                     await self._pause(STANDBY_POLL_SECONDS)
                     continue
-                if slot is not None and held is not None and held.lost:
+                if held is not None and held.lost:
                     # The guard took the idle slot back: take a new one first.
                     await slot.aclose()
-                    slot = held = None
-                if slot is None:
-                    slot = contextlib.AsyncExitStack()
+                    held = None
+                if held is None:
                     try:
                         held = await slot.enter_async_context(self._guard.slot())
                     except GuardUnavailable as exc:
-                        slot = None
-                        await self._pause(self._guard_trouble(exc))
+                        await self._pause(self._no_slot(exc))
                         continue
                     self._guard_down_since = None
                 wait = await self._claim_and_run(lane)
                 if not self._hold_slot or wait is None:
                     await slot.aclose()
-                    slot = held = None
+                    held = None
                 if wait:
                     await self._pause(wait)
         finally:
-            if slot is not None:
-                await asyncio.shield(slot.aclose())
+            await asyncio.shield(slot.aclose())
 
     async def _claim_and_run(self, lane: int) -> float | None:
         """One claim (and its job, if any); returns seconds to wait before the next, 0: none."""
-        assert self._stopping is not None
-        loop = asyncio.get_running_loop()
-        claim_sent = loop.time()
+        claim_sent = asyncio.get_running_loop().time()
         try:
             claim = await asyncio.to_thread(self._store.claim_next, self.worker)
         except StoreError as exc:
-            return self._store_trouble(exc)
+            self._store_down_since = self._store_down_since or time.monotonic()
+            if self._gives_up(self._store_down_since, exc, "store unavailable", "store error"):
+                return 0.0
+            logger.warning("claim failed, retrying: %s", exc)
+            return self._settings.poll_seconds
         self._store_down_since = None
         job = claim.job
         if job is None:
@@ -242,9 +206,7 @@ class Consumer:
             if claim.blocked in (Blocked.GAP, Blocked.PAUSED):
                 return min(claim.retry_in or self._settings.poll_seconds, MAX_WAIT_SECONDS)
             if claim.blocked is Blocked.CONCURRENCY:
-                # Another consumer is mid-call. A drain stays too: that call may
-                # be a dead machine's, whose job only a claim takes back once
-                # its lease runs out. It ends when no job waits and no call runs.
+                # Another consumer is mid-call; a drain stays too: it may be a dead machine's (W2).
                 return self._settings.poll_seconds
             return STANDBY_POLL_SECONDS
         self._busy[lane] = job.run_name
@@ -261,60 +223,46 @@ class Consumer:
         return 0.0
 
     def _stop_refused(self, reason: str) -> None:
-        """A draining consumer stops once the gateway refuses our credentials: only a fixed token
-        (or an operator's `resume`) ends such a pause, so it leaves the job queued with its
-        attempts and stops, saying why, rather than probe again and again."""
+        # Only a fixed token or a `resume` ends such a pause: a drain stops instead of probing.
         logger.error("the gateway refuses us, stopping: %s", reason)
         self._finished(f"refused: {reason}")
 
-    def _store_trouble(self, exc: StoreError) -> float:
-        now = time.monotonic()
-        self._store_down_since = self._store_down_since or now
-        down = now - self._store_down_since
-        if not self._standby and down > STORE_OUTAGE_SECONDS:
-            logger.error("store unavailable for %.0f s, stopping: %s", down, exc)
-            self._finished(f"store error: {exc}")
-            return 0.0
-        logger.warning("claim failed, retrying: %s", exc)
-        return self._settings.poll_seconds
-
-    def _guard_trouble(self, exc: GuardUnavailable) -> float:
-        """No gateway slot can be had (Prefect is away): claim nothing, look again later. A
-        draining consumer stops after `STORE_OUTAGE_SECONDS`, as when the store is away."""
-        now = time.monotonic()
+    def _no_slot(self, exc: GuardUnavailable) -> float:
+        """Prefect is away: no slot, so no call starts; seconds to wait before asking again."""
         if self._guard_down_since is None:
             logger.warning("%s; no call starts until one can", exc)
-        self._guard_down_since = self._guard_down_since or now
-        down = now - self._guard_down_since
-        if not self._standby and down > STORE_OUTAGE_SECONDS:
-            logger.error("no gateway slot for %.0f s, stopping: %s", down, exc)
-            self._finished(f"gateway slot unavailable: {exc}")
+            self._guard_down_since = time.monotonic()
+        since = self._guard_down_since
+        if self._gives_up(since, exc, "no gateway slot", "gateway slot unavailable"):
             return 0.0
         return self._settings.poll_seconds
 
+    def _gives_up(self, since: float, exc: Exception, what: str, reason: str) -> bool:
+        """Whether a draining consumer stops, `what` (the store, a slot) away since `since`."""
+        down = time.monotonic() - since
+        if self._standby or down <= STORE_OUTAGE_SECONDS:
+            return False
+        logger.error("%s for %.0f s, stopping: %s", what, down, exc)
+        self._finished(f"{reason}: {exc}")
+        return True
+
     async def _work_waiting(self) -> bool:
-        """Whether a claim could find something (indexed reads; never a write). A drain counts
-        every call in flight too, so that it stays until every call is over, its own or anyone's."""
+        """Whether a claim could find something; a drain waits for anyone's call in flight (W2)."""
         try:
             return await asyncio.to_thread(self._store.has_work, or_running=not self._standby)
         except StoreError:
             return True  # let the claim find out, and ride out the outage there
 
     async def _pause(self, seconds: float) -> None:
-        assert self._stopping is not None
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._stopping.wait(), seconds)
 
     async def _say_alive(self) -> None:
-        """Say, in the store and in the run history, that this consumer is alive and working."""
+        """Say, in the store and in the run history, that this consumer is alive (W1)."""
         while True:
+            doing = {"busy": list(self._busy.values()), "lanes": self._settings.concurrency}
             try:
-                await asyncio.to_thread(
-                    self._store.presence,
-                    self.worker,
-                    self._role,
-                    {"busy": self.busy, "lanes": self._settings.concurrency},
-                )
+                await asyncio.to_thread(self._store.presence, self.worker, self._role, doing)
             except StoreError as exc:
                 logger.debug("could not say the consumer is alive: %s", exc)
             self._runner.ledger.alive(self.worker, self._role)

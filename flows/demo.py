@@ -1,13 +1,11 @@
-"""DEMO generators and scopes over synthetic data: not health advice.
-
-Eight kinds of insight for any user id, made from numbers derived from a hash of the user id and
-the day, so the same user always gets the same data and the demo needs nothing outside this
-project. A host app replaces this module with its own (see `AI_JOB_PLUGINS`).
-"""
+"""DEMO generators and scopes over synthetic data, not health advice: eight kinds of insight for
+any user id, from numbers hashed from the user id and the day. A host app replaces this module
+with its own (`AI_JOB_PLUGINS`)."""
 
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import hashlib
 import json
 from typing import Any
@@ -16,7 +14,6 @@ from flows.gateway import Completion
 from flows.registry import Messages, Registry, Scope, iso_dates, periods
 
 DEMO_DAYS = 28
-
 SYSTEM = (
     "You are a careful health-data coach. Give one short, concrete insight "
     "about the data below. This is synthetic demo data."
@@ -52,12 +49,8 @@ def fingerprint(data: Any) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:32]
 
 
-def today() -> dt.date:
-    return dt.datetime.now(dt.UTC).date()
-
-
 def demo_scopes(user_id: str) -> list[Scope]:
-    end = today()
+    end = dt.datetime.now(dt.UTC).date()
     scopes = [
         Scope(kind, end.isoformat(), fingerprint(synthetic_series(user_id, kind, end)))
         for kind in METRICS
@@ -68,18 +61,13 @@ def demo_scopes(user_id: str) -> list[Scope]:
     return scopes
 
 
-def _metric_request(kind: str) -> Any:
+def _metric_request(kind: str, user_id: str, subject: str) -> Messages:
     name, unit, _ = METRICS[kind]
-
-    def build(user_id: str, subject: str) -> Messages:
-        end = dt.date.fromisoformat(subject)
-        series = synthetic_series(user_id, kind, end, days=7)
-        return [
-            {"role": "system", "content": SYSTEM},
-            {"role": "user", "content": f"{name} ({unit}), last 7 days to {subject}: {series}"},
-        ]
-
-    return build
+    series = synthetic_series(user_id, kind, dt.date.fromisoformat(subject), days=7)
+    return [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": f"{name} ({unit}), last 7 days to {subject}: {series}"},
+    ]
 
 
 def _trends_request(user_id: str, subject: str) -> Messages:
@@ -100,8 +88,8 @@ def _with_model(answer: Completion) -> Any:
 
 
 def register(registry: Registry) -> None:
-    """The demo set: a generator per metric and one for trends, and the scopes of any user."""
     for kind in METRICS:
-        registry.register_generator(kind, _metric_request(kind), _with_model, subjects=iso_dates())
+        build = functools.partial(_metric_request, kind)
+        registry.register_generator(kind, build, _with_model, subjects=iso_dates())
     registry.register_generator(TRENDS, _trends_request, _with_model, subjects=periods(DEMO_DAYS))
     registry.register_scopes(demo_scopes)

@@ -1,12 +1,6 @@
-"""The gateway client: the only code that talks to the LLM gateway.
-
-One OpenAI-compatible request per call, its answer read for what it says (G1-G5): a
-`Completion`, or an error carrying the store's `Failure` for it. One deadline covers the
-whole call (`Settings.call_timeout`); the answer is streamed and never held beyond the size
-limit; each call has its own connection, so cancelling `complete()` really ends the call.
-It must not decide anything about jobs (no retries, no backoff, no store, no Prefect), and
-no secret reaches a message, a repr or a body excerpt.
-"""
+"""The gateway client, the only code that talks to the LLM gateway: one request per call, its
+answer read for what it says (G1-G5). It decides nothing about jobs (no retries, no store, no
+Prefect), and no secret reaches a message, a repr or a body excerpt (G5)."""
 
 from __future__ import annotations
 
@@ -34,21 +28,14 @@ logger = logging.getLogger(__name__)
 
 EXCERPT_CHARS = 300  # characters of a response body kept on an error
 ERROR_BODY_BYTES = 16 * 1024  # bytes of an error answer read for its excerpt
-# Seconds spent reading an error answer for its excerpt: its status already
-# says what happened, and a stalled body must not turn it into a timeout.
-EXCERPT_SECONDS = 5.0
+EXCERPT_SECONDS = 5.0  # reading an excerpt: the status says enough; a stalled body is no timeout
 USER_AGENT = "insight-queue"
-# Labels a call for the gateway's logs (and the simulator's records) without
-# adding a body field, which strict OpenAI-compatible servers reject.
+# Labels a call for the gateway's logs without a body field, which strict servers reject.
 JOB_HEADER = "X-Insight-Job"
 JOB_HEADER_SAFE = ":/@-_.~"  # left readable; everything else is percent-encoded
-
-# Gateways and the proxies in front of them answer these while the model
-# server is down, restarting or overloaded: unavailable, not a bad request.
-UNAVAILABLE_STATUSES = frozenset({502, 503, 504})
+UNAVAILABLE_STATUSES = frozenset({502, 503, 504})  # a proxy's, while the model server is away
 REFUSED_STATUSES = frozenset({401, 403})
 RATE_LIMITED_STATUS = 429
-
 _TOKEN_CHARACTERS = re.compile(r"[!-~]*")  # printable ASCII, no space
 _DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|h|m|s)")
 
@@ -60,33 +47,9 @@ def _tls_context() -> ssl.SSLContext:
 
 
 class GatewayError(Exception):
-    """Base of every error the gateway client raises: `status` is the HTTP status when the
-    gateway answered, `excerpt` the start of its body (secrets removed), `failure` what the
-    store is told."""
+    """Carries the HTTP `status`, a redacted body `excerpt` and the `retry_after` asked for."""
 
-    failure: ClassVar[Failure] = Failure.REJECTED
-
-    def __init__(self, message: str, status: int | None = None, excerpt: str = "") -> None:
-        super().__init__(message)
-        self.status = status
-        self.excerpt = excerpt
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        # Pickling (Prefect states, process pools) keeps status and excerpt.
-        return (type(self), (str(self), self.status, self.excerpt))
-
-
-class GatewayUnavailable(GatewayError):
-    """The gateway could not be reached, or said it cannot serve right now: connect errors,
-    connections dropped before or during the answer, 502/503/504 without `Retry-After`."""
-
-    failure = Failure.UNAVAILABLE
-
-
-class GatewayRateLimited(GatewayError):
-    """The gateway asked everyone to slow down: 429, or 503 with `Retry-After` (G1)."""
-
-    failure = Failure.RATE_LIMITED
+    failure: ClassVar[Failure] = Failure.REJECTED  # the store's verdict on the attempt
 
     def __init__(
         self,
@@ -95,43 +58,42 @@ class GatewayRateLimited(GatewayError):
         excerpt: str = "",
         retry_after: float | None = None,
     ) -> None:
-        super().__init__(message, status, excerpt)
+        super().__init__(message)
+        self.status = status
+        self.excerpt = excerpt
         self.retry_after = retry_after
 
     def __reduce__(self) -> tuple[Any, ...]:
+        # Pickling (Prefect states, process pools) keeps every field.
         return (type(self), (str(self), self.status, self.excerpt, self.retry_after))
 
 
-class GatewayRefused(GatewayError):
-    """The gateway refused our credentials (401/403) or sent us elsewhere (3xx) (G4): every
-    call would fail the same way, so the line stops until it is fixed."""
+class GatewayUnavailable(GatewayError):  # unreachable, a dropped connection, 502/503/504
+    failure = Failure.UNAVAILABLE
 
+
+class GatewayRateLimited(GatewayError):  # 429, or 503 with a wait asked for (G1)
+    failure = Failure.RATE_LIMITED
+
+
+class GatewayRefused(GatewayError):  # 401/403 or a redirect (G4): every call would fail alike
     failure = Failure.REFUSED
 
 
-class GatewayTimeout(GatewayError):
-    """No complete answer within the call's deadline (`AI_GATEWAY_READ_TIMEOUT`)."""
-
+class GatewayTimeout(GatewayError):  # no complete answer within the call's deadline (G3)
     failure = Failure.TIMEOUT
 
 
-class GatewayRequestFailed(GatewayError):
-    """The request could not be made on our side (a misconfiguration); nothing was answered."""
-
+class GatewayRequestFailed(GatewayError):  # not sent: our side is misconfigured
     failure = Failure.BUILD
 
 
-class GatewayRejected(GatewayError):
-    """The gateway answered, but not with a usable completion: any other 4xx/5xx, a body
-    without `choices[0].message.content` text, or an answer over the size limit."""
-
+class GatewayRejected(GatewayError):  # another 4xx/5xx, no completion text, or too large
     failure = Failure.REJECTED
 
 
 @dataclasses.dataclass(frozen=True)
 class Completion:
-    """A gateway's answer: the generated text, the whole JSON, how long it took, its size."""
-
     content: str
     raw: dict[str, Any] = dataclasses.field(repr=False)
     elapsed_seconds: float
@@ -140,45 +102,36 @@ class Completion:
 
     @property
     def usage(self) -> Usage | None:
-        """The tokens the answer says it used (OpenAI's `usage`); None if it does not say."""
+        """The tokens OpenAI's `usage` says the answer used; None if it does not say."""
         found = self.raw.get("usage")
         if not isinstance(found, dict):
             return None
-        prompt, completion = found.get("prompt_tokens"), found.get("completion_tokens")
-        if type(prompt) is not int or type(completion) is not int:  # bool and float are not
-            return None
-        if not (0 <= prompt < 2**53 and 0 <= completion < 2**53):
-            return None
-        return Usage(prompt, completion)
+        counts: list[Any] = [found.get("prompt_tokens"), found.get("completion_tokens")]
+        if all(type(n) is int and 0 <= n < 2**53 for n in counts):  # bool and float are not
+            return Usage(*counts)
+        return None
 
 
 def parse_retry_after(headers: Mapping[str, str], now: float | None = None) -> float | None:
-    """Seconds the gateway asks us to wait, from the common headers (the longest wins); None
-    if none says. `retry-after-ms`, `retry-after` (seconds, or an HTTP date read against the
-    answer's own `Date`), LiteLLM's, and OpenAI's `x-ratelimit-reset-*` (`1s`, `6m0s`, `20ms`)."""
+    """Seconds the gateway asks us to wait, the longest any header names (G1); None if none does."""
     lowered = {k.lower(): v.strip() for k, v in headers.items()}
-    found: list[float] = []
-    if (ms := _plain_number(lowered.get("retry-after-ms", "x"))) is not None:
-        found.append(ms / 1000)
+    ms = _plain_number(lowered.get("retry-after-ms", "x"))
+    found = [None if ms is None else ms / 1000]
     for name in ("retry-after", "llm_provider-retry-after", "x-litellm-retry-after"):
-        raw = lowered.get(name)
-        if raw is None:
-            continue
-        seconds = _plain_number(raw)
-        if seconds is None:
-            seconds = _seconds_until(raw, lowered.get("date"), now)
-        if seconds is not None:
-            found.append(seconds)
+        if name in lowered:
+            found.append(_retry_after(lowered[name], lowered.get("date"), now))
     for name in ("x-ratelimit-reset-requests", "x-ratelimit-reset-tokens"):
-        raw = lowered.get(name)
-        if raw and (seconds := _duration(raw)) is not None:
-            found.append(seconds)
-    return max(found) if found else None
+        found.append(_duration(lowered.get(name, "")))
+    seconds = [s for s in found if s is not None]
+    return max(seconds) if seconds else None
 
 
-def _seconds_until(http_date: str, server_date: str | None, now: float | None) -> float | None:
+def _retry_after(value: str, server_date: str | None, now: float | None) -> float | None:
+    """Seconds, or an HTTP date read against the answer's own `Date`."""
+    if (plain := _plain_number(value)) is not None:
+        return plain
     try:
-        when = email.utils.parsedate_to_datetime(http_date).timestamp()
+        when = email.utils.parsedate_to_datetime(value).timestamp()
     except (TypeError, ValueError, IndexError):
         return None
     reference = now if now is not None else time.time()
@@ -210,7 +163,7 @@ def _plain_number(text: str) -> float | None:
 
 
 class _Borrowed(httpx.AsyncBaseTransport):
-    """A transport lent to every call: closing a call's client leaves it open."""
+    """A transport lent to every call (each has its own client): closing one leaves it open."""
 
     def __init__(self, transport: httpx.AsyncBaseTransport) -> None:
         self._transport = transport
@@ -223,8 +176,7 @@ class _Borrowed(httpx.AsyncBaseTransport):
 
 
 class GatewayClient:
-    """An asynchronous client for one gateway, safe to share between tasks of one event loop.
-    A `transport` given here stays the caller's: calls use it, none closes it."""
+    """Shared by one event loop's tasks; each call has its own connection, closed if cancelled."""
 
     def __init__(
         self,
@@ -234,13 +186,10 @@ class GatewayClient:
         call_timeout: float | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
-        """`call_timeout`: the whole call's deadline (`Settings.call_timeout`; default the read
-        timeout); `redactor` removes every secret of the process from what the client says."""
+        """`call_timeout`: the whole call's deadline (default the read timeout, G3)."""
         parts = urllib.parse.urlsplit(gateway.url)
         token = gateway.token.get_secret_value()
-        if not _TOKEN_CHARACTERS.fullmatch(token):
-            # A control character would make httpx fail with the header, and
-            # so the token, in its message.
+        if not _TOKEN_CHARACTERS.fullmatch(token):  # else httpx would quote it in an error
             raise SettingsError("AI_GATEWAY_TOKEN: expected printable ASCII without spaces")
         # Credentials never ride in the URL we log; they become the auth header.
         host = parts.hostname or ""
@@ -259,20 +208,13 @@ class GatewayClient:
         self._transport = _Borrowed(transport) if transport is not None else None
         self._redact = redactor
         self._max_bytes = gateway.max_answer_bytes
-        self._call_timeout = call_timeout if call_timeout is not None else gateway.read_timeout
-        short = gateway.connect_timeout
-        self._timeout = httpx.Timeout(
-            connect=short, write=short, pool=short, read=self._call_timeout
-        )
+        self.call_timeout = call_timeout if call_timeout is not None else gateway.read_timeout
+        # Connecting, sending and waiting for the pool are short; the answer may take minutes.
+        self._timeout = httpx.Timeout(gateway.connect_timeout, read=self.call_timeout)
 
     @property
     def url(self) -> str:
-        """The endpoint's URL without any credentials, for logs."""
         return self._url
-
-    @property
-    def call_timeout(self) -> float:
-        return self._call_timeout
 
     def __repr__(self) -> str:
         return f"GatewayClient(url={self._url!r}, model={self._model!r})"
@@ -285,9 +227,7 @@ class GatewayClient:
         timeout: float | None = None,
         **extra: Any,
     ) -> Completion:
-        """Send one chat-completions request and return the complete answer, or raise a
-        `GatewayError`. `job` labels the call in the `X-Insight-Job` header; `timeout` shortens
-        its deadline (never lengthens it); `extra` is merged into the body (`temperature`)."""
+        """`job` labels the call in `JOB_HEADER`; `timeout` may shorten it; `extra`: body fields."""
         if isinstance(messages, str | bytes) or not messages:
             raise ValueError("messages: expected a non-empty sequence of message objects")
         body: dict[str, Any] = {
@@ -300,19 +240,17 @@ class GatewayClient:
             headers["Authorization"] = f"Bearer {self._token}"
         if job is not None:
             headers[JOB_HEADER] = urllib.parse.quote(job, safe=JOB_HEADER_SAFE)
-        budget = self._call_timeout if timeout is None else min(timeout, self._call_timeout)
+        budget = self.call_timeout if timeout is None else min(timeout, self.call_timeout)
         progress = _Progress()
         started = time.monotonic()
         try:
             async with asyncio.timeout(budget):
                 completion = await self._call(body, headers, progress)
         except TimeoutError:
-            status = f", HTTP {progress.status} headers" if progress.status else ""
-            raise GatewayTimeout(
-                f"POST {self._url}: no complete answer within {budget:g} s "
-                f"(received {progress.received:,} bytes{status})",
-                progress.status,
-            ) from None
+            got = f"received {progress.received:,} bytes"
+            got += f", HTTP {progress.status} headers" if progress.status else ""
+            what = f"no complete answer within {budget:g} s ({got})"
+            raise GatewayTimeout(f"POST {self._url}: {what}", progress.status) from None
         elapsed = time.monotonic() - started
         logger.debug("gateway answered HTTP %d in %.1f s", completion.status, elapsed)
         return dataclasses.replace(completion, elapsed_seconds=elapsed)
@@ -320,7 +258,6 @@ class GatewayClient:
     async def _call(
         self, body: dict[str, Any], headers: dict[str, str], progress: _Progress
     ) -> Completion:
-        where = f"POST {self._url}"
         async with httpx.AsyncClient(
             transport=self._transport,
             timeout=self._timeout,
@@ -337,7 +274,7 @@ class GatewayClient:
                         raise self._status_error(response, excerpt)
                     data = await self._read_capped(response, progress)
             except httpx.TransportError as exc:
-                raise self._transport_error(exc, where, progress) from exc
+                raise self._transport_error(exc, progress) from exc
         content, raw = self._parse(data, progress.status or 200)
         return Completion(content, raw, 0.0, len(data), progress.status or 200)
 
@@ -346,16 +283,12 @@ class GatewayClient:
         async for chunk in response.aiter_bytes():
             progress.received += len(chunk)
             if progress.received > self._max_bytes:
-                raise GatewayRejected(
-                    f"POST {self._url}: answer larger than {self._max_bytes:,} bytes "
-                    "(AI_GATEWAY_MAX_ANSWER_BYTES); cut off",
-                    response.status_code,
-                )
+                what = f"answer larger than {self._max_bytes:,} bytes (AI_GATEWAY_MAX_ANSWER_BYTES)"
+                raise GatewayRejected(f"POST {self._url}: {what}; cut off", response.status_code)
             chunks.append(chunk)
         return b"".join(chunks)
 
     async def _read_excerpt(self, response: httpx.Response, progress: _Progress) -> str:
-        """The start of an error answer, secrets removed; a few kB, a few seconds at most."""
         head = b""
         cut = False
         try:
@@ -384,66 +317,44 @@ class GatewayClient:
 
     def _status_error(self, response: httpx.Response, excerpt: str) -> GatewayError:
         status = response.status_code
-        where = f"POST {self._url}"
+        where, http = f"POST {self._url}", f"(HTTP {status})"
         tail = f": {excerpt}" if excerpt else ""
         retry = parse_retry_after(response.headers)
         if status == RATE_LIMITED_STATUS or (status == 503 and retry is not None):
             asked = f"; it asks us to wait {retry:g} s" if retry is not None else ""
-            return GatewayRateLimited(
-                f"{where}: rate limited (HTTP {status}){asked}{tail}", status, excerpt, retry
-            )
+            message = f"{where}: rate limited {http}{asked}{tail}"
+            return GatewayRateLimited(message, status, excerpt, retry)
+        error: type[GatewayError] = GatewayRefused
         if status in UNAVAILABLE_STATUSES:
-            return GatewayUnavailable(
-                f"{where}: gateway unavailable (HTTP {status}){tail}", status, excerpt
-            )
-        if status in REFUSED_STATUSES:
-            return GatewayRefused(
-                f"{where}: the gateway refused our credentials (HTTP {status}); "
-                f"check AI_GATEWAY_TOKEN{tail}",
-                status,
-                excerpt,
-            )
-        if 300 <= status < 400:
-            location = response.headers.get("location", "")
-            target = urllib.parse.urlsplit(urllib.parse.urljoin(self._url, location))
-            host = self._redact(target.hostname or "?")
-            return GatewayRefused(
-                f"{where}: the gateway redirected to host {host} (HTTP {status}); "
-                "set AI_GATEWAY_URL to the address that answers",
-                status,
-                excerpt,
-            )
-        return GatewayRejected(
-            f"{where}: gateway refused the request (HTTP {status}){tail}", status, excerpt
-        )
+            error, what = GatewayUnavailable, f"gateway unavailable {http}{tail}"
+        elif status in REFUSED_STATUSES:
+            what = f"the gateway refused our credentials {http}; check AI_GATEWAY_TOKEN{tail}"
+        elif 300 <= status < 400:
+            location = urllib.parse.urljoin(self._url, response.headers.get("location", ""))
+            host = self._redact(urllib.parse.urlsplit(location).hostname or "?")
+            what = f"the gateway redirected to host {host} {http}; "
+            what += "set AI_GATEWAY_URL to the address that answers"
+        else:
+            error, what = GatewayRejected, f"gateway refused the request {http}{tail}"
+        return error(f"{where}: {what}", status, excerpt)
 
-    def _transport_error(
-        self, exc: httpx.TransportError, where: str, progress: _Progress
-    ) -> GatewayError:
-        detail = self._redact(str(exc) or type(exc).__name__)
-        # ConnectTimeout is a TimeoutException, but a gateway we cannot even
-        # connect to is unavailable, not slow.
+    def _transport_error(self, exc: httpx.TransportError, progress: _Progress) -> GatewayError:
+        where, detail = f"POST {self._url}", self._redact(str(exc) or type(exc).__name__)
+        # Not even connected (ConnectTimeout is a TimeoutException) or sent: away, not slow.
         if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout | httpx.ProxyError):
             return GatewayUnavailable(f"{where}: cannot connect: {detail}")
-        # It would not even take our request: overloaded or away, not slow to answer.
         if isinstance(exc, httpx.WriteTimeout | httpx.PoolTimeout):
             return GatewayUnavailable(f"{where}: the request could not be sent in time: {detail}")
+        received = f"{progress.received:,} bytes"
         if isinstance(exc, httpx.TimeoutException):
-            return GatewayTimeout(
-                f"{where}: no answer in time ({type(exc).__name__}; received "
-                f"{progress.received:,} bytes): {detail}",
-                progress.status,
-            )
+            what = f"no answer in time ({type(exc).__name__}; received {received})"
+            return GatewayTimeout(f"{where}: {what}: {detail}", progress.status)
         if isinstance(exc, httpx.NetworkError | httpx.RemoteProtocolError):
-            if progress.status is not None:
-                return GatewayUnavailable(
-                    f"{where}: connection closed mid-answer (HTTP {progress.status}, "
-                    f"{progress.received:,} bytes received): {detail}",
-                    progress.status,
-                )
-            return GatewayUnavailable(f"{where}: connection lost before an answer: {detail}")
-        # Our own side is misconfigured (unsupported scheme, a local protocol error): the gateway
-        # said nothing; the attempt is spent, and it is no evidence that the gateway is up.
+            if progress.status is None:
+                return GatewayUnavailable(f"{where}: connection lost before an answer: {detail}")
+            what = f"connection closed mid-answer (HTTP {progress.status}, {received} received)"
+            return GatewayUnavailable(f"{where}: {what}: {detail}", progress.status)
+        # Our side is misconfigured: the attempt is spent, and it says nothing of the gateway.
         return GatewayRequestFailed(f"{where}: request failed: {detail}")
 
     def _parse(self, data: bytes, status: int) -> tuple[str, dict[str, Any]]:
@@ -459,16 +370,12 @@ class GatewayClient:
         except (KeyError, IndexError, TypeError):
             content = None
         if not isinstance(content, str) or not isinstance(parsed, dict):
-            raise GatewayRejected(
-                f"POST {self._url}: answer has no choices[0].message.content text (HTTP {status})",
-                status,
-            )
+            what = "answer has no choices[0].message.content text"
+            raise GatewayRejected(f"POST {self._url}: {what} (HTTP {status})", status)
         return content, parsed
 
 
 @dataclasses.dataclass
-class _Progress:
-    """What a call has received so far, for the message of a timeout."""
-
+class _Progress:  # what a call has received so far, for the message of a timeout
     status: int | None = None
     received: int = 0

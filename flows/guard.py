@@ -1,16 +1,11 @@
-"""The second, independent guard of the gateway: a slot of Prefect's `gateway` tag limit.
-
-The store's claim is the lease on the gateway; the tag limit (`AI_JOB_CONCURRENCY` slots) is a
-guard that does not trust the store. A consumer takes a slot before it claims, so the job
-claimed is the most urgent one when the gateway frees up. `PrefectSlotGuard` takes the same
-slots Prefect's engine takes for task runs tagged `gateway`, with a lease that expires on its
-own if this process dies; `NullGuard` takes nothing.
-"""
+"""The second guard of the gateway, independent of the store: a slot of Prefect's `gateway` tag
+limit, as its engine takes for task runs tagged `gateway`. It never chooses the job."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -18,28 +13,22 @@ from typing import Protocol
 
 import httpx
 
-from queue_store import Settings
-
 logger = logging.getLogger(__name__)
 
 GATEWAY_TAG = "gateway"
-# Seconds the gateway slot's lease lasts without renewal: Prefect renews it while held, and frees
-# it this long after a holder died. Consumers use AI_JOB_LEASE_SECONDS, so a lost machine's slot
-# frees when its claim does, but never less than Prefect's shortest lease.
+# Prefect's shortest slot lease. A consumer's is its claim's, so that a lost machine's slot frees
+# when its claim does, but never shorter.
 SLOT_LEASE_SECONDS = 60.0
-# Renewals per lease: a missed one or two still leave the lease alive.
-SLOT_RENEWALS_PER_LEASE = 4
+SLOT_RENEWALS_PER_LEASE = 4  # a missed renewal or two still leave the lease alive
 
 
 class GuardUnavailable(Exception):
     """The guard could not be asked for a slot (its server is away): no call may start."""
 
 
+@dataclasses.dataclass
 class Held:
-    """A slot held: `lost` turns true if the guard took it back (its lease lapsed)."""
-
-    def __init__(self) -> None:
-        self.lost = False
+    lost: bool = False  # the guard took the slot back (its lease lapsed)
 
 
 class Guard(Protocol):
@@ -56,18 +45,14 @@ class NullGuard:
 
 
 class PrefectSlotGuard:
-    """Holds one slot of the `gateway` tag limit per `slot()` block."""
+    """One slot per `slot()` block, on a lease that expires by itself if this process dies."""
 
     def __init__(
-        self,
-        tag: str = GATEWAY_TAG,
-        lease_seconds: float = SLOT_LEASE_SECONDS,
-        on_change: Callable[[frozenset[str]], None] | None = None,
+        self, lease_seconds: float, on_change: Callable[[frozenset[str]], None] | None = None
     ) -> None:
-        self._name = f"tag:{tag}"
-        self._lease_seconds = lease_seconds
-        # The leases held now: `on_change` records them where a restart after
-        # a crash finds them, to give them back at once.
+        self._name = f"tag:{GATEWAY_TAG}"
+        self._lease_seconds = max(lease_seconds, SLOT_LEASE_SECONDS)
+        # `on_change` records the leases held where a restart finds them, to give them back.
         self.lease_ids: set[str] = set()
         self._on_change = on_change
 
@@ -77,13 +62,6 @@ class PrefectSlotGuard:
                 self._on_change(frozenset(self.lease_ids))
             except Exception as exc:  # noqa: BLE001 - bookkeeping never blocks a call
                 logger.warning("could not record the gateway slot leases: %s", exc)
-
-    @classmethod
-    def for_settings(
-        cls, settings: Settings, on_change: Callable[[frozenset[str]], None] | None = None
-    ) -> PrefectSlotGuard:
-        lease = max(settings.lease_seconds, SLOT_LEASE_SECONDS)
-        return cls(lease_seconds=lease, on_change=on_change)
 
     @contextlib.asynccontextmanager
     async def slot(self) -> AsyncIterator[Held]:
@@ -126,9 +104,8 @@ class PrefectSlotGuard:
             self._changed()
 
     async def _renew(self, lease_id: uuid.UUID, held: Held) -> None:
-        """Renew the lease while the slot is held; say when it is gone. Prefect's own renewal gives
-        up after a few failures, and the lease lapses while its holder goes on; here renewals go
-        on through a server outage, and a lapsed lease tells the holder to take a new slot."""
+        # Prefect's own renewal gives up after a few failures while its holder goes on; these go
+        # on through a server outage, and a lapsed lease tells the holder to take a new slot.
         from prefect.client.orchestration import get_client
 
         interval = self._lease_seconds / SLOT_RENEWALS_PER_LEASE

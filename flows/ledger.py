@@ -1,9 +1,5 @@
-"""The run history of generations: one entry per attempt, for operators.
-
-Writing it must never delay or break a generation: entries are written in the background, after
-the call has started, and one that cannot be written is logged and dropped.
-`flows.history.PrefectLedger` writes Prefect flow runs; `NullLedger` keeps no history.
-"""
+"""The run history's port: one entry per generation attempt, for operators. Writing it must
+never delay or break a generation (`flows.history.PrefectLedger` writes Prefect flow runs)."""
 
 from __future__ import annotations
 
@@ -37,20 +33,15 @@ class Report:
     called: bool = False  # a request was sent to the gateway
     call_started_at: float | None = None  # wall-clock time the call began
     call_seconds: float | None = None
-    seconds: float = 0.0  # from the claim to the recorded outcome
     flow_run_id: str | None = None
     answered: bool = False  # the gateway's answer came (it may have cost tokens)
     usage: Usage | None = None  # the tokens it said it used; None: unknown
-    # Words of the gateway's or of a generator's in `message` (an error body, an exception's
-    # text): they may quote a prompt or an answer, so only the store keeps them (D4).
-    quoted: str = ""
+    quoted: str = ""  # the gateway's or a generator's words in `message`: the store's only (D4)
 
     @property
     def public_message(self) -> str:
         """The message as the run history and the logs may say it: without what it quotes."""
-        if not self.quoted:
-            return self.message
-        return self.message.replace(self.quoted, QUOTED_ELSEWHERE)
+        return self.message.replace(self.quoted, QUOTED_ELSEWHERE) if self.quoted else self.message
 
     @property
     def pause_seconds(self) -> float | None:
@@ -62,54 +53,33 @@ class Report:
 
 
 class LedgerEntry(Protocol):
-    """The history entry of one attempt."""
+    """The history entry of one attempt; no method blocks."""
 
-    def call_started(self, at: float) -> None:
-        """The request was sent, at wall-clock time `at`."""
-
-    def note(self, message: str) -> None:
-        """A line for the entry's log."""
-
+    def call_started(self, at: float) -> None: ...  # the request was sent, at wall-clock `at`
+    def note(self, message: str) -> None: ...  # a line for the entry's log
+    def close(self, report: Report) -> None: ...  # the attempt is over
     async def run_id(self, wait: float | None = None) -> str | None:
-        """The entry's id in the history once written (waits briefly, or `wait` s), else None."""
-
-    def close(self, report: Report) -> None:
-        """The attempt is over; `report` says how."""
+        """The entry's id once written (waits briefly, or `wait` s), else None."""
 
 
 class Ledger(Protocol):
-    def open(self, job: Job) -> LedgerEntry:
-        """Start the entry for a job just claimed (never blocks)."""
+    """Opens an entry for each job just claimed; hears a consumer's heartbeats and its stop."""
 
-    def alive(self, worker: str, role: str) -> None:
-        """The consumer `worker` is alive (said every heartbeat; never blocks)."""
-
-    def stopped(self, worker: str) -> None:
-        """The consumer `worker` stops, on purpose (never blocks)."""
-
-
-class _NullEntry:
-    def call_started(self, at: float) -> None:
-        return None
-
-    def note(self, message: str) -> None:
-        return None
-
-    async def run_id(self, wait: float | None = None) -> str | None:
-        return None
-
-    def close(self, report: Report) -> None:
-        return None
+    def open(self, job: Job) -> LedgerEntry: ...
+    def alive(self, worker: str, role: str) -> None: ...
+    def stopped(self, worker: str) -> None: ...
 
 
 class NullLedger:
-    """Keeps no history."""
+    """Keeps no history: each entry is the ledger itself, and every method does nothing."""
 
     def open(self, job: Job) -> LedgerEntry:
-        return _NullEntry()
+        return self
 
-    def alive(self, worker: str, role: str) -> None:
-        return None
-
-    def stopped(self, worker: str) -> None:
+    def alive(self, worker: str, role: str) -> None: ...
+    def stopped(self, worker: str) -> None: ...
+    def call_started(self, at: float) -> None: ...
+    def note(self, message: str) -> None: ...
+    def close(self, report: Report) -> None: ...
+    async def run_id(self, wait: float | None = None) -> str | None:
         return None

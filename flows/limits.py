@@ -1,11 +1,5 @@
-"""The `gateway` tag limit and the run history after a crash: repair what a dead process left.
-
-Prefect 3 keeps a tag limit as the global concurrency limit `tag:<tag>`; task runs take its
-slots with leases. With the default in-memory lease storage a server restart forgets the leases
-but not the slot count, so a slot taken before the restart is never given back and every later
-`gateway` task waits for ever. `repair_gateway_slots` sets the count back to the number of live
-leases.
-"""
+"""The `gateway` tag limit, and the repair of what a dead process left of it and of the run
+history. Prefect keeps the limit as the global concurrency limit `tag:gateway`."""
 
 from __future__ import annotations
 
@@ -32,7 +26,7 @@ class SlotCheck:
 
 
 def ensure_gateway_limit(limit: int, tag: str = GATEWAY_TAG) -> int:
-    """Create or update the tag limit to `limit`; idempotent. Returns the limit in force."""
+    """Create or update the tag limit to `limit`; returns the limit in force."""
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
         raise ValueError(f"limit: must be an int of at least 1, got {limit!r}")
     with get_client(sync_client=True) as client:
@@ -44,7 +38,8 @@ def ensure_gateway_limit(limit: int, tag: str = GATEWAY_TAG) -> int:
 
 
 def repair_gateway_slots(tag: str = GATEWAY_TAG, *, repair: bool = True) -> SlotCheck:
-    """Give back slots that are counted as taken but held by no live lease."""
+    """Give back slots counted as taken but held by no live lease: a server restart with
+    in-memory lease storage forgets the leases but not the count, and every later task waits."""
     with get_client(sync_client=True) as client:
         by_tag = client.read_concurrency_limit_by_tag(tag)
         limit = client.read_global_concurrency_limit_by_name(f"tag:{tag}")

@@ -1,10 +1,5 @@
-"""What the host app plugs in: generators (kind -> prompt and result) and scope providers.
-
-A *generator* turns a job's `(user_id, subject)` into the gateway request and
-the answer into the stored result; a *scope provider* lists what a user's
-backfill queues. The plugin modules named in `AI_JOB_PLUGINS` each have a
-`register(registry)`, handed the registry being built: nothing is global.
-"""
+"""What the host app plugs in: generators by kind and scope providers, registered by each
+`AI_JOB_PLUGINS` module's `register(registry)` on the registry being built, never globally."""
 
 from __future__ import annotations
 
@@ -35,30 +30,27 @@ class PluginError(Misconfigured):
 
 @dataclasses.dataclass(frozen=True)
 class Generator:
-    """How one kind of insight is made: `build(user_id, subject)` returns the chat messages,
-    `parse(answer)` the JSON-serialisable result; `options` are extra request fields."""
+    """`build(user_id, subject)` makes the chat messages, `parse(answer)` the stored result."""
 
     kind: str
     build: BuildRequest
     parse: ParseAnswer
-    options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    options: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # request fields
     subjects: CheckSubject | None = None  # None: any subject
     retention_days: float | None = None  # None: AI_JOB_RETENTION_DAYS (D2)
 
 
 @dataclasses.dataclass(frozen=True)
 class Scope:
-    """One insight the backfill queues for a user."""
+    """One insight a backfill queues for a user, at prefetch priority."""
 
     kind: str
     subject: str
     fingerprint: str | None = None
-    # A kind with one live subject (e.g. "trends over the last 28 days"):
-    # queuing it drops queued work for the kind's older subjects.
+    # One live subject of its kind ("the last 28 days"): queuing it drops the older ones' jobs.
     single_subject: bool = False
 
     def request(self, user_id: str) -> EnqueueRequest:
-        """What a backfill queues for this scope: at prefetch priority."""
         return EnqueueRequest(
             user_id, self.kind, self.subject, self.fingerprint, PREFETCH, self.single_subject
         )
@@ -68,7 +60,6 @@ ScopeProvider = Callable[[str], Iterable[Scope]]
 
 
 def text_result(answer: Completion) -> Any:
-    """The default result: the answer's text."""
     return {"text": answer.content}
 
 
@@ -85,8 +76,7 @@ def iso_dates(days_back: int = 3650, days_ahead: int = 1) -> CheckSubject:
 
 
 def periods(days: int, days_ahead: int = 1) -> CheckSubject:
-    """Subjects that are a window of `days` days, `YYYY-MM-DD..YYYY-MM-DD`, ending by
-    `days_ahead` from today."""
+    """Windows of `days` days, `YYYY-MM-DD..YYYY-MM-DD`, ending by `days_ahead` from today."""
 
     def check(subject: str) -> None:
         first, dots, last = subject.partition("..")
@@ -109,23 +99,19 @@ def _day(text: str) -> dt.date:
 
 
 class Registry:
-    """Generators by kind, and scope providers."""
-
     def __init__(self) -> None:
         self._generators: dict[str, Generator] = {}
         self._providers: list[ScopeProvider] = []
 
     @classmethod
     def from_plugins(cls, modules: Iterable[str]) -> Registry:
-        """A registry filled by each module's `register(registry)`, in order."""
         registry = cls()
         for name in modules:
             try:
                 module = importlib.import_module(name)
             except Exception as exc:
-                raise PluginError(
-                    f"AI_JOB_PLUGINS: cannot import {name!r} ({type(exc).__name__}: {exc})"
-                ) from exc
+                cause = f"{type(exc).__name__}: {exc}"
+                raise PluginError(f"AI_JOB_PLUGINS: cannot import {name!r} ({cause})") from exc
             register = getattr(module, "register", None)
             if not callable(register):
                 raise PluginError(f"AI_JOB_PLUGINS: {name!r} has no register(registry) function")
@@ -142,15 +128,11 @@ class Registry:
         retention_days: float | None = None,
         **options: Any,
     ) -> Generator:
-        """Make `kind` known: `build` makes its prompt, `parse` its stored result; `subjects`
-        says which subjects it accepts (`iso_dates()`, `periods(28)`; default any), so a screen
-        asking for another is refused before anything is written; `retention_days` how long its
-        finished insights are kept (default `AI_JOB_RETENTION_DAYS`)."""
+        """`subjects` refuses others before anything is written (A3); `retention_days`: D2."""
         if retention_days is not None and not retention_days > 0:
             raise PluginError(f"{kind}: retention_days must be more than 0")
-        generator = Generator(kind, build, parse, options, subjects, retention_days)
-        self._generators[kind] = generator
-        return generator
+        self._generators[kind] = Generator(kind, build, parse, options, subjects, retention_days)
+        return self._generators[kind]
 
     def register_scopes(self, provider: ScopeProvider) -> ScopeProvider:
         """Add a scope provider (usable as a decorator)."""
@@ -163,7 +145,6 @@ class Registry:
         return sorted(self._generators)
 
     def check_kind(self, kind: str) -> str:
-        """The kind, or `InvalidArgument` if no generator is registered for it."""
         kind = validation.kind(kind)
         if self._generators and kind not in self._generators:
             known = ", ".join(self.kinds)
@@ -173,8 +154,7 @@ class Registry:
         return kind
 
     def check(self, kind: str, subject: str) -> tuple[str, str]:
-        """The kind and subject if a generator makes insights for them; `InvalidArgument`
-        naming the one it does not."""
+        """The kind and subject, or `InvalidArgument` naming the one no generator accepts."""
         kind = self.check_kind(kind)
         subject = validation.text("subject", subject, MAX_SUBJECT_LENGTH)
         found = self._generators.get(kind)
@@ -186,7 +166,7 @@ class Registry:
         return kind, subject
 
     def retention(self) -> dict[str, float]:
-        """The kinds kept for a time of their own, and that time in days."""
+        """The kinds kept for a time of their own, in days."""
         return {
             kind: found.retention_days
             for kind, found in self._generators.items()

@@ -1,12 +1,6 @@
 """Running one claimed job under a self-fencing lease (L2), and telling the store what happened.
-
-The gateway cannot check a fencing token, so the runner fences itself (README, "The lease
-holds at the gateway"): its deadline, on its monotonic clock, is the time it *sent* its last
-confirmed renewal plus the lease minus the margin, never past the claim's own limit. The
-whole attempt (prompt, call, parsing) runs in one cancel scope ending there: a confirmed
-renewal moves it, a refused one ends it at once, failing ones let it come; ending it cancels
-the call and closes its socket. The outcome goes to the store as a `Failure`. No Prefect.
-"""
+The whole attempt (prompt, call, parsing) runs in one cancel scope that ends at the lease's
+deadline, which cancels the call and closes its socket. No Prefect here."""
 
 from __future__ import annotations
 
@@ -15,10 +9,10 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any, Self
 
-from flows.gateway import Completion, GatewayClient, GatewayError, GatewayRateLimited
+from flows.gateway import Completion, GatewayClient, GatewayError
 from flows.ledger import Ledger, LedgerEntry, NullLedger, Outcome, Report
 from flows.registry import Registry
 from queue_store import (
@@ -32,27 +26,21 @@ from queue_store import (
     Settlement,
     Status,
     StoreError,
-    Usage,
     WorkerStore,
 )
 
 logger = logging.getLogger(__name__)
 
-# A result must reach the store even through a short database outage: the
-# call behind it cost minutes of a shared gateway. Waits between tries, seconds.
+# Waits (s) to record an outcome through a short store outage: its call cost minutes.
 RECORD_BACKOFF_SECONDS = (0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 15.0, 15.0)
-# How long a stopped attempt waits for its history entry's id, seconds.
-STOP_RUN_ID_WAIT_SECONDS = 5.0
-# How long the job row waits for its attempt's history entry, seconds: past the attempt's end,
-# so an entry a slow Prefect writes late is still linked.
-RUN_ID_NOTE_SECONDS = 120.0
-# Less than this left before the deadline: do not start a call.
-MIN_CALL_SECONDS = 1.0
+STOP_RUN_ID_WAIT_SECONDS = 5.0  # a stopped attempt's wait for its history entry's id
+RUN_ID_NOTE_SECONDS = 120.0  # the job row's: past the attempt's end, for a slow Prefect
+MIN_CALL_SECONDS = 1.0  # less than this left before the deadline: no call starts
 
 
 @dataclasses.dataclass(frozen=True)
 class LeaseConfig:
-    """What the runner reads of the settings: the lease's times, and the longest pause."""
+    """What the runner reads of the settings, under the settings' names."""
 
     heartbeat_seconds: float
     lease_seconds: float
@@ -61,14 +49,8 @@ class LeaseConfig:
     backoff_max_seconds: float
 
     @classmethod
-    def of(cls, settings: Settings) -> LeaseConfig:
-        return cls(
-            settings.heartbeat_seconds,
-            settings.lease_seconds,
-            settings.lease_margin,
-            settings.claim_timeout_seconds,
-            settings.backoff_max_seconds,
-        )
+    def of(cls, settings: Settings) -> Self:
+        return cls(**{f.name: getattr(settings, f.name) for f in dataclasses.fields(cls)})
 
 
 class LeaseEnded(Exception):
@@ -94,92 +76,81 @@ class LeaseKeeper:
         self.store_error: str | None = None  # the last renewal that failed to reach the store
         self.unconfirmed: str | None = None  # the store error of the renewal before the call
         self._scope: asyncio.Timeout | None = None
-        self._task: asyncio.Task[None] | None = None
 
-    @property
-    def time_left(self) -> float:
-        return self.deadline - asyncio.get_running_loop().time()
-
-    async def __aenter__(self) -> Self:
-        self._task = asyncio.create_task(self._beat(), name=f"heartbeat-{self._job.id[:8]}")
-        return self
-
-    async def __aexit__(self, *_: object) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-
-    def scope(self) -> asyncio.Timeout:
-        """The cancel scope the whole attempt runs in; it ends at the deadline."""
+    @contextlib.asynccontextmanager
+    async def held(self) -> AsyncIterator[None]:
+        """Renew the claim while the block runs, and end it at the deadline (`LeaseEnded`)."""
+        beat = asyncio.create_task(self._beat(), name=f"heartbeat-{self._job.id[:8]}")
         self._scope = asyncio.timeout_at(self.deadline)
-        return self._scope
-
-    def ended(self) -> bool:
-        return self._scope is not None and self._scope.expired()
+        try:
+            async with self._scope:
+                yield
+        except TimeoutError:
+            if not self._scope.expired():
+                raise
+            raise LeaseEnded("the attempt's deadline passed") from None
+        finally:
+            beat.cancel()
+            await asyncio.gather(beat, return_exceptions=True)
 
     async def confirm(self) -> None:
-        """Renew now, marking the call as started (H1); raise `LeaseEnded` unless the claim
-        is live with time for a call."""
-        loop = asyncio.get_running_loop()
-        sent = loop.time()
+        """Renew, marking the call as started (H1); `LeaseEnded` unless there is time for a call."""
         # A short lease (tests) leaves a short budget: ask for half of it at most. A renewal
         # always leaves the whole budget, so only the attempt's own limit can be too close.
-        left = self.hard_deadline - sent
+        left = self.hard_deadline - asyncio.get_running_loop().time()
         if left < min(MIN_CALL_SECONDS, self._budget / 2):
             raise LeaseEnded(
                 f"only {left:.1f} s left of the attempt (AI_JOB_CLAIM_TIMEOUT); no call started"
             )
         try:
-            renewal = await asyncio.to_thread(
-                self._store.heartbeat, self._job.id, self._holder, calling=True
-            )
+            renewal = await self._renew(calling=True)
         except StoreError as exc:
             self.store_error = self.unconfirmed = str(exc)
             raise LeaseEnded(f"the claim could not be renewed: {exc}") from exc
         if not renewal:
-            self.renewal = renewal
             raise LeaseEnded(f"the claim was {renewal} before the call could start")
-        self._renewed(sent)
 
-    def _renewed(self, sent: float) -> None:
+    async def _renew(self, calling: bool = False) -> Renewal:
+        sent = asyncio.get_running_loop().time()
+        renewal = await asyncio.to_thread(
+            self._store.heartbeat, self._job.id, self._holder, calling=calling
+        )
+        if not renewal:
+            self.renewal = renewal
+            return renewal
+        # From the renewal's *send* time: the store counts the lease from no earlier, so this
+        # side stops first however long the renewal took to confirm.
         self.deadline = min(sent + self._budget, self.hard_deadline)
-        if self._scope is not None and not self._scope.expired():
-            self._scope.reschedule(self.deadline)
+        self._end_at(self.deadline)
+        return renewal
 
-    def _end_now(self) -> None:
+    def _end_at(self, when: float) -> None:
         if self._scope is not None and not self._scope.expired():
-            self._scope.reschedule(asyncio.get_running_loop().time())
+            self._scope.reschedule(when)
 
     async def _beat(self) -> None:
-        loop = asyncio.get_running_loop()
+        name = self._job.run_name
         while True:
             await asyncio.sleep(self._settings.heartbeat_seconds)
-            sent = loop.time()
             try:
-                renewal = await asyncio.to_thread(self._store.heartbeat, self._job.id, self._holder)
+                renewal = await self._renew()
             except StoreError as exc:
-                # The database may be restarting: keep trying. If it stays away, the deadline
-                # comes and the attempt stops before the claim could lapse in anyone else's view.
+                # The database may be restarting: keep trying until the deadline (L2).
                 self.store_error = str(exc)
-                logger.warning("renewing the claim on %s failed: %s", self._job.run_name, exc)
+                logger.warning("renewing the claim on %s failed: %s", name, exc)
                 continue
-            if renewal:
-                self.store_error = None
-                self._renewed(sent)
-                continue
-            self.renewal = renewal
-            logger.warning("the claim on %s was %s; stopping at once", self._job.run_name, renewal)
-            self._end_now()
-            return
+            if not renewal:
+                logger.warning("the claim on %s was %s; stopping at once", name, renewal)
+                self._end_at(asyncio.get_running_loop().time())
+                return
+            self.store_error = None
 
     def why_ended(self, phase: str, started: float) -> tuple[Failure | None, str]:
-        """The verdict for an attempt whose scope ended in `phase`; None: nothing to record."""
+        """The verdict on an attempt whose scope ended in `phase`; None: nothing to record."""
         held = time.monotonic() - started
         if self.renewal is Renewal.LOST:
             return None, "the claim was taken over by another worker"
-        if self.unconfirmed is not None:
-            # The store could not be reached right before the call: no call
-            # started, and this side stopped, so the attempt is not spent.
+        if self.unconfirmed is not None:  # no call started, and this side stopped: not spent
             return Failure.STOPPED, (
                 "no call started: the claim could not be renewed right before it "
                 f"({self.unconfirmed})"
@@ -206,8 +177,6 @@ class LeaseKeeper:
 
 
 class JobRunner:
-    """Runs claimed jobs for one worker: generator, gateway, store, and the run history."""
-
     def __init__(
         self,
         store: WorkerStore,
@@ -227,11 +196,7 @@ class JobRunner:
         self._redact = redactor
 
     async def run(self, job: Job, claim_sent: float) -> Report:
-        """Make the job's gateway call under its lease and record what happened.
-
-        `claim_sent`: the loop's time just before the claim was asked for, whence the lease's
-        first deadline. Cancelling this (a graceful stop) stops the call, hands the job back
-        with its attempt and re-raises; an outcome in hand is recorded to its end regardless."""
+        """Call under a lease counted from `claim_sent`; record what happened, even if cancelled."""
         attempt = _Attempt(job, self.ledger.open(job))
         noted = asyncio.create_task(self._note_run(attempt))
         keeper = LeaseKeeper(self._store, job, self._settings, claim_sent)
@@ -245,10 +210,9 @@ class JobRunner:
         except LeaseEnded as ended:
             recording = self._lease_ended(attempt, keeper, ended)
         except GatewayError as exc:
-            retry_after = exc.retry_after if isinstance(exc, GatewayRateLimited) else None
-            if retry_after is not None:
-                # The store pauses at most this long (G1) and refuses absurd waits.
-                retry_after = min(retry_after, self._settings.backoff_max_seconds)
+            # The store pauses at most this long (G1) and refuses absurd waits.
+            asked, most = exc.retry_after, self._settings.backoff_max_seconds
+            retry_after = None if asked is None else min(asked, most)
             recording = self._settle(attempt, exc.failure, str(exc), retry_after, exc.excerpt)
         except Exception as exc:  # noqa: BLE001 - a bad generator fails its job only
             building = attempt.phase == "build"
@@ -261,31 +225,29 @@ class JobRunner:
         return await self._close(attempt, noted, recording)
 
     async def _attempt(self, attempt: _Attempt, keeper: LeaseKeeper) -> Any:
-        """Build the prompt, call, parse, all inside the lease's scope; returns the result."""
         job, entry = attempt.job, attempt.entry
-        async with keeper:
-            try:
-                async with keeper.scope():
-                    generator = self._registry.generator_for(job.kind)
-                    messages = await asyncio.to_thread(generator.build, job.user_id, job.subject)
-                    await keeper.confirm()
-                    attempt.phase = "call"
-                    attempt.call_started, attempt.call_clock = time.time(), time.monotonic()
-                    entry.call_started(attempt.call_started)
-                    timeout = keeper.hard_deadline - asyncio.get_running_loop().time()
-                    answer = await self._client.complete(
-                        messages, job=job.run_name, timeout=timeout, **generator.options
-                    )
-                    attempt.phase, attempt.answer = "parse", answer
-                    entry.note(
-                        f"the gateway answered in {answer.elapsed_seconds:.1f} s "
-                        f"({answer.size_bytes:,} bytes; {_tokens(answer.usage)})"
-                    )
-                    return await asyncio.to_thread(generator.parse, answer)
-            except TimeoutError:
-                if not keeper.ended():
-                    raise
-                raise LeaseEnded("the attempt's deadline passed") from None
+        async with keeper.held():
+            generator = self._registry.generator_for(job.kind)
+            messages = await asyncio.to_thread(generator.build, job.user_id, job.subject)
+            await keeper.confirm()
+            attempt.phase = "call"
+            attempt.call_started, attempt.call_clock = time.time(), time.monotonic()
+            entry.call_started(attempt.call_started)
+            timeout = keeper.hard_deadline - asyncio.get_running_loop().time()
+            answer = await self._client.complete(
+                messages, job=job.run_name, timeout=timeout, **generator.options
+            )
+            attempt.phase, attempt.answer = "parse", answer
+            tokens = "tokens unknown: the answer did not say"
+            if (used := answer.usage) is not None:
+                tokens = (
+                    f"{used.prompt_tokens:,} prompt + {used.completion_tokens:,} completion tokens"
+                )
+            entry.note(
+                f"the gateway answered in {answer.elapsed_seconds:.1f} s "
+                f"({answer.size_bytes:,} bytes; {tokens})"
+            )
+            return await asyncio.to_thread(generator.parse, answer)
 
     async def _lease_ended(
         self, attempt: _Attempt, keeper: LeaseKeeper, ended: LeaseEnded
@@ -301,51 +263,38 @@ class JobRunner:
     async def _close(
         self, attempt: _Attempt, noted: asyncio.Task[None], recording: Coroutine[Any, Any, Report]
     ) -> Report:
-        """Record the outcome to its end, even through a stop; then close the history entry."""
-        task = asyncio.ensure_future(recording)
+        """Record the outcome to its end, even through a stop."""
         try:
-            await asyncio.shield(task)
+            report: Report = await _shielded(recording)
         except asyncio.CancelledError:
-            await asyncio.gather(task, return_exceptions=True)
-            if not task.cancelled() and task.exception() is None:
-                attempt.entry.close(task.result())
             noted.cancel()
             raise
         # The history entry may still be on its way: `_note_run` links it when it comes.
         self._notes.add(noted)
         noted.add_done_callback(self._notes.discard)
-        report = task.result()
-        attempt.entry.close(report)
         return report
 
     async def _note_run(self, attempt: _Attempt) -> None:
-        """Once the attempt's history entry exists, the job row points at it (N4), even when
-        the entry is written after the attempt ended (a slow Prefect)."""
-        run_id = await attempt.entry.run_id(RUN_ID_NOTE_SECONDS)
-        if run_id is None:
-            return
+        """Once the attempt's history entry exists, the job row points at it (N4)."""
         job = attempt.job
-        with contextlib.suppress(StoreError):
-            await asyncio.to_thread(
-                self._store.heartbeat, job.id, job.holder or "", flow_run_id=run_id
-            )
+        if (run_id := await attempt.entry.run_id(RUN_ID_NOTE_SECONDS)) is not None:
+            with contextlib.suppress(StoreError):
+                await asyncio.to_thread(
+                    self._store.heartbeat, job.id, job.holder or "", flow_run_id=run_id
+                )
 
     async def _finish(self, attempt: _Attempt, result: Any) -> Report:
         job, answer = attempt.job, attempt.answer
         run_id = await attempt.entry.run_id()
-
-        def write() -> Status:
-            return self._store.finish(
-                job.id,
-                job.holder or "",
+        try:
+            status = await self._record(
+                job,
+                self._store.finish,
                 result=result,
                 duration_seconds=answer.elapsed_seconds if answer else None,
                 flow_run_id=run_id,
                 usage=answer.usage if answer else None,
             )
-
-        try:
-            status = await self._record(job, write)
         except ClaimLost:
             taken = "the claim was taken over before the result was recorded"
             return self._report(attempt, Outcome.LOST, taken)
@@ -367,21 +316,18 @@ class JobRunner:
         retry_after: float | None = None,
         quoted: str = "",
     ) -> Report:
-        """Tell the store; `quoted`: what of `message` is the gateway's or the generator's own
-        words (the store keeps them; the history and the logs do not, D4)."""
-        job = attempt.job
+        """Tell the store; `quoted`: the gateway's or a generator's words in `message` (D4)."""
+        job, answer = attempt.job, attempt.answer
         message = self._redact(" ".join(message.split()))
-        said = {"quoted": self._redact(" ".join(quoted.split()))} if quoted.strip() else {}
-        # A stop can afford to wait a little longer for the history entry: the
-        # job row then points at the run that says it was stopped.
+        quoted = self._redact(" ".join(quoted.split()))
+        # A stop can wait longer: the job row then points at the run that says it was stopped.
         wait = STOP_RUN_ID_WAIT_SECONDS if failure is Failure.STOPPED else None
         run_id = await attempt.entry.run_id(wait)
-        answer = attempt.answer
-
-        def write() -> Settlement:
-            return self._store.fail(
-                job.id,
-                job.holder or "",
+        settled: dict[str, Any] = {}
+        try:
+            settlement: Settlement = await self._record(
+                job,
+                self._store.fail,
                 failure,
                 message,
                 retry_after=retry_after,
@@ -389,39 +335,30 @@ class JobRunner:
                 duration_seconds=attempt.call_seconds,
                 answer=(answer.usage or True) if answer is not None else False,
             )
-
-        try:
-            settlement = await self._record(job, write)
         except ClaimLost:
-            lost = f"{message} (the claim had been taken over; nothing recorded)"
-            return self._report(attempt, Outcome.LOST, lost, failure=failure, **said)
+            outcome = Outcome.LOST
+            message += " (the claim had been taken over; nothing recorded)"
         except StoreError as exc:
-            unrecorded = f"{message} (not recorded: {exc})"
-            return self._report(attempt, Outcome.UNRECORDED, unrecorded, failure=failure, **said)
-        if not settlement.attempt_spent:
-            outcome = Outcome.RELEASED
-        elif settlement.status is Status.FAILED:
-            outcome = Outcome.FAILED
+            outcome, message = Outcome.UNRECORDED, f"{message} (not recorded: {exc})"
         else:
-            outcome = Outcome.REQUEUED
-        if settlement.pause_seconds:
-            logger.warning("%s: %s", job.run_name, settlement.verdict)
-        return self._report(
-            attempt,
-            outcome,
-            message,
-            failure=failure,
-            settlement=settlement,
-            flow_run_id=run_id,
-            **said,
-        )
+            settled = {"settlement": settlement, "flow_run_id": run_id}
+            if not settlement.attempt_spent:
+                outcome = Outcome.RELEASED
+            elif settlement.status is Status.FAILED:
+                outcome = Outcome.FAILED
+            else:
+                outcome = Outcome.REQUEUED
+            if settlement.pause_seconds:
+                logger.warning("%s: %s", job.run_name, settlement.verdict)
+        return self._report(attempt, outcome, message, failure=failure, quoted=quoted, **settled)
 
-    async def _record(self, job: Job, write: Callable[[], Any]) -> Any:
-        """Write the outcome, riding out a short store outage; `ClaimLost` and
-        `InvalidArgument` are final."""
+    async def _record(self, job: Job, write: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """`write(job.id, job.holder, ...)`, riding out a short store outage."""
         for attempt, pause in enumerate((*RECORD_BACKOFF_SECONDS, None), start=1):
             try:
-                return await _shielded(asyncio.to_thread(write))
+                return await _shielded(
+                    asyncio.to_thread(write, job.id, job.holder or "", *args, **kwargs)
+                )
             except (ClaimLost, InvalidArgument):
                 raise  # the same write would be refused again
             except StoreError as exc:
@@ -434,25 +371,25 @@ class JobRunner:
         raise AssertionError("unreachable")
 
     def _report(self, attempt: _Attempt, outcome: Outcome, message: str, **more: Any) -> Report:
+        """The attempt's one report, with which its history entry closes."""
         answer = attempt.answer
-        return Report(
+        report = Report(
             job=attempt.job,
             outcome=outcome,
             message=self._redact(message),
             called=attempt.call_started is not None,
             call_started_at=attempt.call_started,
             call_seconds=attempt.call_seconds,
-            seconds=round(time.monotonic() - attempt.started, 3),
             answered=answer is not None,
             usage=answer.usage if answer is not None else None,
             **more,
         )
+        attempt.entry.close(report)
+        return report
 
 
 @dataclasses.dataclass
 class _Attempt:
-    """One attempt as the runner follows it: the job, its history entry, its phase and times."""
-
     job: Job
     entry: LedgerEntry
     started: float = dataclasses.field(default_factory=time.monotonic)
@@ -466,18 +403,11 @@ class _Attempt:
         return None if self.call_clock is None else round(time.monotonic() - self.call_clock, 3)
 
 
-def _tokens(usage: Usage | None) -> str:
-    if usage is None:
-        return "tokens unknown: the answer did not say"
-    return f"{usage.prompt_tokens:,} prompt + {usage.completion_tokens:,} completion tokens"
-
-
 async def _shielded(awaitable: Awaitable[Any]) -> Any:
-    """Await a store write that must complete even if this task is being cancelled."""
+    """Await what must complete even if this task is cancelled (then re-raised once it has)."""
     task = asyncio.ensure_future(awaitable)
     try:
         return await asyncio.shield(task)
     except asyncio.CancelledError:
-        # Cancelled again while recording: let the write finish, then give up.
         await asyncio.gather(task, return_exceptions=True)
         raise

@@ -1,8 +1,5 @@
-"""The runtime: what a process needs to run jobs (store, registry), made explicitly.
-
-Nothing is made on import or on first use, and nothing global is touched unless asked
-(`redact_logs`): a command, a flow run or an app makes one and closes it.
-"""
+"""The runtime: what a process needs to run jobs (store, registry), made by a command, a flow
+run or an app, and closed by it. Nothing global is touched unless asked (`redact_logs`)."""
 
 from __future__ import annotations
 
@@ -28,16 +25,14 @@ class Runtime:
 
     @classmethod
     def open(cls, settings: Settings | None = None, *, check_schema: bool = True) -> Runtime:
-        """The runtime for these settings (default: the environment): registry, then store, whose
-        schema is checked (on SQLite created); `check_schema=False` does not touch the database."""
+        """`check_schema=False` does not touch the database."""
         settings = settings or Settings()
         registry = Registry.from_plugins(settings.plugin_modules)
         store = JobStore(settings.database_url, settings=settings, check_schema=check_schema)
         return cls(settings, store, registry, Redactor(settings.secrets()))
 
     def redact_logs(self) -> None:
-        """Remove this runtime's secrets from every log record of this process (ours, Prefect's,
-        httpx's)."""
+        """Remove this runtime's secrets from every log record of this process (G5)."""
         install_log_redaction(self.redactor, ("", "prefect", "httpx"))
 
     def consumer(
