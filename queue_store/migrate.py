@@ -1,4 +1,5 @@
-"""Schema migrations: upgrade a database to what this code needs, or say how.
+"""Schema migrations, forward only (README: restore a backup to go back): upgrade a database to
+what this code needs, or say how.
 Alembic has its own version table (a database may be shared with an app's Alembic), and is
 imported only to upgrade: every command that opens a store reads the revision with one query."""
 

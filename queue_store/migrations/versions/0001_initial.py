@@ -9,8 +9,6 @@ from queue_store.errors import SchemaConflict
 
 revision = "0001"
 down_revision = None
-branch_labels = None
-depends_on = None
 
 ORIGINAL_COLUMNS = {
     "id",
@@ -155,12 +153,3 @@ def _times_to_canonical_text_sqlite() -> None:
             f"UPDATE ai_jobs SET {name} = "
             f"strftime('%Y-%m-%d %H:%M:%f', {name}) || '000' WHERE {name} IS NOT NULL"
         )
-
-
-def downgrade() -> None:
-    # ai_jobs itself stays: it may hold rows the original queue wrote.
-    op.drop_table("ai_job_gate")
-    op.drop_index("ix_ai_job_results_kind", table_name="ai_job_results")
-    op.drop_table("ai_job_results")
-    op.drop_index("ix_ai_jobs_user", table_name="ai_jobs")
-    op.drop_index("ix_ai_jobs_queue", table_name="ai_jobs")

@@ -8,8 +8,6 @@ from alembic import op
 
 revision = "0002"
 down_revision = "0001"
-branch_labels = None
-depends_on = None
 
 RUNNING = sa.text("status = 'running'")
 
@@ -22,7 +20,3 @@ def upgrade() -> None:
         sqlite_where=RUNNING,
         postgresql_where=RUNNING,
     )
-
-
-def downgrade() -> None:
-    op.drop_index("ix_ai_jobs_running", table_name="ai_jobs")

@@ -8,8 +8,6 @@ from alembic import op
 
 revision = "0003"
 down_revision = "0002"
-branch_labels = None
-depends_on = None
 
 
 def upgrade() -> None:
@@ -66,20 +64,3 @@ def upgrade() -> None:
         sa.Column("seen_at", sa.DateTime(), nullable=False),
         sa.Column("info", sa.Text),
     )
-
-
-def downgrade() -> None:
-    op.drop_table("ai_job_workers")
-    op.drop_table("ai_job_kind_durations")
-    with op.batch_alter_table("ai_job_gate") as batch:
-        for name in ("clock_anchor_mono", "clock_anchor_wall", "clock_boot_id"):
-            batch.drop_column(name)
-        batch.drop_column("last_answer_at")
-        batch.drop_column("pause_kind")
-    with op.batch_alter_table("ai_job_results") as batch:
-        batch.drop_column("size_bytes")
-        batch.drop_column("flow_run_id")
-    with op.batch_alter_table("ai_jobs") as batch:
-        batch.drop_column("unavailable_since")
-        batch.drop_column("requested_at")
-        batch.drop_column("worker")

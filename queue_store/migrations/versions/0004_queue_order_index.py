@@ -7,8 +7,6 @@ from alembic import op
 
 revision = "0004"
 down_revision = "0003"
-branch_labels = None
-depends_on = None
 
 
 def upgrade() -> None:
@@ -16,8 +14,3 @@ def upgrade() -> None:
     op.create_index(
         "ix_ai_jobs_queue", "ai_jobs", ["status", "priority", "queued_at", "id", "kind"]
     )
-
-
-def downgrade() -> None:
-    op.drop_index("ix_ai_jobs_queue", table_name="ai_jobs")
-    op.create_index("ix_ai_jobs_queue", "ai_jobs", ["status", "priority", "queued_at", "kind"])

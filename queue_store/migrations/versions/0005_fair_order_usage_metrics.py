@@ -8,8 +8,6 @@ from alembic import op
 
 revision = "0005"
 down_revision = "0004"
-branch_labels = None
-depends_on = None
 
 
 def upgrade() -> None:
@@ -41,16 +39,3 @@ def upgrade() -> None:
         sa.Column("total", sa.Float, nullable=False, server_default="0"),
         sa.Column("buckets", sa.Text, nullable=False, server_default="[]"),
     )
-
-
-def downgrade() -> None:
-    op.drop_table("ai_job_tallies")
-    op.drop_table("ai_job_usage")
-    with op.batch_alter_table("ai_job_results") as batch:
-        batch.drop_column("completion_tokens")
-        batch.drop_column("prompt_tokens")
-    with op.batch_alter_table("ai_job_gate") as batch:
-        batch.drop_column("turn")
-    op.drop_index("ix_ai_jobs_fair", table_name="ai_jobs")
-    with op.batch_alter_table("ai_jobs") as batch:
-        batch.drop_column("turn")

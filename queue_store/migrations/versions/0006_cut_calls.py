@@ -7,8 +7,6 @@ from alembic import op
 
 revision = "0006"
 down_revision = "0005"
-branch_labels = None
-depends_on = None
 
 
 def upgrade() -> None:
@@ -25,11 +23,3 @@ def upgrade() -> None:
         sa.Column("started_at", sa.DateTime(), nullable=False),
         sa.Column("until", sa.DateTime(), nullable=False),
     )
-
-
-def downgrade() -> None:
-    op.drop_table("ai_job_holds")
-    with op.batch_alter_table("ai_jobs") as batch:
-        batch.drop_column("last_holder")
-        batch.drop_column("losses")
-        batch.drop_column("call_started_at")

@@ -8,8 +8,6 @@ from alembic import op
 
 revision = "0007"
 down_revision = "0006"
-branch_labels = None
-depends_on = None
 
 
 def upgrade() -> None:
@@ -17,8 +15,3 @@ def upgrade() -> None:
         batch.add_column(
             sa.Column("interactive_turn", sa.BigInteger, nullable=False, server_default="0")
         )
-
-
-def downgrade() -> None:
-    with op.batch_alter_table("ai_job_gate") as batch:
-        batch.drop_column("interactive_turn")

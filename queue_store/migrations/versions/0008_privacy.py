@@ -11,8 +11,6 @@ from alembic import op
 
 revision = "0008"
 down_revision = "0007"
-branch_labels = None
-depends_on = None
 
 PSEUDONYM_BYTES = 12
 
@@ -65,26 +63,3 @@ def upgrade() -> None:
 
 def _pseudonym() -> str:
     return "p-" + secrets.token_hex(PSEUDONYM_BYTES)
-
-
-def downgrade() -> None:
-    op.create_table(
-        "ai_job_usage",
-        sa.Column("user_id", sa.String(200), primary_key=True),
-        sa.Column("kind", sa.String(100), primary_key=True),
-        sa.Column("answers", sa.BigInteger, nullable=False, server_default="0"),
-        sa.Column("unknown", sa.BigInteger, nullable=False, server_default="0"),
-        sa.Column("prompt_tokens", sa.BigInteger, nullable=False, server_default="0"),
-        sa.Column("completion_tokens", sa.BigInteger, nullable=False, server_default="0"),
-    )
-    op.execute(
-        "INSERT INTO ai_job_usage (user_id, kind, answers, unknown, prompt_tokens, "
-        "completion_tokens) SELECT user_id, kind, sum(answers), sum(unknown), "
-        "sum(prompt_tokens), sum(completion_tokens) FROM ai_job_usage_days "
-        "GROUP BY user_id, kind"
-    )
-    op.drop_table("ai_job_usage_days")
-    op.drop_index("ix_ai_job_results_user", "ai_job_results")
-    op.drop_index("ix_ai_jobs_finished", "ai_jobs")
-    op.drop_table("ai_job_erasures")
-    op.drop_table("ai_job_people")
