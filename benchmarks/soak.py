@@ -15,7 +15,7 @@ got when starting it:
   of its own (`insight_queue_soak_<hex>`) created on that server and dropped
   afterwards; a trigger logs every transition of a job to `done` with the
   holder that made it (table `soak_done_log`);
-- `insight-queue serve` (`deployments.stack.ServeProcess`, reporting to that
+- `insight-queue serve` (`devtools.stack.ServeProcess`, reporting to that
   Prefect server; concurrency 1, gap 0.3 s, lease 15 s, heartbeat 1 s). Its
   warm consumer, a thread of the serve process, makes the gateway calls; the
   flow runs it starts (subprocesses) follow their jobs, and drain the queue
