@@ -192,9 +192,8 @@ def claim(tx: Gated, worker: str) -> Claim:
         if candidate.turn > getattr(state, served):
             schema.update_gate(connection, **{served: candidate.turn})
         job = schema.from_row(Job, candidate)
-        people.pseudonymize(
-            connection, [job.user_id], now
-        )  # its run history name, if none yet (D4)
+        # Its name in the run history, if it has none yet (D4).
+        people.pseudonymize(connection, [job.user_id], now)
         pseudonym = people.pseudonym_of(connection, job.user_id)
         return Claim(dataclasses.replace(job, **claimed, pseudonym=pseudonym))
 
@@ -251,10 +250,13 @@ def _note_run_after(connection: Connection, job_id: str, holder: str, flow_run_i
         connection.execute(update(results).where(*unnamed, since).values(flow_run_id=flow_run_id))
 
 
-def _settle_row(tx: Gated, row: Row[Any], **changes: Any) -> None:
+def _settle_row(tx: Gated, row: Row[Any], *, answered: bool = False, **changes: Any) -> None:
+    """End the claim with `changes`, and with it the call; `answered`: the gateway answered."""
     values = {**CLAIM_ENDED, "last_holder": row.holder, "finished_at": tx.now, "updated_at": tx.now}
     values |= {"revision": row.revision + 1, **changes}
     schema.update_job(tx.connection, row.id, **values)
+    gateway_up = {"last_answer_at": tx.now, "outages_in_a_row": 0} if answered else {}
+    _ended_call(tx, **gateway_up)
 
 
 def _backoff(settings: StoreConfig, streak: int) -> float:
@@ -280,17 +282,13 @@ def settle_failure(
     backoff = _backoff(settings, streak)
 
     if failure in (Failure.BUILD, Failure.REJECTED, Failure.PARSE):
-        _settle_row(tx, row, status=spent, error=error, unavailable_since=None)
-        more: dict[str, Any] = {}
-        if failure is not Failure.BUILD:  # the gateway answered: it is up
-            more = {"last_answer_at": now, "outages_in_a_row": 0}
-        _ended_call(tx, **more)
+        answered = failure is not Failure.BUILD  # rejected or unparsed, it was an answer
+        _settle_row(tx, row, answered=answered, status=spent, error=error, unavailable_since=None)
         return Settlement(spent, True, None, f"attempt {row.attempts} spent")
 
     if failure is Failure.TIMEOUT:
         cut(tx, row, CutCause.TIMEOUT)
         _settle_row(tx, row, status=spent, error=error)
-        _ended_call(tx)
         pause(tx, backoff, PauseKind.TIMEOUT, error, outages_in_a_row=streak)
         why = f"claiming paused {backoff:g} s in case the gateway is still working on it"
         return Settlement(spent, True, backoff, f"attempt {row.attempts} spent; {why}")
@@ -302,14 +300,12 @@ def settle_failure(
             # The gateway answered others since this job began failing: the job is the problem.
             text = f"the gateway answers other calls but keeps failing this one: {error}"
             _settle_row(tx, row, status=spent, error=text, **behind)
-            _ended_call(tx)
             why = "not an outage, this job"
             return Settlement(spent, True, None, f"attempt {row.attempts} spent: {why}")
         # An outage: keep the attempt, go behind the jobs of its priority, pause with a backoff.
         kept = {"attempts": max(row.attempts - 1, 0), "claimed_at": None}
-        outage = {"status": Status.PENDING, "error": error, "unavailable_since": since or now}
-        _settle_row(tx, row, **outage, **kept, **behind)
-        _ended_call(tx)
+        outage = {"status": Status.PENDING, "unavailable_since": since or now, **kept, **behind}
+        _settle_row(tx, row, error=error, **outage)
         pause(tx, backoff, PauseKind.OUTAGE, error, outages_in_a_row=streak)
         why = f"gateway unavailable; claiming paused {backoff:g} s"
         return Settlement(Status.PENDING, False, backoff, why)
@@ -317,7 +313,6 @@ def settle_failure(
     if failure is Failure.RATE_LIMITED:
         seconds = backoff if retry_after is None else min(retry_after, settings.backoff_max_seconds)
         _refund(tx, row, error)
-        _ended_call(tx)
         # 429s without a time to wait pause longer each time; a wait the gateway names is its own.
         more = {"outages_in_a_row": streak} if retry_after is None else {}
         pause(tx, seconds, PauseKind.RATE_LIMIT, error, **more)
@@ -326,14 +321,12 @@ def settle_failure(
 
     if failure is Failure.REFUSED:
         _refund(tx, row, error)
-        _ended_call(tx)
         pause(tx, backoff, PauseKind.REFUSED, error, outages_in_a_row=streak)
         why = f"the gateway refused us; claiming stopped for {backoff:g} s until it is fixed"
         return Settlement(Status.PENDING, False, backoff, why)
 
     cut(tx, row, CutCause.STOPPED)  # STOPPED: this side stopped the call (shutdown, lease at risk)
     _refund(tx, row, error)
-    _ended_call(tx)
     return Settlement(Status.PENDING, False, None, "handed back; the attempt is not spent")
 
 
@@ -375,5 +368,4 @@ def settle_done(tx: Gated, row: Row[Any], flow_run_id: str | None = None) -> Non
     """The attempt produced a result (N1, N4)."""
     more: dict[str, Any] = {} if flow_run_id is None else {"flow_run_id": flow_run_id}
     done = {"status": Status.DONE, "error": None, "unavailable_since": None, "requested_at": None}
-    _settle_row(tx, row, **done, losses=0, **more)
-    _ended_call(tx, last_answer_at=tx.now, outages_in_a_row=0)
+    _settle_row(tx, row, answered=True, **done, losses=0, **more)
