@@ -291,7 +291,7 @@ POSITION_FIELDS = ("ahead", "ahead_exact", "in_flight", "eta_seconds")
 
 
 @dataclasses.dataclass(frozen=True)
-class Result:  # the latest finished generation for a key (N1)
+class Result(Record):  # the latest finished generation for a key (N1)
     job_id: str
     user_id: str
     kind: str
@@ -305,17 +305,13 @@ class Result:  # the latest finished generation for a key (N1)
     prompt_tokens: int | None = None  # None: the gateway did not say (unknown, never zero)
     completion_tokens: int | None = None
 
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "fingerprint": self.fingerprint,
-            "output": self.output,
-            "produced_at": iso(self.produced_at),
-            "duration_seconds": self.duration_seconds,
-            "flow_run_id": self.flow_run_id,
-            "usage": None
-            if self.prompt_tokens is None or self.completion_tokens is None
-            else Usage(self.prompt_tokens, self.completion_tokens).as_dict(),
-        }
+    SHOWN = ("fingerprint", "output", "produced_at", "duration_seconds", "flow_run_id", "usage")
+
+    @property
+    def usage(self) -> Usage | None:
+        if self.prompt_tokens is None or self.completion_tokens is None:
+            return None
+        return Usage(self.prompt_tokens, self.completion_tokens)
 
 
 @dataclasses.dataclass(frozen=True)
