@@ -222,13 +222,11 @@ def plan(
     at = start
     for n, request in enumerate(chunk):
         at = start + dt.timedelta(microseconds=n)
-        key = (request.user_id, request.kind, request.subject)
-        jid = job_id(*key)
+        jid = job_id(request.user_id, request.kind, request.subject)
         job = current.get(jid)
         if job is None:  # new, or deleted by a supersede earlier in the call: R2
             turn = turns.deal(request.user_id, request.priority)
-            fields = new_job(*key, request.fingerprint, request.priority, at, turn)
-            job = types.SimpleNamespace(**{**EMPTY_ROW, **fields})
+            job = types.SimpleNamespace(**{**EMPTY_ROW, **new_job(request, at, turn)})
             current[jid] = inserts[jid] = job
             by_kind.setdefault((request.user_id, request.kind), set()).add(jid)
             statuses.append(Status.PENDING)
@@ -330,26 +328,22 @@ def _pg_insert(dialect: Dialect) -> Any:
     ).bindparams(*[bindparam(name, type_=postgresql.ARRAY(jobs.c[name].type)) for name in INSERTED])
 
 
-def new_job(
-    user_id: str,
-    kind: str,
-    subject: str,
-    fingerprint: str | None,
-    priority: int,
-    now: dt.datetime,
-    turn: int = 0,
-) -> dict[str, Any]:
+def new_job(request: EnqueueRequest, now: dt.datetime, turn: int) -> dict[str, Any]:
     """A new key's row: pending, no attempts (R2), in its turn (R8b)."""
     return {
         "turn": turn,
-        "id": job_id(user_id, kind, subject),
-        "user_id": user_id,
-        "kind": kind,
-        "subject": subject,
-        "fingerprint": fingerprint,
-        "priority": priority,
+        "id": job_id(request.user_id, request.kind, request.subject),
+        "user_id": request.user_id,
+        "kind": request.kind,
+        "subject": request.subject,
+        "fingerprint": request.fingerprint,
+        "priority": request.priority,
         "status": Status.PENDING,
-        **dict.fromkeys(("attempts", "losses", "revision"), 0),
-        **dict.fromkeys(("queued_at", "created_at", "updated_at"), now),
-        "requested_at": now if priority <= INTERACTIVE else None,
+        "attempts": 0,
+        "losses": 0,
+        "revision": 0,
+        "queued_at": now,
+        "created_at": now,
+        "updated_at": now,
+        "requested_at": now if request.priority <= INTERACTIVE else None,
     }
