@@ -47,8 +47,13 @@ def spent_tokens(
     row = connection.execute(select(usage).where(*key)).one_or_none()
     before = row._mapping if row is not None else dict.fromkeys(SUMMED, 0)
     spent = used or Usage(0, 0)
-    added = (1, used is None, spent.prompt_tokens, spent.completion_tokens)  # SUMMED's order
-    values = {name: before[name] + n for name, n in zip(SUMMED, added, strict=True)}
+    added = {
+        "answers": 1,
+        "unknown": 1 if used is None else 0,
+        "prompt_tokens": spent.prompt_tokens,
+        "completion_tokens": spent.completion_tokens,
+    }
+    values = {name: before[name] + n for name, n in added.items()}
     if row is None:
         connection.execute(insert(usage).values(day=day, user_id=user_id, kind=kind, **values))
     else:
