@@ -275,19 +275,17 @@ class Settlement:
 
 
 @dataclasses.dataclass(frozen=True)
-class Position:
+class Position(Record):
     status: Status
     ahead: int  # queued jobs that will be taken before this one (at most the bound)
     in_flight: int  # calls running now (this job included when it is running)
     eta_seconds: float  # expected seconds until this job's result is ready
     ahead_exact: bool = True  # False: more are ahead, and the ETA counts only `ahead` (P2)
 
+    SHOWN = ("ahead", "ahead_exact", "in_flight", "eta_seconds")
+
     def as_dict(self) -> dict[str, Any]:
-        shown = {name: getattr(self, name) for name in POSITION_FIELDS}
-        return shown | {"eta_seconds": round(self.eta_seconds, 1)}
-
-
-POSITION_FIELDS = ("ahead", "ahead_exact", "in_flight", "eta_seconds")
+        return super().as_dict() | {"eta_seconds": round(self.eta_seconds, 1)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -339,7 +337,7 @@ class JobState:
         return f"{gate.pause_kind} for {gate.pause_seconds_left:.0f} s: {gate.pause_reason}"
 
     def as_dict(self, max_attempts: int) -> dict[str, Any]:
-        place = self.position.as_dict() if self.position else dict.fromkeys(POSITION_FIELDS)
+        place = self.position.as_dict() if self.position else dict.fromkeys(Position.SHOWN)
         return {
             **self.job.as_dict(max_attempts),
             **place,

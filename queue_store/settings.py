@@ -217,9 +217,8 @@ class Settings(_Checked):
 
     @property
     def lease_margin(self) -> float:
-        if self.lease_margin_seconds is None:
-            return self.lease_seconds / 6
-        return self.lease_margin_seconds
+        margin = self.lease_margin_seconds
+        return self.lease_seconds / 6 if margin is None else margin
 
     @property
     def call_timeout(self) -> float:
@@ -247,10 +246,8 @@ class Settings(_Checked):
         api = self.api
         tokens = (self.gateway.token, api.operator_token, api.service_token, api.screen_secret)
         found = [token.get_secret_value() for token in tokens]
-        for url in (self.gateway.url, self.database_url):
-            parts = urllib.parse.urlsplit(url) if "://" in url else None
-            if parts is None:
-                continue
+        urls = [url for url in (self.gateway.url, self.database_url) if "://" in url]
+        for parts in map(urllib.parse.urlsplit, urls):
             user = urllib.parse.unquote(parts.username or "")
             password = urllib.parse.unquote(parts.password or "")
             found += [user, password, f"{user}:{password}" if user and password else ""]
