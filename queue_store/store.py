@@ -352,21 +352,21 @@ class JobStore(OperatorActions):
         """Say that this consumer is alive (W1), or, `leaving`, that it stops."""
         name = validation.worker(name)
         role = validation.text("role", role, 32)
-        if leaving:
-            with self._write("presence") as connection:
-                connection.execute(delete(workers).where(workers.c.name == name))
-            return
-        host, pid = socket.gethostname()[:200], os.getpid()
+        mine = workers.c.name == name
         with self._write("presence") as connection:
+            if leaving:
+                connection.execute(delete(workers).where(mine))
+                return
+            host, pid = socket.gethostname()[:200], os.getpid()
             now = self._now(connection)
-            query = select(workers.c.host, workers.c.pid).where(workers.c.name == name)
+            query = select(workers.c.host, workers.c.pid).where(mine)
             row = connection.execute(query).one_or_none()
             values: dict[str, Any] = {"seen_at": now, "info": info or {}}
             process = {"host": host, "pid": pid, "role": role, "started_at": now}
             if row is not None:
                 if (row.host, row.pid) != (host, pid):  # a new process took up the name
                     values |= process
-                connection.execute(update(workers).where(workers.c.name == name).values(**values))
+                connection.execute(update(workers).where(mine).values(**values))
             else:
                 connection.execute(insert(workers).values(name=name, **process, **values))
                 kept = self._settings.lease_seconds * FORGET_WORKERS_AFTER_LEASES
