@@ -68,13 +68,6 @@ class Turns:
         self._served: int | None = None
         self._last: dict[str, int] = {}
 
-    def _read(self) -> int:
-        served = self._connection.execute(places.SERVED_TURN).scalar_one()
-        statement = _last_turns(self._connection.dialect.name == "postgresql")
-        rows = self._connection.execute(statement, {"users": self._users})
-        self._last.update({str(user): int(turn) for user, turn in rows if turn is not None})
-        return int(served)
-
     def deal(self, user_id: str, priority: int) -> int:
         if self._settings.order != "fair":
             return 0
@@ -85,7 +78,10 @@ class Turns:
             self._last[key] = turn
             return turn
         if self._served is None:
-            self._served = self._read()
+            self._served = int(self._connection.execute(places.SERVED_TURN).scalar_one())
+            statement = _last_turns(self._connection.dialect.name == "postgresql")
+            rows = self._connection.execute(statement, {"users": self._users})
+            self._last.update({str(user): int(turn) for user, turn in rows if turn is not None})
         turn = places.turn_after(self._served, self._last.get(user_id))
         self._last[user_id] = turn
         return turn
