@@ -181,6 +181,7 @@ def _by_user_and_kind_one_by_one() -> Select[Any]:
     return select(*found.c).select_from(pairs).join(found, true())
 
 
+@functools.cache
 def _by_id_one_by_one(*columns: Any, lock: bool = False) -> Select[Any]:
     """PostgreSQL: the rows of the array `ids`, each looked up in the primary key in the order
     given (the lock order). On a table grown since its last ANALYZE, `id = ANY(...)` scans it."""
@@ -268,7 +269,7 @@ def write(connection: Connection, plan: Plan) -> None:
     if plan.revisions:
         ids = sorted(plan.revisions)
         if postgres:
-            locking: Any = _pg_lock()
+            locking: Any = _by_id_one_by_one(jobs.c.id, jobs.c.revision, lock=True)
         else:  # the write transaction holds the database's one write lock already
             locking = select(jobs.c.id, jobs.c.revision).where(
                 jobs.c.id.in_(bindparam("ids", expanding=True))
@@ -296,11 +297,6 @@ def write(connection: Connection, plan: Plan) -> None:
             update(jobs).where(jobs.c.id == bindparam("job_id")),
             [{"job_id": jid, **values} for jid, values in plan.updates.items()],
         )
-
-
-@functools.cache
-def _pg_lock() -> Any:
-    return _by_id_one_by_one(jobs.c.id, jobs.c.revision, lock=True)
 
 
 @functools.cache

@@ -295,7 +295,9 @@ def settle_failure(
 
     if failure is Failure.UNAVAILABLE:
         since = row.unavailable_since
-        behind = _behind(tx, row)
+        # Back in the queue behind the jobs of its priority (R8b).
+        turn = places.next_turn(tx.connection, settings, row.user_id, row.priority)
+        behind: dict[str, Any] = {"queued_at": now, "turn": turn}
         if since is not None and state.last_answer_at is not None and state.last_answer_at > since:
             # The gateway answered others since this job began failing: the job is the problem.
             text = f"the gateway answers other calls but keeps failing this one: {error}"
@@ -346,12 +348,6 @@ def late_stop(tx: Gated, job_id: str, holder: str, error: str) -> Settlement | N
     losses = max(row.losses - 1, 0)
     schema.update_job(connection, job_id, **back, losses=losses, revision=row.revision + 1)
     return Settlement(Status.PENDING, False, None, "stopped, and taken over first: kept")
-
-
-def _behind(tx: Gated, row: Row[Any]) -> dict[str, Any]:
-    """Back in the queue behind the jobs of its priority (R8b)."""
-    turn = places.next_turn(tx.connection, tx.settings, row.user_id, row.priority)
-    return {"queued_at": tx.now, "turn": turn}
 
 
 def _refund(tx: Gated, row: Row[Any], error: str) -> None:
