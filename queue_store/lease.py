@@ -3,7 +3,6 @@ each in a `Gated` transaction."""
 
 from __future__ import annotations
 
-import dataclasses
 import datetime as dt
 import secrets
 from typing import Any, NamedTuple
@@ -191,11 +190,10 @@ def claim(tx: Gated, worker: str) -> Claim:
         served = "interactive_turn" if candidate.priority <= INTERACTIVE else "turn"
         if candidate.turn > getattr(state, served):
             schema.update_gate(connection, **{served: candidate.turn})
-        job = schema.from_row(Job, candidate)
         # Its name in the run history, if it has none yet (D4).
-        people.pseudonymize(connection, [job.user_id], now)
-        pseudonym = people.pseudonym_of(connection, job.user_id)
-        return Claim(dataclasses.replace(job, **claimed, pseudonym=pseudonym))
+        people.pseudonymize(connection, [candidate.user_id], now)
+        pseudonym = people.pseudonym_of(connection, candidate.user_id)
+        return Claim(schema.from_row(Job, candidate, **claimed, pseudonym=pseudonym))
 
 
 def _first_pending(tx: Gated, *, avoid_suspects: bool) -> Row[Any] | None:

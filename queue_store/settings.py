@@ -192,8 +192,8 @@ class Settings(_Checked):
     @field_validator("plugins")
     @classmethod
     def _plugins(cls, value: str) -> str:
-        for name in (part.strip() for part in value.split(",")):
-            if name and not _MODULE_NAME.fullmatch(name):
+        for name in _listed(value):
+            if not _MODULE_NAME.fullmatch(name):
                 raise ValueError(f"{name!r} is not a Python module name")
         return value
 
@@ -336,8 +336,7 @@ def _first_error(model: type[BaseSettings], exc: ValidationError) -> str:
     name = str(error["loc"][0]) if error["loc"] else ""
     if not name or message.startswith("AI_"):
         return message  # a check across fields names its variables; so does a nested model
-    fields = {n.lower(): n for n in model.model_fields}
-    fields |= {_variable(model, n).lower(): n for n in model.model_fields}
+    fields = {key.lower(): n for n in model.model_fields for key in (n, _variable(model, n))}
     field = fields.get(name.lower())
     variable = _variable(model, field) if field else name
     if error["type"] == "extra_forbidden":
