@@ -293,7 +293,6 @@ def settle_failure(
 
     if failure is Failure.UNAVAILABLE:
         since = row.unavailable_since
-        # Back in the queue behind the jobs of its priority (R8b).
         turn = places.next_turn(tx.connection, settings, row.user_id, row.priority)
         behind: dict[str, Any] = {"queued_at": now, "turn": turn}
         if since is not None and state.last_answer_at is not None and state.last_answer_at > since:

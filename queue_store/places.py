@@ -62,8 +62,8 @@ def next_turn(connection: Connection, settings: StoreConfig, user_id: str, prior
 
 def cap_interactive(
     connection: Connection, settings: StoreConfig, user_id: str, now: dt.datetime
-) -> int:
-    """At most `max_interactive` waiting screens per user (A3); returns how many fell back."""
+) -> None:
+    """At most `max_interactive` waiting screens per user (A3): the oldest fall back."""
     waiting = connection.execute(
         select(jobs.c.id, jobs.c.revision)
         .where(
@@ -73,12 +73,10 @@ def cap_interactive(
         )
         .order_by(func.coalesce(jobs.c.requested_at, jobs.c.queued_at).desc(), jobs.c.id.desc())
     ).all()
-    older = waiting[settings.max_interactive :]
-    for row in older:
+    for row in waiting[settings.max_interactive :]:
         turn = next_turn(connection, settings, user_id, PREFETCH)
         fallen = {"priority": PREFETCH, "turn": turn, "requested_at": None, "updated_at": now}
         schema.update_job(connection, row.id, **fallen, revision=row.revision + 1)
-    return len(older)
 
 
 def turn_after(served: int, last: int | None) -> int:
