@@ -29,22 +29,9 @@ from queue_store.schema import gate, holds, jobs, results
 from queue_store.settings import StoreConfig
 
 MAX_BACKOFF_DOUBLINGS = 30
-# What liveness checks and ETAs read of the running jobs.
-RUNNING_COLUMNS = (
-    "id",
-    "kind",
-    "holder",
-    "worker",
-    "attempts",
-    "losses",
-    "heartbeat_at",
-    "claimed_at",
-    "call_started_at",
-)
 # H2 spends no attempt on a lost claim: a job that kills its worker fails this way instead.
 WORKER_LOST_AGAIN = "worker lost {n} times in a row: the job may be what stops its worker"
 
-RUNNING = select(*(jobs.c[name] for name in RUNNING_COLUMNS)).where(jobs.c.status == Status.RUNNING)
 GATE_ROW = select(gate).where(gate.c.id == schema.GATE_ROW_ID)
 GATE_ROW_LOCKED = GATE_ROW.with_for_update()
 
@@ -64,10 +51,6 @@ def gate_row(connection: Connection, *, lock: bool = False) -> Row[Any]:
     if row is None:
         raise SchemaOutdated("the gate row is missing; run `insight-queue db upgrade`")
     return row
-
-
-def running_rows(connection: Connection) -> list[Row[Any]]:
-    return list(connection.execute(RUNNING).all())
 
 
 def reap(tx: Gated, dead: list[Row[Any]]) -> int:
@@ -135,7 +118,7 @@ def _ended_call(tx: Gated, **more: Any) -> None:
 def claim(tx: Gated, worker: str) -> Claim:
     """Take the highest-priority runnable job if the gate allows a call now (R8, R9, FIX1, FIX6)."""
     connection, now, state, settings = tx
-    running = running_rows(connection)
+    running = places.running_rows(connection)
     dead = [row for row in running if lapsed(row, now, settings)]
     last_finished = _release_holds(tx)
     if dead:

@@ -235,7 +235,7 @@ class JobStore(OperatorActions):
             queued = select(jobs.c.id).where(jobs.c.status == Status.PENDING).limit(1)
             if connection.execute(queued).first() is not None:
                 return True
-            running = lease.running_rows(connection)
+            running = places.running_rows(connection)
             if or_running:
                 return bool(running)
             now = self._now(connection)

@@ -86,12 +86,6 @@ def workers_alive(
     return {name: role for name, role in connection.execute(WORKERS_ALIVE, {"after": after})}
 
 
-def outlook(
-    connection: Connection, settings: StoreConfig, now: dt.datetime, row: Row[Any]
-) -> places.Outlook:
-    return places.outlook(connection, settings, now, row, lease.running_rows(connection))
-
-
 def job_state(
     connection: Connection,
     settings: StoreConfig,
@@ -106,7 +100,7 @@ def job_state(
     position: Position | None = None
     run_needed = False
     if job.status in (Status.RUNNING, Status.PENDING):  # a finished job has no place
-        view = outlook(connection, settings, now, state_row)
+        view = places.outlook(connection, settings, now, state_row)
         if job.status == Status.RUNNING:
             position = view.running(job, now)
         else:
@@ -149,7 +143,7 @@ def user_jobs(
     query = WITH_PSEUDONYM.where(jobs.c.user_id == user_id)
     query = query.order_by(by_status, *places.order(settings)).limit(limit)
     listed = [from_row(Job, r) for r in connection.execute(query)]
-    view = outlook(connection, settings, now, lease.gate_row(connection))
+    view = places.outlook(connection, settings, now, lease.gate_row(connection))
     found = places.positions(connection, view, now, listed)
     return [ListedJob(j, found.get(j.id)) for j in listed]
 
@@ -164,7 +158,7 @@ def queue_view(
     failed = select(func.count()).select_from(jobs).where(jobs.c.status == Status.FAILED)
     failed_total = connection.execute(failed).scalar_one()
     failures = _listed(connection, Status.FAILED, jobs.c.finished_at.desc(), limit=RECENT_FAILURES)
-    view = outlook(connection, settings, now, state)
+    view = places.outlook(connection, settings, now, state)
     running_entries, waiting_entries = places.queue_entries(view, now, running, waiting)
     after = now - dt.timedelta(seconds=settings.lease_seconds)
     present = [
