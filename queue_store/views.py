@@ -11,7 +11,6 @@ from sqlalchemy import Connection, Row, bindparam, case, func, select
 
 from queue_store import lease, places, privacy, schema, tallies
 from queue_store.models import (
-    INTERACTIVE,
     CutCause,
     GateState,
     Hold,
@@ -25,6 +24,7 @@ from queue_store.models import (
     Result,
     Status,
     Worker,
+    priority_class,
 )
 from queue_store.schema import from_row, holds, jobs, people, results, workers
 from queue_store.settings import StoreConfig
@@ -180,7 +180,7 @@ def queue_view(
         max_attempts=settings.max_attempts,
         concurrency=settings.concurrency,
         in_flight=view.in_flight - len(holding),
-        usage=list(tallies.usage_rows(connection, USAGE_SHOWN)),
+        usage=tallies.usage_rows(connection, USAGE_SHOWN),
         usage_total=usage_total,
         usage_by_kind=tallies.usage_by(connection, schema.usage.c.kind),
         tallies=tallies.read(connection),
@@ -194,7 +194,7 @@ def _waiting_by_class(connection: Connection) -> dict[str, tuple[int, dt.datetim
     waiting: dict[str, tuple[int, dt.datetime | None]]
     waiting = dict.fromkeys(("interactive", "prefetch"), (0, None))
     for priority, count, oldest in connection.execute(WAITING_BY_PRIORITY):
-        name = "interactive" if priority <= INTERACTIVE else "prefetch"
+        name = priority_class(priority)
         before, since = waiting[name]
         first = min((t for t in (since, oldest) if t is not None), default=None)
         waiting[name] = (before + int(count), first)
