@@ -68,13 +68,6 @@ class Turns:
         self._served: int | None = None
         self._last: dict[str, int] = {}
 
-    def _read(self) -> int:
-        served = self._connection.execute(places.SERVED_TURN).scalar_one()
-        statement = _last_turns(self._connection.dialect.name == "postgresql")
-        rows = self._connection.execute(statement, {"users": self._users})
-        self._last.update({str(user): int(turn) for user, turn in rows if turn is not None})
-        return int(served)
-
     def deal(self, user_id: str, priority: int) -> int:
         if self._settings.order != "fair":
             return 0
@@ -85,7 +78,10 @@ class Turns:
             self._last[key] = turn
             return turn
         if self._served is None:
-            self._served = self._read()
+            self._served = int(self._connection.execute(places.SERVED_TURN).scalar_one())
+            statement = _last_turns(self._connection.dialect.name == "postgresql")
+            rows = self._connection.execute(statement, {"users": self._users})
+            self._last.update({str(user): int(turn) for user, turn in rows if turn is not None})
         turn = places.turn_after(self._served, self._last.get(user_id))
         self._last[user_id] = turn
         return turn
@@ -185,6 +181,7 @@ def _by_user_and_kind_one_by_one() -> Select[Any]:
     return select(*found.c).select_from(pairs).join(found, true())
 
 
+@functools.cache
 def _by_id_one_by_one(*columns: Any, lock: bool = False) -> Select[Any]:
     """PostgreSQL: the rows of the array `ids`, each looked up in the primary key in the order
     given (the lock order). On a table grown since its last ANALYZE, `id = ANY(...)` scans it."""
@@ -222,13 +219,11 @@ def plan(
     at = start
     for n, request in enumerate(chunk):
         at = start + dt.timedelta(microseconds=n)
-        key = (request.user_id, request.kind, request.subject)
-        jid = job_id(*key)
+        jid = job_id(request.user_id, request.kind, request.subject)
         job = current.get(jid)
         if job is None:  # new, or deleted by a supersede earlier in the call: R2
             turn = turns.deal(request.user_id, request.priority)
-            fields = new_job(*key, request.fingerprint, request.priority, at, turn)
-            job = types.SimpleNamespace(**{**EMPTY_ROW, **fields})
+            job = types.SimpleNamespace(**{**EMPTY_ROW, **new_job(request, at, turn)})
             current[jid] = inserts[jid] = job
             by_kind.setdefault((request.user_id, request.kind), set()).add(jid)
             statuses.append(Status.PENDING)
@@ -274,7 +269,7 @@ def write(connection: Connection, plan: Plan) -> None:
     if plan.revisions:
         ids = sorted(plan.revisions)
         if postgres:
-            locking: Any = _pg_lock()
+            locking: Any = _by_id_one_by_one(jobs.c.id, jobs.c.revision, lock=True)
         else:  # the write transaction holds the database's one write lock already
             locking = select(jobs.c.id, jobs.c.revision).where(
                 jobs.c.id.in_(bindparam("ids", expanding=True))
@@ -305,11 +300,6 @@ def write(connection: Connection, plan: Plan) -> None:
 
 
 @functools.cache
-def _pg_lock() -> Any:
-    return _by_id_one_by_one(jobs.c.id, jobs.c.revision, lock=True)
-
-
-@functools.cache
 def _sqlite_insert() -> Any:
     """One row per execution. Text: SQLAlchemy does not cache its INSERT ... ON CONFLICT."""
     return text(
@@ -330,26 +320,22 @@ def _pg_insert(dialect: Dialect) -> Any:
     ).bindparams(*[bindparam(name, type_=postgresql.ARRAY(jobs.c[name].type)) for name in INSERTED])
 
 
-def new_job(
-    user_id: str,
-    kind: str,
-    subject: str,
-    fingerprint: str | None,
-    priority: int,
-    now: dt.datetime,
-    turn: int = 0,
-) -> dict[str, Any]:
+def new_job(request: EnqueueRequest, now: dt.datetime, turn: int) -> dict[str, Any]:
     """A new key's row: pending, no attempts (R2), in its turn (R8b)."""
     return {
         "turn": turn,
-        "id": job_id(user_id, kind, subject),
-        "user_id": user_id,
-        "kind": kind,
-        "subject": subject,
-        "fingerprint": fingerprint,
-        "priority": priority,
+        "id": job_id(request.user_id, request.kind, request.subject),
+        "user_id": request.user_id,
+        "kind": request.kind,
+        "subject": request.subject,
+        "fingerprint": request.fingerprint,
+        "priority": request.priority,
         "status": Status.PENDING,
-        **dict.fromkeys(("attempts", "losses", "revision"), 0),
-        **dict.fromkeys(("queued_at", "created_at", "updated_at"), now),
-        "requested_at": now if priority <= INTERACTIVE else None,
+        "attempts": 0,
+        "losses": 0,
+        "revision": 0,
+        "queued_at": now,
+        "created_at": now,
+        "updated_at": now,
+        "requested_at": now if request.priority <= INTERACTIVE else None,
     }

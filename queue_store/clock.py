@@ -92,8 +92,7 @@ class HostClock(Clock):
         }
         if previous is not None:
             # A wall clock set back across the reboot: the old boot's times must not hold the gate.
-            for name in ("last_finished_at", "last_answer_at"):
-                value = getattr(previous, name)
+            for name, value in previous._mapping.items():
                 if value is not None and value > wall:
                     changes[name] = wall
         schema.update_gate(connection, **changes)

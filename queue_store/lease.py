@@ -3,7 +3,6 @@ each in a `Gated` transaction."""
 
 from __future__ import annotations
 
-import dataclasses
 import datetime as dt
 import secrets
 from typing import Any, NamedTuple
@@ -30,22 +29,9 @@ from queue_store.schema import gate, holds, jobs, results
 from queue_store.settings import StoreConfig
 
 MAX_BACKOFF_DOUBLINGS = 30
-# What liveness checks and ETAs read of the running jobs.
-RUNNING_COLUMNS = (
-    "id",
-    "kind",
-    "holder",
-    "worker",
-    "attempts",
-    "losses",
-    "heartbeat_at",
-    "claimed_at",
-    "call_started_at",
-)
 # H2 spends no attempt on a lost claim: a job that kills its worker fails this way instead.
 WORKER_LOST_AGAIN = "worker lost {n} times in a row: the job may be what stops its worker"
 
-RUNNING = select(*(jobs.c[name] for name in RUNNING_COLUMNS)).where(jobs.c.status == Status.RUNNING)
 GATE_ROW = select(gate).where(gate.c.id == schema.GATE_ROW_ID)
 GATE_ROW_LOCKED = GATE_ROW.with_for_update()
 
@@ -65,10 +51,6 @@ def gate_row(connection: Connection, *, lock: bool = False) -> Row[Any]:
     if row is None:
         raise SchemaOutdated("the gate row is missing; run `insight-queue db upgrade`")
     return row
-
-
-def running_rows(connection: Connection) -> list[Row[Any]]:
-    return list(connection.execute(RUNNING).all())
 
 
 def reap(tx: Gated, dead: list[Row[Any]]) -> int:
@@ -136,7 +118,7 @@ def _ended_call(tx: Gated, **more: Any) -> None:
 def claim(tx: Gated, worker: str) -> Claim:
     """Take the highest-priority runnable job if the gate allows a call now (R8, R9, FIX1, FIX6)."""
     connection, now, state, settings = tx
-    running = running_rows(connection)
+    running = places.running_rows(connection)
     dead = [row for row in running if lapsed(row, now, settings)]
     last_finished = _release_holds(tx)
     if dead:
@@ -191,12 +173,10 @@ def claim(tx: Gated, worker: str) -> Claim:
         served = "interactive_turn" if candidate.priority <= INTERACTIVE else "turn"
         if candidate.turn > getattr(state, served):
             schema.update_gate(connection, **{served: candidate.turn})
-        job = schema.from_row(Job, candidate)
-        people.pseudonymize(
-            connection, [job.user_id], now
-        )  # its run history name, if none yet (D4)
-        pseudonym = people.pseudonym_of(connection, job.user_id)
-        return Claim(dataclasses.replace(job, **claimed, pseudonym=pseudonym))
+        # Its name in the run history, if it has none yet (D4).
+        people.pseudonymize(connection, [candidate.user_id], now)
+        pseudonym = people.pseudonym_of(connection, candidate.user_id)
+        return Claim(schema.from_row(Job, candidate, **claimed, pseudonym=pseudonym))
 
 
 def _first_pending(tx: Gated, *, avoid_suspects: bool) -> Row[Any] | None:
@@ -251,10 +231,13 @@ def _note_run_after(connection: Connection, job_id: str, holder: str, flow_run_i
         connection.execute(update(results).where(*unnamed, since).values(flow_run_id=flow_run_id))
 
 
-def _settle_row(tx: Gated, row: Row[Any], **changes: Any) -> None:
+def _settle_row(tx: Gated, row: Row[Any], *, answered: bool = False, **changes: Any) -> None:
+    """End the claim with `changes`, and with it the call; `answered`: the gateway answered."""
     values = {**CLAIM_ENDED, "last_holder": row.holder, "finished_at": tx.now, "updated_at": tx.now}
     values |= {"revision": row.revision + 1, **changes}
     schema.update_job(tx.connection, row.id, **values)
+    gateway_up = {"last_answer_at": tx.now, "outages_in_a_row": 0} if answered else {}
+    _ended_call(tx, **gateway_up)
 
 
 def _backoff(settings: StoreConfig, streak: int) -> float:
@@ -280,36 +263,31 @@ def settle_failure(
     backoff = _backoff(settings, streak)
 
     if failure in (Failure.BUILD, Failure.REJECTED, Failure.PARSE):
-        _settle_row(tx, row, status=spent, error=error, unavailable_since=None)
-        more: dict[str, Any] = {}
-        if failure is not Failure.BUILD:  # the gateway answered: it is up
-            more = {"last_answer_at": now, "outages_in_a_row": 0}
-        _ended_call(tx, **more)
+        answered = failure is not Failure.BUILD  # rejected or unparsed, it was an answer
+        _settle_row(tx, row, answered=answered, status=spent, error=error, unavailable_since=None)
         return Settlement(spent, True, None, f"attempt {row.attempts} spent")
 
     if failure is Failure.TIMEOUT:
         cut(tx, row, CutCause.TIMEOUT)
         _settle_row(tx, row, status=spent, error=error)
-        _ended_call(tx)
         pause(tx, backoff, PauseKind.TIMEOUT, error, outages_in_a_row=streak)
         why = f"claiming paused {backoff:g} s in case the gateway is still working on it"
         return Settlement(spent, True, backoff, f"attempt {row.attempts} spent; {why}")
 
     if failure is Failure.UNAVAILABLE:
         since = row.unavailable_since
-        behind = _behind(tx, row)
+        turn = places.next_turn(tx.connection, settings, row.user_id, row.priority)
+        behind: dict[str, Any] = {"queued_at": now, "turn": turn}
         if since is not None and state.last_answer_at is not None and state.last_answer_at > since:
             # The gateway answered others since this job began failing: the job is the problem.
             text = f"the gateway answers other calls but keeps failing this one: {error}"
             _settle_row(tx, row, status=spent, error=text, **behind)
-            _ended_call(tx)
             why = "not an outage, this job"
             return Settlement(spent, True, None, f"attempt {row.attempts} spent: {why}")
         # An outage: keep the attempt, go behind the jobs of its priority, pause with a backoff.
         kept = {"attempts": max(row.attempts - 1, 0), "claimed_at": None}
-        outage = {"status": Status.PENDING, "error": error, "unavailable_since": since or now}
-        _settle_row(tx, row, **outage, **kept, **behind)
-        _ended_call(tx)
+        outage = {"status": Status.PENDING, "unavailable_since": since or now, **kept, **behind}
+        _settle_row(tx, row, error=error, **outage)
         pause(tx, backoff, PauseKind.OUTAGE, error, outages_in_a_row=streak)
         why = f"gateway unavailable; claiming paused {backoff:g} s"
         return Settlement(Status.PENDING, False, backoff, why)
@@ -317,7 +295,6 @@ def settle_failure(
     if failure is Failure.RATE_LIMITED:
         seconds = backoff if retry_after is None else min(retry_after, settings.backoff_max_seconds)
         _refund(tx, row, error)
-        _ended_call(tx)
         # 429s without a time to wait pause longer each time; a wait the gateway names is its own.
         more = {"outages_in_a_row": streak} if retry_after is None else {}
         pause(tx, seconds, PauseKind.RATE_LIMIT, error, **more)
@@ -326,14 +303,12 @@ def settle_failure(
 
     if failure is Failure.REFUSED:
         _refund(tx, row, error)
-        _ended_call(tx)
         pause(tx, backoff, PauseKind.REFUSED, error, outages_in_a_row=streak)
         why = f"the gateway refused us; claiming stopped for {backoff:g} s until it is fixed"
         return Settlement(Status.PENDING, False, backoff, why)
 
     cut(tx, row, CutCause.STOPPED)  # STOPPED: this side stopped the call (shutdown, lease at risk)
     _refund(tx, row, error)
-    _ended_call(tx)
     return Settlement(Status.PENDING, False, None, "handed back; the attempt is not spent")
 
 
@@ -355,12 +330,6 @@ def late_stop(tx: Gated, job_id: str, holder: str, error: str) -> Settlement | N
     return Settlement(Status.PENDING, False, None, "stopped, and taken over first: kept")
 
 
-def _behind(tx: Gated, row: Row[Any]) -> dict[str, Any]:
-    """Back in the queue behind the jobs of its priority (R8b)."""
-    turn = places.next_turn(tx.connection, tx.settings, row.user_id, row.priority)
-    return {"queued_at": tx.now, "turn": turn}
-
-
 def _refund(tx: Gated, row: Row[Any], error: str) -> None:
     """Back to the queue in its old place, as if the attempt had not been made."""
     kept = {
@@ -375,5 +344,4 @@ def settle_done(tx: Gated, row: Row[Any], flow_run_id: str | None = None) -> Non
     """The attempt produced a result (N1, N4)."""
     more: dict[str, Any] = {} if flow_run_id is None else {"flow_run_id": flow_run_id}
     done = {"status": Status.DONE, "error": None, "unavailable_since": None, "requested_at": None}
-    _settle_row(tx, row, **done, losses=0, **more)
-    _ended_call(tx, last_answer_at=tx.now, outages_in_a_row=0)
+    _settle_row(tx, row, answered=True, **done, losses=0, **more)

@@ -275,23 +275,21 @@ class Settlement:
 
 
 @dataclasses.dataclass(frozen=True)
-class Position:
+class Position(Record):
     status: Status
     ahead: int  # queued jobs that will be taken before this one (at most the bound)
     in_flight: int  # calls running now (this job included when it is running)
     eta_seconds: float  # expected seconds until this job's result is ready
     ahead_exact: bool = True  # False: more are ahead, and the ETA counts only `ahead` (P2)
 
+    SHOWN = ("ahead", "ahead_exact", "in_flight", "eta_seconds")
+
     def as_dict(self) -> dict[str, Any]:
-        shown = {name: getattr(self, name) for name in POSITION_FIELDS}
-        return shown | {"eta_seconds": round(self.eta_seconds, 1)}
-
-
-POSITION_FIELDS = ("ahead", "ahead_exact", "in_flight", "eta_seconds")
+        return super().as_dict() | {"eta_seconds": round(self.eta_seconds, 1)}
 
 
 @dataclasses.dataclass(frozen=True)
-class Result:  # the latest finished generation for a key (N1)
+class Result(Record):  # the latest finished generation for a key (N1)
     job_id: str
     user_id: str
     kind: str
@@ -305,17 +303,13 @@ class Result:  # the latest finished generation for a key (N1)
     prompt_tokens: int | None = None  # None: the gateway did not say (unknown, never zero)
     completion_tokens: int | None = None
 
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "fingerprint": self.fingerprint,
-            "output": self.output,
-            "produced_at": iso(self.produced_at),
-            "duration_seconds": self.duration_seconds,
-            "flow_run_id": self.flow_run_id,
-            "usage": None
-            if self.prompt_tokens is None or self.completion_tokens is None
-            else Usage(self.prompt_tokens, self.completion_tokens).as_dict(),
-        }
+    SHOWN = ("fingerprint", "output", "produced_at", "duration_seconds", "flow_run_id", "usage")
+
+    @property
+    def usage(self) -> Usage | None:
+        if self.prompt_tokens is None or self.completion_tokens is None:
+            return None
+        return Usage(self.prompt_tokens, self.completion_tokens)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -343,7 +337,7 @@ class JobState:
         return f"{gate.pause_kind} for {gate.pause_seconds_left:.0f} s: {gate.pause_reason}"
 
     def as_dict(self, max_attempts: int) -> dict[str, Any]:
-        place = self.position.as_dict() if self.position else dict.fromkeys(POSITION_FIELDS)
+        place = self.position.as_dict() if self.position else dict.fromkeys(Position.SHOWN)
         return {
             **self.job.as_dict(max_attempts),
             **place,

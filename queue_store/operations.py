@@ -44,7 +44,7 @@ class OperatorActions(StoreBase):
         with self._write("retry_failed") as connection:
             failed = and_(jobs.c.user_id == user_id, jobs.c.status == Status.FAILED)
             retried = self._queue_anew(connection, failed, user_id)
-            self._cap_screens(connection, user_id)
+            places.cap_interactive(connection, self._settings, user_id, self._now(connection))
             waiting = jobs.c.status.in_([Status.PENDING, Status.RUNNING])
             count = select(func.count()).where(jobs.c.user_id == user_id, waiting)
             pending = connection.execute(count).scalar_one()
@@ -52,16 +52,15 @@ class OperatorActions(StoreBase):
 
     def requeue(self, kinds: Sequence[str] | None = None) -> int:
         """Queue every finished job (of these kinds) again, after a prompt change."""
-        checked = [validation.kind(k) for k in kinds] if kinds is not None else None
         finished: ColumnElement[bool] = jobs.c.status.in_([Status.DONE, Status.FAILED])
-        if checked is not None:
-            finished = and_(finished, jobs.c.kind.in_(checked))
+        if kinds is not None:
+            finished = and_(finished, jobs.c.kind.in_([validation.kind(k) for k in kinds]))
         with self._write("requeue") as connection:
             urgent = case((jobs.c.priority < PREFETCH, jobs.c.priority), else_=PREFETCH)
             queued = self._queue_anew(
                 connection, finished, None, priority=urgent, requested_at=None
             )
-            self._cap_screens(connection, None)
+            self._cap_screens(connection)
             return queued
 
     def _queue_anew(
@@ -91,12 +90,9 @@ class OperatorActions(StoreBase):
                 update(jobs).where(jobs.c.id == dealt.c.id).values(turn=dealt.c.turn)
             )
 
-    def _cap_screens(self, connection: Connection, user_id: str | None) -> None:
-        """At most `max_interactive` waiting screens per user (A3), for one user or for all."""
+    def _cap_screens(self, connection: Connection) -> None:
+        """At most `max_interactive` waiting screens for every user (A3)."""
         now = self._now(connection)
-        if user_id is not None:
-            places.cap_interactive(connection, self._settings, user_id, now)
-            return
         over = connection.execute(
             select(jobs.c.user_id)
             .where(jobs.c.status == Status.PENDING, jobs.c.priority <= INTERACTIVE)
@@ -208,12 +204,10 @@ class OperatorActions(StoreBase):
         if user_id is not None:
             user_id = validation.user_id(user_id)
         done = [validation.text("erased", p, 40) for p in erased]
+        removed = Forgotten("", 0, 0, 0, 0, None)  # no user named: only the erasures below
         with self._gated("forget") as tx:
-            removed = (
-                privacy.forget(tx, user_id)
-                if user_id is not None
-                else Forgotten("", 0, 0, 0, 0, None)
-            )
+            if user_id is not None:
+                removed = privacy.forget(tx, user_id)
             privacy.erasures_done(tx.connection, done)
             pending = tuple(p for p, _ in privacy.pending_erasures(tx.connection))
         self._checkpoint()

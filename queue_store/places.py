@@ -24,6 +24,18 @@ FIFO = (jobs.c.priority, jobs.c.queued_at, jobs.c.id)  # ix_ai_jobs_queue
 FAIR = (jobs.c.priority, jobs.c.turn, jobs.c.queued_at, jobs.c.id)  # ix_ai_jobs_fair
 MEANS = select(durations.c.kind, durations.c.mean_seconds)
 HOLD_ENDS = select(holds.c.until)
+# What liveness checks and ETAs read of the running jobs.
+RUNNING = select(
+    jobs.c.id,
+    jobs.c.kind,
+    jobs.c.holder,
+    jobs.c.worker,
+    jobs.c.attempts,
+    jobs.c.losses,
+    jobs.c.heartbeat_at,
+    jobs.c.claimed_at,
+    jobs.c.call_started_at,
+).where(jobs.c.status == Status.RUNNING)
 
 
 def order(settings: StoreConfig) -> tuple[Any, ...]:
@@ -62,8 +74,8 @@ def next_turn(connection: Connection, settings: StoreConfig, user_id: str, prior
 
 def cap_interactive(
     connection: Connection, settings: StoreConfig, user_id: str, now: dt.datetime
-) -> int:
-    """At most `max_interactive` waiting screens per user (A3); returns how many fell back."""
+) -> None:
+    """At most `max_interactive` waiting screens per user (A3): the oldest fall back."""
     waiting = connection.execute(
         select(jobs.c.id, jobs.c.revision)
         .where(
@@ -73,12 +85,10 @@ def cap_interactive(
         )
         .order_by(func.coalesce(jobs.c.requested_at, jobs.c.queued_at).desc(), jobs.c.id.desc())
     ).all()
-    older = waiting[settings.max_interactive :]
-    for row in older:
+    for row in waiting[settings.max_interactive :]:
         turn = next_turn(connection, settings, user_id, PREFETCH)
         fallen = {"priority": PREFETCH, "turn": turn, "requested_at": None, "updated_at": now}
         schema.update_job(connection, row.id, **fallen, revision=row.revision + 1)
-    return len(older)
 
 
 def turn_after(served: int, last: int | None) -> int:
@@ -129,17 +139,17 @@ def record_duration(connection: Connection, kind: str, seconds: float) -> None:
     connection.execute(durations.update().where(of_kind).values(mean_seconds=mean, samples=samples))
 
 
+def running_rows(connection: Connection) -> list[Row[Any]]:
+    return list(connection.execute(RUNNING).all())
+
+
 def outlook(
-    connection: Connection,
-    settings: StoreConfig,
-    now: dt.datetime,
-    gate: Row[Any],
-    running: Sequence[Row[Any]],
+    connection: Connection, settings: StoreConfig, now: dt.datetime, gate: Row[Any]
 ) -> Outlook:
     """A hold of a cut call counts as a call in flight until its end (H1)."""
     means = {k: float(m) for k, m in connection.execute(MEANS)}
     default = settings.default_duration_seconds
-    live = [row for row in running if not lapsed(row, now, settings)]
+    live = [row for row in running_rows(connection) if not lapsed(row, now, settings)]
     remaining = sum(
         max(means.get(row.kind, default) - (now - row.claimed_at).total_seconds(), 0.0)
         for row in live

@@ -12,7 +12,7 @@ from typing import Any
 
 from sqlalchemy import Connection, and_, delete, exists, func, insert, select, tuple_, update
 
-from queue_store import lease, schema, tallies
+from queue_store import lease, places, schema, tallies
 from queue_store.models import CutCause, Forgotten, Status
 from queue_store.people import pseudonym_of
 from queue_store.schema import erasures, holds, jobs, people, results, usage
@@ -153,7 +153,7 @@ def forget(tx: lease.Gated, user_id: str) -> Forgotten:
     """Every row of the user (D3)."""
     connection = tx.connection
     mine = jobs.c.user_id == user_id
-    running = connection.execute(lease.RUNNING.where(mine)).all()
+    running = connection.execute(places.RUNNING.where(mine)).all()
     for row in running:
         lease.cut(tx, row, CutCause.CANCELLED, job_gone=True)
     ids = select(jobs.c.id).where(mine).scalar_subquery()

@@ -192,8 +192,8 @@ class Settings(_Checked):
     @field_validator("plugins")
     @classmethod
     def _plugins(cls, value: str) -> str:
-        for name in (part.strip() for part in value.split(",")):
-            if name and not _MODULE_NAME.fullmatch(name):
+        for name in _listed(value):
+            if not _MODULE_NAME.fullmatch(name):
                 raise ValueError(f"{name!r} is not a Python module name")
         return value
 
@@ -217,9 +217,8 @@ class Settings(_Checked):
 
     @property
     def lease_margin(self) -> float:
-        if self.lease_margin_seconds is None:
-            return self.lease_seconds / 6
-        return self.lease_margin_seconds
+        margin = self.lease_margin_seconds
+        return self.lease_seconds / 6 if margin is None else margin
 
     @property
     def call_timeout(self) -> float:
@@ -247,10 +246,8 @@ class Settings(_Checked):
         api = self.api
         tokens = (self.gateway.token, api.operator_token, api.service_token, api.screen_secret)
         found = [token.get_secret_value() for token in tokens]
-        for url in (self.gateway.url, self.database_url):
-            parts = urllib.parse.urlsplit(url) if "://" in url else None
-            if parts is None:
-                continue
+        urls = [url for url in (self.gateway.url, self.database_url) if "://" in url]
+        for parts in map(urllib.parse.urlsplit, urls):
             user = urllib.parse.unquote(parts.username or "")
             password = urllib.parse.unquote(parts.password or "")
             found += [user, password, f"{user}:{password}" if user and password else ""]
@@ -339,8 +336,7 @@ def _first_error(model: type[BaseSettings], exc: ValidationError) -> str:
     name = str(error["loc"][0]) if error["loc"] else ""
     if not name or message.startswith("AI_"):
         return message  # a check across fields names its variables; so does a nested model
-    fields = {n.lower(): n for n in model.model_fields}
-    fields |= {_variable(model, n).lower(): n for n in model.model_fields}
+    fields = {key.lower(): n for n in model.model_fields for key in (n, _variable(model, n))}
     field = fields.get(name.lower())
     variable = _variable(model, field) if field else name
     if error["type"] == "extra_forbidden":

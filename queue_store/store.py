@@ -52,42 +52,35 @@ class JobStore(OperatorActions):
         priority: int = PREFETCH,
     ) -> Status:
         """Queue one generation, or promote it (R1-R6); returns the job's status after the call."""
-        user_id, kind, subject = validation.key(user_id, kind, subject)
-        fingerprint = validation.fingerprint(fingerprint)
-        priority = validation.priority(priority)
-        jid = job_id(user_id, kind, subject)
+        request = _checked_request(EnqueueRequest(user_id, kind, subject, fingerprint, priority))
+        jid = job_id(request.user_id, request.kind, request.subject)
         for _ in range(MAX_ENQUEUE_ROUNDS):
             with self._read("enqueue") as connection:
                 row = connection.execute(select(jobs).where(jobs.c.id == jid)).one_or_none()
                 now = self._now(connection)
-            status = self._enqueue_round((user_id, kind, subject), fingerprint, priority, row, now)
+            status = self._enqueue_round(request, row, now)
             if status is not None:
                 return status
         raise DatabaseError(f"enqueue: job {jid[:12]}… kept changing under this call; retry")
 
     def _enqueue_round(
-        self,
-        key: tuple[str, str, str],
-        fingerprint: str | None,
-        priority: int,
-        row: Row[Any] | None,
-        now: dt.datetime,
+        self, request: EnqueueRequest, row: Row[Any] | None, now: dt.datetime
     ) -> Status | None:
         """The job's status after acting on the row as read, or None to read it again."""
+        user_id, priority = request.user_id, request.priority
         if row is None:
             try:
                 with self._write("enqueue") as connection:
                     now = self._now(connection)
-                    turn = places.next_turn(connection, self._settings, key[0], priority)
-                    values = bulk.new_job(*key, fingerprint, priority, now, turn)
-                    connection.execute(insert(jobs).values(values))
-                    people.pseudonymize(connection, [key[0]], now)
+                    turn = places.next_turn(connection, self._settings, user_id, priority)
+                    connection.execute(insert(jobs).values(bulk.new_job(request, now, turn)))
+                    people.pseudonymize(connection, [user_id], now)
                     if priority <= INTERACTIVE:
-                        places.cap_interactive(connection, self._settings, key[0], now)
+                        places.cap_interactive(connection, self._settings, user_id, now)
             except IntegrityError:
                 return None  # another caller inserted it first: decide again
             return Status.PENDING
-        decision = decide(row, fingerprint, priority, now, self._settings)
+        decision = decide(row, request.fingerprint, priority, now, self._settings)
         if decision.reap_first:
             self._take_back(row.id)
             return None
@@ -215,9 +208,9 @@ class JobStore(OperatorActions):
     ) -> JobState | None:
         """A screen's poll (P1). `queue=False` only reads: None without a job, and `fresh` is judged
         against `fingerprint`, or the job's own without one."""
-        user_id, kind, subject = validation.key(user_id, kind, subject)
-        fingerprint = validation.fingerprint(fingerprint)
-        jid = job_id(user_id, kind, subject)
+        request = _checked_request(EnqueueRequest(user_id, kind, subject, fingerprint, INTERACTIVE))
+        fingerprint = request.fingerprint
+        jid = job_id(request.user_id, request.kind, request.subject)
         for _ in range(MAX_ENQUEUE_ROUNDS):
             with self._read("poll") as connection:
                 row = connection.execute(views.JOB_AND_RESULT, {"jid": jid}).one_or_none()
@@ -233,7 +226,7 @@ class JobStore(OperatorActions):
                         return views.job_state(
                             connection, self._settings, row, now, fingerprint, known
                         )
-            self._enqueue_round((user_id, kind, subject), fingerprint, INTERACTIVE, row, now)
+            self._enqueue_round(request, row, now)
         raise DatabaseError(f"poll: job {jid[:12]}… kept changing under this call; retry")
 
     def has_work(self, *, or_running: bool = False) -> bool:
@@ -242,7 +235,7 @@ class JobStore(OperatorActions):
             queued = select(jobs.c.id).where(jobs.c.status == Status.PENDING).limit(1)
             if connection.execute(queued).first() is not None:
                 return True
-            running = lease.running_rows(connection)
+            running = places.running_rows(connection)
             if or_running:
                 return bool(running)
             now = self._now(connection)
@@ -359,21 +352,21 @@ class JobStore(OperatorActions):
         """Say that this consumer is alive (W1), or, `leaving`, that it stops."""
         name = validation.worker(name)
         role = validation.text("role", role, 32)
-        if leaving:
-            with self._write("presence") as connection:
-                connection.execute(delete(workers).where(workers.c.name == name))
-            return
-        host, pid = socket.gethostname()[:200], os.getpid()
+        mine = workers.c.name == name
         with self._write("presence") as connection:
+            if leaving:
+                connection.execute(delete(workers).where(mine))
+                return
+            host, pid = socket.gethostname()[:200], os.getpid()
             now = self._now(connection)
-            query = select(workers.c.host, workers.c.pid).where(workers.c.name == name)
+            query = select(workers.c.host, workers.c.pid).where(mine)
             row = connection.execute(query).one_or_none()
             values: dict[str, Any] = {"seen_at": now, "info": info or {}}
             process = {"host": host, "pid": pid, "role": role, "started_at": now}
             if row is not None:
                 if (row.host, row.pid) != (host, pid):  # a new process took up the name
                     values |= process
-                connection.execute(update(workers).where(workers.c.name == name).values(**values))
+                connection.execute(update(workers).where(mine).values(**values))
             else:
                 connection.execute(insert(workers).values(name=name, **process, **values))
                 kept = self._settings.lease_seconds * FORGET_WORKERS_AFTER_LEASES

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import Connection, func, insert, select, update
+from sqlalchemy import Connection, Row, func, insert, select, update
 
 from queue_store.models import Tally, Usage, UsageRow
 from queue_store.schema import tallies, usage
@@ -47,8 +46,13 @@ def spent_tokens(
     row = connection.execute(select(usage).where(*key)).one_or_none()
     before = row._mapping if row is not None else dict.fromkeys(SUMMED, 0)
     spent = used or Usage(0, 0)
-    added = (1, used is None, spent.prompt_tokens, spent.completion_tokens)  # SUMMED's order
-    values = {name: before[name] + n for name, n in zip(SUMMED, added, strict=True)}
+    added = {
+        "answers": 1,
+        "unknown": 1 if used is None else 0,
+        "prompt_tokens": spent.prompt_tokens,
+        "completion_tokens": spent.completion_tokens,
+    }
+    values = {name: before[name] + n for name, n in added.items()}
     if row is None:
         connection.execute(insert(usage).values(day=day, user_id=user_id, kind=kind, **values))
     else:
@@ -82,16 +86,10 @@ def read(connection: Connection) -> list[Tally]:
 def usage_by(connection: Connection, *columns: Any) -> list[UsageRow]:
     """Tokens summed by these columns of `usage` (none: one row, every user and kind)."""
     sums = [func.coalesce(func.sum(usage.c[name]), 0).label(name) for name in SUMMED]
-    rows = connection.execute(select(*columns, *sums).group_by(*columns)).all()
-    return [
-        UsageRow(
-            getattr(r, "user_id", ""), getattr(r, "kind", ""), *(int(r._mapping[n]) for n in SUMMED)
-        )
-        for r in rows
-    ]
+    return [_usage_row(r) for r in connection.execute(select(*columns, *sums).group_by(*columns))]
 
 
-def usage_rows(connection: Connection, limit: int | None = None) -> Sequence[UsageRow]:
+def usage_rows(connection: Connection, limit: int | None = None) -> list[UsageRow]:
     """Tokens per user and kind (of the days still kept per user), the most first."""
     sums = [func.sum(usage.c[name]).label(name) for name in SUMMED]
     tokens = func.sum(usage.c.prompt_tokens + usage.c.completion_tokens)
@@ -102,7 +100,10 @@ def usage_rows(connection: Connection, limit: int | None = None) -> Sequence[Usa
         .order_by(tokens.desc(), usage.c.user_id, usage.c.kind)
         .limit(limit)
     )
-    return [
-        UsageRow(r.user_id, r.kind, *(int(r._mapping[n]) for n in SUMMED))
-        for r in connection.execute(query)
-    ]
+    return [_usage_row(r) for r in connection.execute(query)]
+
+
+def _usage_row(row: Row[Any]) -> UsageRow:
+    """A row's sums, for the user and kind it was grouped by ("": every one)."""
+    sums = {name: int(row._mapping[name]) for name in SUMMED}
+    return UsageRow(user_id=getattr(row, "user_id", ""), kind=getattr(row, "kind", ""), **sums)

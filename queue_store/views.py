@@ -11,7 +11,6 @@ from sqlalchemy import Connection, Row, bindparam, case, func, select
 
 from queue_store import lease, places, privacy, schema, tallies
 from queue_store.models import (
-    INTERACTIVE,
     CutCause,
     GateState,
     Hold,
@@ -25,6 +24,7 @@ from queue_store.models import (
     Result,
     Status,
     Worker,
+    priority_class,
 )
 from queue_store.schema import from_row, holds, jobs, people, results, workers
 from queue_store.settings import StoreConfig
@@ -86,12 +86,6 @@ def workers_alive(
     return {name: role for name, role in connection.execute(WORKERS_ALIVE, {"after": after})}
 
 
-def outlook(
-    connection: Connection, settings: StoreConfig, now: dt.datetime, row: Row[Any]
-) -> places.Outlook:
-    return places.outlook(connection, settings, now, row, lease.running_rows(connection))
-
-
 def job_state(
     connection: Connection,
     settings: StoreConfig,
@@ -106,7 +100,7 @@ def job_state(
     position: Position | None = None
     run_needed = False
     if job.status in (Status.RUNNING, Status.PENDING):  # a finished job has no place
-        view = outlook(connection, settings, now, state_row)
+        view = places.outlook(connection, settings, now, state_row)
         if job.status == Status.RUNNING:
             position = view.running(job, now)
         else:
@@ -149,7 +143,7 @@ def user_jobs(
     query = WITH_PSEUDONYM.where(jobs.c.user_id == user_id)
     query = query.order_by(by_status, *places.order(settings)).limit(limit)
     listed = [from_row(Job, r) for r in connection.execute(query)]
-    view = outlook(connection, settings, now, lease.gate_row(connection))
+    view = places.outlook(connection, settings, now, lease.gate_row(connection))
     found = places.positions(connection, view, now, listed)
     return [ListedJob(j, found.get(j.id)) for j in listed]
 
@@ -164,7 +158,7 @@ def queue_view(
     failed = select(func.count()).select_from(jobs).where(jobs.c.status == Status.FAILED)
     failed_total = connection.execute(failed).scalar_one()
     failures = _listed(connection, Status.FAILED, jobs.c.finished_at.desc(), limit=RECENT_FAILURES)
-    view = outlook(connection, settings, now, state)
+    view = places.outlook(connection, settings, now, state)
     running_entries, waiting_entries = places.queue_entries(view, now, running, waiting)
     after = now - dt.timedelta(seconds=settings.lease_seconds)
     present = [
@@ -186,7 +180,7 @@ def queue_view(
         max_attempts=settings.max_attempts,
         concurrency=settings.concurrency,
         in_flight=view.in_flight - len(holding),
-        usage=list(tallies.usage_rows(connection, USAGE_SHOWN)),
+        usage=tallies.usage_rows(connection, USAGE_SHOWN),
         usage_total=usage_total,
         usage_by_kind=tallies.usage_by(connection, schema.usage.c.kind),
         tallies=tallies.read(connection),
@@ -200,7 +194,7 @@ def _waiting_by_class(connection: Connection) -> dict[str, tuple[int, dt.datetim
     waiting: dict[str, tuple[int, dt.datetime | None]]
     waiting = dict.fromkeys(("interactive", "prefetch"), (0, None))
     for priority, count, oldest in connection.execute(WAITING_BY_PRIORITY):
-        name = "interactive" if priority <= INTERACTIVE else "prefetch"
+        name = priority_class(priority)
         before, since = waiting[name]
         first = min((t for t in (since, oldest) if t is not None), default=None)
         waiting[name] = (before + int(count), first)
