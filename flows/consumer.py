@@ -53,20 +53,18 @@ class ConsumerConfig:
 
 @dataclasses.dataclass
 class Summary:
-    ran: int = 0
-    outcomes: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
-    stopped_because: str = ""
     reports: list[Report] = dataclasses.field(default_factory=list)
+    stopped_because: str = ""
 
-    def add(self, report: Report) -> None:
-        self.ran += 1
-        self.outcomes[str(report.outcome)] += 1
-        self.reports.append(report)
+    @property
+    def ran(self) -> int:
+        return len(self.reports)
 
     def as_dict(self) -> dict[str, Any]:
+        outcomes = collections.Counter(str(report.outcome) for report in self.reports)
         return {
             "ran": self.ran,
-            "outcomes": dict(self.outcomes),
+            "outcomes": dict(outcomes),
             "stopped_because": self.stopped_because,
         }
 
@@ -214,7 +212,7 @@ class Consumer:
             report = await self._runner.run(job, claim_sent)
         finally:
             self._busy.pop(lane, None)
-        self.summary.add(report)
+        self.summary.reports.append(report)
         log = logger.info if report.outcome is Outcome.DONE else logger.warning
         log("%s: %s (%s)", job.run_name, report.outcome, report.public_message)
         if report.failure is Failure.REFUSED and not self._standby:
