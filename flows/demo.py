@@ -51,13 +51,10 @@ def fingerprint(data: Any) -> str:
 
 def demo_scopes(user_id: str) -> list[Scope]:
     end = dt.datetime.now(dt.UTC).date()
-    scopes = [
-        Scope(kind, end.isoformat(), fingerprint(synthetic_series(user_id, kind, end)))
-        for kind in METRICS
-    ]
+    series = {kind: synthetic_series(user_id, kind, end) for kind in METRICS}
+    scopes = [Scope(kind, end.isoformat(), fingerprint(values)) for kind, values in series.items()]
     window = f"{(end - dt.timedelta(days=DEMO_DAYS - 1)).isoformat()}..{end.isoformat()}"
-    trend_data = {kind: synthetic_series(user_id, kind, end) for kind in METRICS}
-    scopes.append(Scope(TRENDS, window, fingerprint(trend_data), single_subject=True))
+    scopes.append(Scope(TRENDS, window, fingerprint(series), single_subject=True))
     return scopes
 
 
@@ -72,11 +69,8 @@ def _metric_request(kind: str, user_id: str, subject: str) -> Messages:
 
 def _trends_request(user_id: str, subject: str) -> Messages:
     end = dt.date.fromisoformat(subject.split("..")[-1])
-    summary = {
-        kind: round(sum(values) / len(values), 1)
-        for kind in METRICS
-        for values in [synthetic_series(user_id, kind, end)]
-    }
+    series = {kind: synthetic_series(user_id, kind, end) for kind in METRICS}
+    summary = {kind: round(sum(values) / len(values), 1) for kind, values in series.items()}
     return [
         {"role": "system", "content": SYSTEM},
         {"role": "user", "content": f"28-day averages to {end.isoformat()}: {summary}"},
