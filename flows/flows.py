@@ -56,17 +56,13 @@ async def _draining(rt: Runtime, role: str, **options: Any) -> AsyncIterator[Con
     """A consumer for this run, which SIGTERM and SIGINT stop cleanly (L4)."""
     consumer, ledger = prefect_consumer(rt, role, parent=flow_run.get_id(), **options)
     loop = asyncio.get_running_loop()
-    installed = []
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        # Refused off the main thread: the caller's own handling applies.
-        with contextlib.suppress(RuntimeError, ValueError, NotImplementedError):
-            loop.add_signal_handler(signum, consumer.stop, f"signal {signum.name}")
-            installed.append(signum)
-    try:
+    with contextlib.ExitStack() as handlers:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            # Refused off the main thread: the caller's own handling applies.
+            with contextlib.suppress(RuntimeError, ValueError, NotImplementedError):
+                loop.add_signal_handler(signum, consumer.stop, f"signal {signum.name}")
+                handlers.callback(loop.remove_signal_handler, signum)
         yield consumer
-    finally:
-        for signum in installed:
-            loop.remove_signal_handler(signum)
     await ledger.flush()
 
 
