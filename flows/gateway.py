@@ -271,8 +271,7 @@ class GatewayClient:
                     data = await self._read_capped(response, progress)
             except httpx.TransportError as exc:
                 raise self._transport_error(exc, progress) from exc
-        content, raw = self._parse(data, progress.status or 200)
-        return Completion(content, raw, 0.0, len(data), progress.status or 200)
+        return self._parse(data, progress.status or 200)
 
     async def _read_capped(self, response: httpx.Response, progress: _Progress) -> bytes:
         chunks: list[bytes] = []
@@ -353,7 +352,7 @@ class GatewayClient:
         # Our side is misconfigured: the attempt is spent, and it says nothing of the gateway.
         return GatewayRequestFailed(f"{where}: request failed: {detail}")
 
-    def _parse(self, data: bytes, status: int) -> tuple[str, dict[str, Any]]:
+    def _parse(self, data: bytes, status: int) -> Completion:
         try:
             parsed = json.loads(data)
         except (ValueError, UnicodeDecodeError):
@@ -368,7 +367,7 @@ class GatewayClient:
         if not isinstance(content, str) or not isinstance(parsed, dict):
             what = "answer has no choices[0].message.content text"
             raise GatewayRejected(f"POST {self.url}: {what} (HTTP {status})", status)
-        return content, parsed
+        return Completion(content, parsed, 0.0, len(data), status)
 
 
 @dataclasses.dataclass
