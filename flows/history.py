@@ -17,7 +17,7 @@ from prefect import Flow
 from prefect.client.orchestration import PrefectClient, get_client
 from prefect.client.schemas import filters
 from prefect.client.schemas.actions import LogCreate
-from prefect.client.schemas.objects import StateType
+from prefect.client.schemas.objects import State, StateType
 from prefect.events import emit_event
 from prefect.states import Cancelled, Completed, Crashed, Failed, Running
 
@@ -123,12 +123,11 @@ class _PrefectEntry:
 
     def close(self, report: Report) -> None:
         self._ledger.opened.discard(self)
-        state_name, message = _final_state(report)
-        level = logging.INFO if state_name == "completed" else logging.WARNING
+        state, message = _final_state(report)
+        level = logging.INFO if state is Completed else logging.WARNING
         self.note(f"{report.outcome}: {report.public_message}", level)
         if report.settlement is not None and report.settlement.verdict:
             self.note(report.settlement.verdict, level)
-        state = {"completed": Completed, "failed": Failed, "cancelled": Cancelled}[state_name]
         message = self._ledger.redact(message)
 
         async def finish(client: PrefectClient) -> None:
@@ -272,7 +271,7 @@ def _emit(
         logger.debug("event %s not sent: %s", event, exc)
 
 
-def _final_state(report: Report) -> tuple[str, str]:
+def _final_state(report: Report) -> tuple[Callable[..., State[Any]], str]:
     """The state a generation's run ends in, and its message."""
     job, tokens = report.job, "tokens unknown"
     if (used := report.usage) is not None:
@@ -282,13 +281,13 @@ def _final_state(report: Report) -> tuple[str, str]:
         waited = ""
         if (asked := job.requested_at) is not None:
             waited = f"; the screen waited {max(0.0, time.time() - asked.timestamp()):.0f} s"
-        return "completed", f"generated{call} (attempt {job.attempts}, {tokens}){waited}"
+        return Completed, f"generated{call} (attempt {job.attempts}, {tokens}){waited}"
     if report.outcome is Outcome.RELEASED and report.failure == Failure.STOPPED:
-        return "cancelled", report.public_message
+        return Cancelled, report.public_message
     shown = report.public_message
     first = shown.splitlines()[0] if shown else str(report.outcome)
     spent = f" ({tokens})" if report.answered else ""
-    return "failed", f"{_ENDED.get(report.outcome, str(report.outcome))}{spent}: {first}"[:500]
+    return Failed, f"{_ENDED.get(report.outcome, str(report.outcome))}{spent}: {first}"[:500]
 
 
 async def erase_runs(pseudonyms: list[str]) -> tuple[list[str], str | None]:
