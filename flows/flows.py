@@ -219,7 +219,8 @@ async def _follow(
     rt: Runtime, ids: list[str], progress: uuid.UUID | None, consumer: Consumer | None
 ) -> dict[str, Job]:
     """Watch these jobs until each is done, failed or gone (counted on `progress`); returns their
-    last rows. A `consumer` drains meanwhile, then takes nothing new and ends with its call."""
+    last rows. A `consumer` drains meanwhile (what it cannot run now, a warm consumer or a retry
+    will); once they are settled it takes nothing new, and ends with its call."""
     drain = asyncio.create_task(consumer.run()) if consumer is not None else None
     deadline = time.monotonic() + FOLLOW_LIMIT_SECONDS
     latest: dict[str, Job] = {}
@@ -240,8 +241,6 @@ async def _follow(
                     await aupdate_progress_artifact(progress, 100.0 * finished / max(len(ids), 1))
             if settled := finished == len(ids):
                 break
-            if drain is not None and drain.done():
-                drain = None  # nothing more it can run now; a warm consumer or a retry will
             await asyncio.sleep(FOLLOW_POLL_SECONDS)
     finally:
         if drain is not None and not drain.done():
