@@ -61,20 +61,18 @@ def demo_scopes(user_id: str) -> list[Scope]:
 def _metric_request(kind: str, user_id: str, subject: str) -> Messages:
     name, unit, _ = METRICS[kind]
     series = synthetic_series(user_id, kind, dt.date.fromisoformat(subject), days=7)
-    return [
-        {"role": "system", "content": SYSTEM},
-        {"role": "user", "content": f"{name} ({unit}), last 7 days to {subject}: {series}"},
-    ]
+    return _chat(f"{name} ({unit}), last 7 days to {subject}: {series}")
 
 
 def _trends_request(user_id: str, subject: str) -> Messages:
     end = dt.date.fromisoformat(subject.split("..")[-1])
     series = {kind: synthetic_series(user_id, kind, end) for kind in METRICS}
     summary = {kind: round(sum(values) / len(values), 1) for kind, values in series.items()}
-    return [
-        {"role": "system", "content": SYSTEM},
-        {"role": "user", "content": f"28-day averages to {end.isoformat()}: {summary}"},
-    ]
+    return _chat(f"28-day averages to {end.isoformat()}: {summary}")
+
+
+def _chat(question: str) -> Messages:
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
 
 
 def _with_model(answer: Completion) -> Any:
