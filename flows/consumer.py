@@ -53,20 +53,18 @@ class ConsumerConfig:
 
 @dataclasses.dataclass
 class Summary:
-    ran: int = 0
-    outcomes: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
-    stopped_because: str = ""
     reports: list[Report] = dataclasses.field(default_factory=list)
+    stopped_because: str = ""
 
-    def add(self, report: Report) -> None:
-        self.ran += 1
-        self.outcomes[str(report.outcome)] += 1
-        self.reports.append(report)
+    @property
+    def ran(self) -> int:
+        return len(self.reports)
 
     def as_dict(self) -> dict[str, Any]:
+        outcomes = collections.Counter(str(report.outcome) for report in self.reports)
         return {
             "ran": self.ran,
-            "outcomes": dict(self.outcomes),
+            "outcomes": dict(outcomes),
             "stopped_because": self.stopped_because,
         }
 
@@ -165,19 +163,17 @@ class Consumer:
                         return
                     await self._pause(STANDBY_POLL_SECONDS)
                     continue
-                if held is not None and held.lost:
-                    # The guard took the idle slot back: take a new one first.
-                    await slot.aclose()
-                    held = None
-                if held is None:
+                if held is None or held.lost:
+                    await slot.aclose()  # an idle slot the guard took back is let go first
                     try:
                         held = await slot.enter_async_context(self._guard.slot())
                     except GuardUnavailable as exc:
+                        held = None
                         await self._pause(self._no_slot(exc))
                         continue
                     self._guard_down_since = None
                 wait = await self._claim_and_run(lane)
-                if not self._hold_slot or wait is None:
+                if not self._hold_slot:
                     await slot.aclose()
                     held = None
                 if wait:
@@ -185,24 +181,23 @@ class Consumer:
         finally:
             await asyncio.shield(slot.aclose())
 
-    async def _claim_and_run(self, lane: int) -> float | None:
+    async def _claim_and_run(self, lane: int) -> float:
         """One claim (and its job, if any); returns seconds to wait before the next, 0: none."""
         claim_sent = asyncio.get_running_loop().time()
         try:
             claim = await asyncio.to_thread(self._store.claim_next, self.worker)
         except StoreError as exc:
             self._store_down_since = self._store_down_since or time.monotonic()
-            if self._gives_up(self._store_down_since, exc, "store unavailable", "store error"):
-                return 0.0
-            logger.warning("claim failed, retrying: %s", exc)
-            return self._settings.poll_seconds
+            if wait := self._away(self._store_down_since, exc, "store unavailable", "store error"):
+                logger.warning("claim failed, retrying: %s", exc)
+            return wait
         self._store_down_since = None
         job = claim.job
         if job is None:
             refused = claim.pause_reason if claim.pause_kind is PauseKind.REFUSED else None
             if claim.blocked is Blocked.PAUSED and not self._standby and refused is not None:
                 self._stop_refused(refused)
-                return None
+                return 0.0
             if claim.blocked in (Blocked.GAP, Blocked.PAUSED):
                 return min(claim.retry_in or self._settings.poll_seconds, MAX_WAIT_SECONDS)
             if claim.blocked is Blocked.CONCURRENCY:
@@ -214,12 +209,11 @@ class Consumer:
             report = await self._runner.run(job, claim_sent)
         finally:
             self._busy.pop(lane, None)
-        self.summary.add(report)
+        self.summary.reports.append(report)
         log = logger.info if report.outcome is Outcome.DONE else logger.warning
         log("%s: %s (%s)", job.run_name, report.outcome, report.public_message)
         if report.failure is Failure.REFUSED and not self._standby:
             self._stop_refused(report.message)
-            return None
         return 0.0
 
     def _stop_refused(self, reason: str) -> None:
@@ -232,19 +226,18 @@ class Consumer:
         if self._guard_down_since is None:
             logger.warning("%s; no call starts until one can", exc)
             self._guard_down_since = time.monotonic()
-        since = self._guard_down_since
-        if self._gives_up(since, exc, "no gateway slot", "gateway slot unavailable"):
-            return 0.0
-        return self._settings.poll_seconds
+        return self._away(
+            self._guard_down_since, exc, "no gateway slot", "gateway slot unavailable"
+        )
 
-    def _gives_up(self, since: float, exc: Exception, what: str, reason: str) -> bool:
-        """Whether a draining consumer stops, `what` (the store, a slot) away since `since`."""
+    def _away(self, since: float, exc: Exception, what: str, reason: str) -> float:
+        """Seconds to wait for `what` (the store, a slot), away since `since`; 0: a drain stops."""
         down = time.monotonic() - since
         if self._standby or down <= STORE_OUTAGE_SECONDS:
-            return False
+            return self._settings.poll_seconds
         logger.error("%s for %.0f s, stopping: %s", what, down, exc)
         self._finished(f"{reason}: {exc}")
-        return True
+        return 0.0
 
     async def _work_waiting(self) -> bool:
         """Whether a claim could find something; a drain waits for anyone's call in flight (W2)."""

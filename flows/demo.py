@@ -51,36 +51,28 @@ def fingerprint(data: Any) -> str:
 
 def demo_scopes(user_id: str) -> list[Scope]:
     end = dt.datetime.now(dt.UTC).date()
-    scopes = [
-        Scope(kind, end.isoformat(), fingerprint(synthetic_series(user_id, kind, end)))
-        for kind in METRICS
-    ]
+    series = {kind: synthetic_series(user_id, kind, end) for kind in METRICS}
+    scopes = [Scope(kind, end.isoformat(), fingerprint(values)) for kind, values in series.items()]
     window = f"{(end - dt.timedelta(days=DEMO_DAYS - 1)).isoformat()}..{end.isoformat()}"
-    trend_data = {kind: synthetic_series(user_id, kind, end) for kind in METRICS}
-    scopes.append(Scope(TRENDS, window, fingerprint(trend_data), single_subject=True))
+    scopes.append(Scope(TRENDS, window, fingerprint(series), single_subject=True))
     return scopes
 
 
 def _metric_request(kind: str, user_id: str, subject: str) -> Messages:
     name, unit, _ = METRICS[kind]
     series = synthetic_series(user_id, kind, dt.date.fromisoformat(subject), days=7)
-    return [
-        {"role": "system", "content": SYSTEM},
-        {"role": "user", "content": f"{name} ({unit}), last 7 days to {subject}: {series}"},
-    ]
+    return _chat(f"{name} ({unit}), last 7 days to {subject}: {series}")
 
 
 def _trends_request(user_id: str, subject: str) -> Messages:
     end = dt.date.fromisoformat(subject.split("..")[-1])
-    summary = {
-        kind: round(sum(values) / len(values), 1)
-        for kind in METRICS
-        for values in [synthetic_series(user_id, kind, end)]
-    }
-    return [
-        {"role": "system", "content": SYSTEM},
-        {"role": "user", "content": f"28-day averages to {end.isoformat()}: {summary}"},
-    ]
+    series = {kind: synthetic_series(user_id, kind, end) for kind in METRICS}
+    summary = {kind: round(sum(values) / len(values), 1) for kind, values in series.items()}
+    return _chat(f"28-day averages to {end.isoformat()}: {summary}")
+
+
+def _chat(question: str) -> Messages:
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
 
 
 def _with_model(answer: Completion) -> Any:

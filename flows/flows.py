@@ -10,6 +10,7 @@ import contextlib
 import re
 import signal
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
@@ -22,6 +23,7 @@ from prefect.artifacts import (
 )
 from prefect.client.schemas.objects import State
 from prefect.runtime import flow_run
+from prefect.settings import PREFECT_API_URL, PREFECT_UI_URL
 from prefect.states import Completed, Failed
 
 from flows.consumer import Consumer, worker_name
@@ -54,17 +56,13 @@ async def _draining(rt: Runtime, role: str, **options: Any) -> AsyncIterator[Con
     """A consumer for this run, which SIGTERM and SIGINT stop cleanly (L4)."""
     consumer, ledger = prefect_consumer(rt, role, parent=flow_run.get_id(), **options)
     loop = asyncio.get_running_loop()
-    installed = []
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        # Refused off the main thread: the caller's own handling applies.
-        with contextlib.suppress(RuntimeError, ValueError, NotImplementedError):
-            loop.add_signal_handler(signum, consumer.stop, f"signal {signum.name}")
-            installed.append(signum)
-    try:
+    with contextlib.ExitStack() as handlers:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            # Refused off the main thread: the caller's own handling applies.
+            with contextlib.suppress(RuntimeError, ValueError, NotImplementedError):
+                loop.add_signal_handler(signum, consumer.stop, f"signal {signum.name}")
+                handlers.callback(loop.remove_signal_handler, signum)
         yield consumer
-    finally:
-        for signum in installed:
-            loop.remove_signal_handler(signum)
     await ledger.flush()
 
 
@@ -116,12 +114,8 @@ async def backfill(user: str) -> State[Any]:
         progress = await acreate_progress_artifact(
             0.0, key=f"{key}-progress", description=f"Scopes of {user} finished"
         )
-
-        async def show(done: int) -> None:
-            await aupdate_progress_artifact(progress, 100.0 * done / max(len(ids), 1))
-
         async with _consuming(rt, role="backfill") as consumer:
-            jobs = await _follow(rt, ids, show, consumer)
+            jobs = await _follow(rt, ids, progress, consumer)
         rows = [_scope_row(s, jobs.get(i)) for s, i in zip(scopes, ids, strict=True)]
         await acreate_table_artifact(rows, key=f"{key}-scopes", description=f"Scopes of {user}")
         ended = collections.Counter(row["status"] for row in rows)
@@ -170,10 +164,10 @@ async def interactive(user: str, kind: str, subject: str) -> State[Any]:
             served = f"served in {waited:.1f} s by generation run {made_by or '?'}"
             outcome: State[Any] = Completed(message=served)
         else:
-            why = "the job is gone" if job is None else job.error or f"still {job.status}"
-            story += f"- not generated: {_shown(why)}\n- last attempt: {link}\n"
+            why = _shown("the job is gone" if job is None else job.error or f"still {job.status}")
+            story += f"- not generated: {why}\n- last attempt: {link}\n"
             story += f"- the screen waited {waited:.1f} s\n"
-            outcome = Failed(message=f"not served after {waited:.0f} s: {_shown(why)}"[:500])
+            outcome = Failed(message=f"not served after {waited:.0f} s: {why}"[:500])
         await _story(kind, story)
         get_run_logger().info("%s:%s for %s: %s", kind, subject, user, outcome.message)
         return outcome
@@ -222,10 +216,11 @@ async def prune(dry_run: bool = False) -> dict[str, Any]:
 
 
 async def _follow(
-    rt: Runtime, ids: list[str], show: Any, consumer: Consumer | None
+    rt: Runtime, ids: list[str], progress: uuid.UUID | None, consumer: Consumer | None
 ) -> dict[str, Job]:
-    """Watch these jobs until each is done, failed or gone; returns their last rows. A `consumer`
-    drains meanwhile; once they are settled it takes nothing new, and ends with its call."""
+    """Watch these jobs until each is done, failed or gone (counted on `progress`); returns their
+    last rows. A `consumer` drains meanwhile (what it cannot run now, a warm consumer or a retry
+    will); once they are settled it takes nothing new, and ends with its call."""
     drain = asyncio.create_task(consumer.run()) if consumer is not None else None
     deadline = time.monotonic() + FOLLOW_LIMIT_SECONDS
     latest: dict[str, Job] = {}
@@ -240,14 +235,12 @@ async def _follow(
                 continue
             ended = (Status.DONE, Status.FAILED)
             finished = sum(1 for i in ids if i not in latest or latest[i].status in ended)
-            if show is not None and finished != shown:
+            if progress is not None and finished != shown:
                 shown = finished
                 with contextlib.suppress(Exception):
-                    await show(finished)
+                    await aupdate_progress_artifact(progress, 100.0 * finished / max(len(ids), 1))
             if settled := finished == len(ids):
                 break
-            if drain is not None and drain.done():
-                drain = None  # nothing more it can run now; a warm consumer or a retry will
             await asyncio.sleep(FOLLOW_POLL_SECONDS)
     finally:
         if drain is not None and not drain.done():
@@ -290,8 +283,6 @@ def _shown(error: str) -> str:
 
 def _run_url(run_id: str) -> str:
     """Where a flow run is in the UI of the Prefect API this process reports to."""
-    from prefect.settings import PREFECT_API_URL, PREFECT_UI_URL
-
     api = PREFECT_API_URL.value()
     ui = str(PREFECT_UI_URL.value() or (str(api).removesuffix("/api") if api else ""))
     return f"{ui.rstrip('/')}/runs/flow-run/{run_id}"

@@ -197,13 +197,15 @@ class GatewayClient:
         if parts.port is not None:
             netloc += f":{parts.port}"
         base = urllib.parse.urlunsplit((parts.scheme, netloc, parts.path.rstrip("/"), "", ""))
-        self._url = base + gateway.path
+        self.url = base + gateway.path
+        self._headers = {"User-Agent": USER_AGENT, "Accept": "application/json"}
         self._auth: httpx.Auth | None = None
-        if parts.username is not None and not token:
+        if token:
+            self._headers["Authorization"] = f"Bearer {token}"
+        elif parts.username is not None:
             self._auth = httpx.BasicAuth(
                 urllib.parse.unquote(parts.username), urllib.parse.unquote(parts.password or "")
             )
-        self._token = token
         self._model = gateway.model
         self._transport = _Borrowed(transport) if transport is not None else None
         self._redact = redactor
@@ -212,12 +214,8 @@ class GatewayClient:
         # Connecting, sending and waiting for the pool are short; the answer may take minutes.
         self._timeout = httpx.Timeout(gateway.connect_timeout, read=self.call_timeout)
 
-    @property
-    def url(self) -> str:
-        return self._url
-
     def __repr__(self) -> str:
-        return f"GatewayClient(url={self._url!r}, model={self._model!r})"
+        return f"GatewayClient(url={self.url!r}, model={self._model!r})"
 
     async def complete(
         self,
@@ -235,9 +233,7 @@ class GatewayClient:
             **extra,
             "messages": [dict(m) for m in messages],
         }
-        headers = {"Accept": "application/json"}
-        if self._token:
-            headers["Authorization"] = f"Bearer {self._token}"
+        headers = {}
         if job is not None:
             headers[JOB_HEADER] = urllib.parse.quote(job, safe=JOB_HEADER_SAFE)
         budget = self.call_timeout if timeout is None else min(timeout, self.call_timeout)
@@ -250,7 +246,7 @@ class GatewayClient:
             got = f"received {progress.received:,} bytes"
             got += f", HTTP {progress.status} headers" if progress.status else ""
             what = f"no complete answer within {budget:g} s ({got})"
-            raise GatewayTimeout(f"POST {self._url}: {what}", progress.status) from None
+            raise GatewayTimeout(f"POST {self.url}: {what}", progress.status) from None
         elapsed = time.monotonic() - started
         logger.debug("gateway answered HTTP %d in %.1f s", completion.status, elapsed)
         return dataclasses.replace(completion, elapsed_seconds=elapsed)
@@ -264,10 +260,10 @@ class GatewayClient:
             follow_redirects=False,
             verify=_tls_context(),
             auth=self._auth,
-            headers={"User-Agent": USER_AGENT},
+            headers=self._headers,
         ) as http:
             try:
-                async with http.stream("POST", self._url, json=body, headers=headers) as response:
+                async with http.stream("POST", self.url, json=body, headers=headers) as response:
                     progress.status = response.status_code
                     if not 200 <= response.status_code < 300:
                         excerpt = await self._read_excerpt(response, progress)
@@ -275,8 +271,7 @@ class GatewayClient:
                     data = await self._read_capped(response, progress)
             except httpx.TransportError as exc:
                 raise self._transport_error(exc, progress) from exc
-        content, raw = self._parse(data, progress.status or 200)
-        return Completion(content, raw, 0.0, len(data), progress.status or 200)
+        return self._parse(data, progress.status or 200)
 
     async def _read_capped(self, response: httpx.Response, progress: _Progress) -> bytes:
         chunks: list[bytes] = []
@@ -284,7 +279,7 @@ class GatewayClient:
             progress.received += len(chunk)
             if progress.received > self._max_bytes:
                 what = f"answer larger than {self._max_bytes:,} bytes (AI_GATEWAY_MAX_ANSWER_BYTES)"
-                raise GatewayRejected(f"POST {self._url}: {what}; cut off", response.status_code)
+                raise GatewayRejected(f"POST {self.url}: {what}; cut off", response.status_code)
             chunks.append(chunk)
         return b"".join(chunks)
 
@@ -317,7 +312,7 @@ class GatewayClient:
 
     def _status_error(self, response: httpx.Response, excerpt: str) -> GatewayError:
         status = response.status_code
-        where, http = f"POST {self._url}", f"(HTTP {status})"
+        where, http = f"POST {self.url}", f"(HTTP {status})"
         tail = f": {excerpt}" if excerpt else ""
         retry = parse_retry_after(response.headers)
         if status == RATE_LIMITED_STATUS or (status == 503 and retry is not None):
@@ -330,7 +325,7 @@ class GatewayClient:
         elif status in REFUSED_STATUSES:
             what = f"the gateway refused our credentials {http}; check AI_GATEWAY_TOKEN{tail}"
         elif 300 <= status < 400:
-            location = urllib.parse.urljoin(self._url, response.headers.get("location", ""))
+            location = urllib.parse.urljoin(self.url, response.headers.get("location", ""))
             host = self._redact(urllib.parse.urlsplit(location).hostname or "?")
             what = f"the gateway redirected to host {host} {http}; "
             what += "set AI_GATEWAY_URL to the address that answers"
@@ -339,7 +334,7 @@ class GatewayClient:
         return error(f"{where}: {what}", status, excerpt)
 
     def _transport_error(self, exc: httpx.TransportError, progress: _Progress) -> GatewayError:
-        where, detail = f"POST {self._url}", self._redact(str(exc) or type(exc).__name__)
+        where, detail = f"POST {self.url}", self._redact(str(exc) or type(exc).__name__)
         # Not even connected (ConnectTimeout is a TimeoutException) or sent: away, not slow.
         if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout | httpx.ProxyError):
             return GatewayUnavailable(f"{where}: cannot connect: {detail}")
@@ -357,13 +352,13 @@ class GatewayClient:
         # Our side is misconfigured: the attempt is spent, and it says nothing of the gateway.
         return GatewayRequestFailed(f"{where}: request failed: {detail}")
 
-    def _parse(self, data: bytes, status: int) -> tuple[str, dict[str, Any]]:
+    def _parse(self, data: bytes, status: int) -> Completion:
         try:
             parsed = json.loads(data)
         except (ValueError, UnicodeDecodeError):
             excerpt = self._excerpt(data)
             raise GatewayRejected(
-                f"POST {self._url}: answer is not JSON (HTTP {status}): {excerpt}", status, excerpt
+                f"POST {self.url}: answer is not JSON (HTTP {status}): {excerpt}", status, excerpt
             ) from None
         try:
             content = parsed["choices"][0]["message"]["content"]
@@ -371,8 +366,8 @@ class GatewayClient:
             content = None
         if not isinstance(content, str) or not isinstance(parsed, dict):
             what = "answer has no choices[0].message.content text"
-            raise GatewayRejected(f"POST {self._url}: {what} (HTTP {status})", status)
-        return content, parsed
+            raise GatewayRejected(f"POST {self.url}: {what} (HTTP {status})", status)
+        return Completion(content, parsed, 0.0, len(data), status)
 
 
 @dataclasses.dataclass

@@ -11,16 +11,18 @@ import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from flows.ledger import LedgerEntry, Outcome
+from prefect import Flow
+from prefect.client.orchestration import PrefectClient, get_client
+from prefect.client.schemas import filters
+from prefect.client.schemas.actions import LogCreate
+from prefect.client.schemas.objects import State, StateType
+from prefect.events import emit_event
+from prefect.states import Cancelled, Completed, Crashed, Failed, Running
+
+from flows.ledger import LedgerEntry, Outcome, Report
 from queue_store import Failure, Job, Redactor
-
-if TYPE_CHECKING:
-    from prefect import Flow
-    from prefect.client.orchestration import PrefectClient
-
-    from flows.ledger import Report
 
 logger = logging.getLogger(__name__)
 
@@ -77,8 +79,8 @@ class _PrefectEntry:
         waited = f"; a screen asked {max(0.0, at - asked.timestamp()):.1f} s ago" if asked else ""
         self.note(f"call sent to the gateway{waited}")
 
-    def note(self, message: str) -> None:
-        self._logs.append((time.time(), logging.INFO, self._ledger.redact(message)))
+    def note(self, message: str, level: int = logging.INFO) -> None:
+        self._logs.append((time.time(), level, self._ledger.redact(message)))
 
     async def run_id(self, wait: float | None = None) -> str | None:
         timeout = RUN_ID_WAIT_SECONDS if wait is None else wait
@@ -92,8 +94,6 @@ class _PrefectEntry:
         return self._run.result() if self._run.done() else None
 
     async def create(self, client: PrefectClient) -> None:
-        from prefect.states import Running
-
         job, worker, flow = self._job, self._ledger.worker, self._ledger.flow
         try:
             run = await client.create_flow_run(
@@ -123,39 +123,33 @@ class _PrefectEntry:
 
     def close(self, report: Report) -> None:
         self._ledger.opened.discard(self)
-        state_name, message = _final_state(report)
-        level = logging.INFO if state_name == "completed" else logging.WARNING
-        logs = [*self._logs, (time.time(), level, f"{report.outcome}: {report.public_message}")]
+        state, message = _final_state(report)
+        level = logging.INFO if state is Completed else logging.WARNING
+        self.note(f"{report.outcome}: {report.public_message}", level)
         if report.settlement is not None and report.settlement.verdict:
-            logs.append((time.time(), level, report.settlement.verdict))
-        redact = self._ledger.redact
+            self.note(report.settlement.verdict, level)
+        message = self._ledger.redact(message)
 
         async def finish(client: PrefectClient) -> None:
-            from prefect.client.schemas.actions import LogCreate
-            from prefect.states import Cancelled, Completed, Failed
-
             if (run_id := self.recorded_id) is None:
                 name = self._job.run_name
                 logger.warning("run history: %s was never recorded, so it cannot be closed", name)
                 return
-            state = {"completed": Completed, "failed": Failed, "cancelled": Cancelled}[state_name]
             await client.create_logs(
                 [
                     LogCreate.model_validate(
                         {
                             "name": "insight_queue.generation",
                             "level": lvl,
-                            "message": redact(text),
+                            "message": text,
                             "timestamp": dt.datetime.fromtimestamp(at, dt.UTC),
                             "flow_run_id": uuid.UUID(run_id),
                         }
                     )
-                    for at, lvl, text in logs
+                    for at, lvl, text in self._logs
                 ]
             )
-            await client.set_flow_run_state(
-                uuid.UUID(run_id), state(message=redact(message)), force=True
-            )
+            await client.set_flow_run_state(uuid.UUID(run_id), state(message=message), force=True)
 
         self._ledger.submit(finish)
 
@@ -211,8 +205,6 @@ class PrefectLedger:
             self._writer = asyncio.create_task(self._write_all(), name="run-history")
 
     async def _write_all(self) -> None:
-        from prefect.client.orchestration import get_client
-
         async with get_client() as client:
             while not self._writes.empty():
                 write = self._writes.get_nowait()
@@ -238,10 +230,6 @@ async def _close_earlier_attempts(
     client: PrefectClient, job: Job, current: uuid.UUID, flow_name: str
 ) -> None:
     """End Crashed this job's earlier attempts' open runs, found by their record (W3)."""
-    from prefect.client.schemas import filters
-    from prefect.client.schemas.objects import StateType
-    from prefect.states import Crashed
-
     runs = await client.read_flow_runs(
         flow_filter=filters.FlowFilter(name=filters.FlowFilterName(any_=[flow_name])),
         flow_run_filter=filters.FlowRunFilter(
@@ -277,15 +265,13 @@ def _emit(
     event: str, resource: dict[str, str], related: list[dict[str, str]] | None = None
 ) -> None:
     """Send an event to Prefect (queued, never blocking); a failure is logged, not raised."""
-    from prefect.events import emit_event
-
     try:
         emit_event(event=event, resource=resource, related=related or _tags([PROJECT_TAG]))
     except Exception as exc:  # noqa: BLE001 - events never break a generation
         logger.debug("event %s not sent: %s", event, exc)
 
 
-def _final_state(report: Report) -> tuple[str, str]:
+def _final_state(report: Report) -> tuple[Callable[..., State[Any]], str]:
     """The state a generation's run ends in, and its message."""
     job, tokens = report.job, "tokens unknown"
     if (used := report.usage) is not None:
@@ -295,20 +281,17 @@ def _final_state(report: Report) -> tuple[str, str]:
         waited = ""
         if (asked := job.requested_at) is not None:
             waited = f"; the screen waited {max(0.0, time.time() - asked.timestamp()):.0f} s"
-        return "completed", f"generated{call} (attempt {job.attempts}, {tokens}){waited}"
+        return Completed, f"generated{call} (attempt {job.attempts}, {tokens}){waited}"
     if report.outcome is Outcome.RELEASED and report.failure == Failure.STOPPED:
-        return "cancelled", report.public_message
+        return Cancelled, report.public_message
     shown = report.public_message
     first = shown.splitlines()[0] if shown else str(report.outcome)
     spent = f" ({tokens})" if report.answered else ""
-    return "failed", f"{_ENDED.get(report.outcome, str(report.outcome))}{spent}: {first}"[:500]
+    return Failed, f"{_ENDED.get(report.outcome, str(report.outcome))}{spent}: {first}"[:500]
 
 
 async def erase_runs(pseudonyms: list[str]) -> tuple[list[str], str | None]:
     """Delete the runs and artifacts of forgotten pseudonyms (D3): those done, and why not all."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas import filters
-
     done: list[str] = []
     try:
         async with get_client() as client:

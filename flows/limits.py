@@ -11,6 +11,9 @@ from collections.abc import Iterable
 
 from prefect import get_client
 from prefect.client.schemas.actions import GlobalConcurrencyLimitUpdate
+from prefect.concurrency._asyncio import arelease_concurrency_slots_with_lease
+from prefect.states import Crashed
+from prefect.utilities.asyncutils import run_coro_as_sync
 
 from flows.guard import GATEWAY_TAG
 
@@ -55,9 +58,6 @@ def repair_gateway_slots(tag: str = GATEWAY_TAG, *, repair: bool = True) -> Slot
 
 def give_back_leases(lease_ids: Iterable[str]) -> int:
     """Release `gateway` slot leases a dead process held (recorded by it), at once."""
-    from prefect.concurrency._asyncio import arelease_concurrency_slots_with_lease
-    from prefect.utilities.asyncutils import run_coro_as_sync
-
     given = 0
     for lease_id in lease_ids:
         with contextlib.suppress(Exception):  # already expired or released: nothing to give
@@ -68,8 +68,6 @@ def give_back_leases(lease_ids: Iterable[str]) -> int:
 
 def mark_crashed(run_ids: Iterable[str], message: str) -> int:
     """End these runs Crashed with `message` if they are still running; returns how many."""
-    from prefect.states import Crashed
-
     ended = 0
     with get_client(sync_client=True) as client:
         for run_id in run_ids:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as dt
 import importlib
@@ -90,12 +91,10 @@ def periods(days: int, days_ahead: int = 1) -> CheckSubject:
 
 
 def _day(text: str) -> dt.date:
-    try:
-        if len(text) != len("YYYY-MM-DD"):
-            raise ValueError(text)
-        return dt.date.fromisoformat(text)
-    except ValueError:
-        raise ValueError(f"{text[:40]!r} is not a date (YYYY-MM-DD)") from None
+    if len(text) == len("YYYY-MM-DD"):
+        with contextlib.suppress(ValueError):
+            return dt.date.fromisoformat(text)
+    raise ValueError(f"{text[:40]!r} is not a date (YYYY-MM-DD)")
 
 
 class Registry:

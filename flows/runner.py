@@ -71,17 +71,15 @@ class LeaseKeeper:
         self._settings = settings
         self._budget = settings.lease_seconds - settings.lease_margin
         self.hard_deadline = claim_sent + settings.claim_timeout_seconds - settings.lease_margin
-        self.deadline = min(claim_sent + self._budget, self.hard_deadline)
         self.renewal: Renewal | None = None  # set when a renewal was refused
         self.store_error: str | None = None  # the last renewal that failed to reach the store
         self.unconfirmed: str | None = None  # the store error of the renewal before the call
-        self._scope: asyncio.Timeout | None = None
+        self._scope = asyncio.timeout_at(min(claim_sent + self._budget, self.hard_deadline))
 
     @contextlib.asynccontextmanager
     async def held(self) -> AsyncIterator[None]:
         """Renew the claim while the block runs, and end it at the deadline (`LeaseEnded`)."""
         beat = asyncio.create_task(self._beat(), name=f"heartbeat-{self._job.id[:8]}")
-        self._scope = asyncio.timeout_at(self.deadline)
         try:
             async with self._scope:
                 yield
@@ -120,12 +118,11 @@ class LeaseKeeper:
             return renewal
         # From the renewal's *send* time: the store counts the lease from no earlier, so this
         # side stops first however long the renewal took to confirm.
-        self.deadline = min(sent + self._budget, self.hard_deadline)
-        self._end_at(self.deadline)
+        self._end_at(min(sent + self._budget, self.hard_deadline))
         return renewal
 
     def _end_at(self, when: float) -> None:
-        if self._scope is not None and not self._scope.expired():
+        if not self._scope.expired():
             self._scope.reschedule(when)
 
     async def _beat(self) -> None:
@@ -342,12 +339,10 @@ class JobRunner:
             outcome, message = Outcome.UNRECORDED, f"{message} (not recorded: {exc})"
         else:
             settled = {"settlement": settlement, "flow_run_id": run_id}
-            if not settlement.attempt_spent:
-                outcome = Outcome.RELEASED
-            elif settlement.status is Status.FAILED:
-                outcome = Outcome.FAILED
+            if settlement.attempt_spent:
+                outcome = Outcome.FAILED if settlement.status is Status.FAILED else Outcome.REQUEUED
             else:
-                outcome = Outcome.REQUEUED
+                outcome = Outcome.RELEASED
             if settlement.pause_seconds:
                 logger.warning("%s: %s", job.run_name, settlement.verdict)
         return self._report(attempt, outcome, message, failure=failure, quoted=quoted, **settled)

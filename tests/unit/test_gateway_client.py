@@ -792,7 +792,7 @@ def test_url_credentials_in_a_connect_error_are_redacted() -> None:
 
 def test_the_client_repr_and_url_hold_no_token() -> None:
     client = client_for(responding(200))
-    assert exposures(repr(client) + client.url + repr(vars(client).get("_url")), TOKEN) == []
+    assert exposures(repr(client) + client.url + repr(vars(client).get("url")), TOKEN) == []
 
 
 # --- errors travel whole -------------------------------------------------------------------
