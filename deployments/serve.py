@@ -219,7 +219,7 @@ class _Serving:
                 taken = f"port {prefect_port} is taken; the Prefect server uses {port}"
                 print(taken, flush=True)
             self.server = PrefectServer(
-                home, port, ui=ui, reuse=False, retention_days=settings.retention_days
+                home, port, ui=ui, retention_days=settings.retention_days
             ).start()
             api_url = self.server.api_url
         elif not is_healthy(api_url):

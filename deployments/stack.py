@@ -69,14 +69,13 @@ def is_healthy(api_url: str, timeout: float = 2.0) -> bool:
 
 @dataclasses.dataclass(eq=False)
 class PrefectServer:
-    """A local Prefect server subprocess; with `reuse`, a server already answering at the port."""
+    """A local Prefect server subprocess."""
 
     home: Path
     port: int = DEFAULT_PORT
     _: dataclasses.KW_ONLY
     ui: bool = True
     database_url: str | None = None
-    reuse: bool = True
     retention_days: float = DEFAULT_RETENTION_DAYS
     process: subprocess.Popen[bytes] | None = dataclasses.field(default=None, init=False)
 
@@ -97,9 +96,6 @@ class PrefectServer:
         return self.process.pid if self.process else None
 
     def start(self) -> Self:
-        if self.reuse and is_healthy(self.api_url):
-            logger.info("using the Prefect server already running at %s", self.api_url)
-            return self
         if not processes.port_is_free(self.port):
             raise RuntimeError(
                 f"port {self.port} on 127.0.0.1 is taken by something that is not a Prefect server"
@@ -137,7 +133,7 @@ class PrefectServer:
         return self
 
     def stop(self, grace_seconds: float = 15.0) -> None:
-        """Stop the server this object started (never one it reused)."""
+        """Stop the server this object started."""
         process, self.process = self.process, None
         if process is not None:
             processes.stop_group(process, grace_seconds=grace_seconds)
