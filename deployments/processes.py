@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import FrameType
-from typing import IO, Any
+from typing import Any
 
 STOP_GRACE_SECONDS = 10.0
 PR_SET_PDEATHSIG = 1
@@ -39,18 +39,15 @@ def start(
     env: Mapping[str, str] | None = None,
     log: Path | None = None,
     cwd: Path | None = None,
-    stdout: int | IO[Any] | None = None,
     umask: int = -1,
 ) -> subprocess.Popen[bytes]:
     """Start a command in its own session; `umask` is the child's (-1: this process's)."""
-    out: Any = stdout
     handle = None
     if log is not None:
         log.parent.mkdir(parents=True, exist_ok=True)
         handle = open(log, "ab")  # noqa: SIM115 - closed below, the child keeps its copy
         if umask != -1:
             os.chmod(log, 0o666 & ~umask)
-        out = handle
     # PDEATHSIG fires when the *thread* that forked the child exits: only the main thread
     # outlives it.
     main_thread = threading.current_thread() is threading.main_thread()
@@ -59,8 +56,8 @@ def start(
             list(args),
             env=dict(env) if env is not None else None,
             cwd=cwd,
-            stdout=out,
-            stderr=subprocess.STDOUT if out is not None else None,
+            stdout=handle,
+            stderr=subprocess.STDOUT if handle is not None else None,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
             umask=umask,
