@@ -116,6 +116,8 @@ def command(
     on stderr, exit 2 for what the caller or the operator must fix, 1 for what may pass."""
 
     def make(function: Callable[..., None]) -> click.Command:
+        @(group or main).command(name, short_help=short_help, context_settings=context_settings)
+        @click.pass_context
         @functools.wraps(function)
         def run(*args: Any, **kwargs: Any) -> None:
             try:
@@ -125,10 +127,7 @@ def command(
                 bad_input = isinstance(exc, InvalidArgument | Misconfigured)
                 sys.exit(EXIT_BAD_INPUT if bad_input else EXIT_FAILURE)
 
-        made = click.pass_context(run)
-        return (group or main).command(
-            name, short_help=short_help, context_settings=context_settings
-        )(made)
+        return run
 
     return make
 
@@ -332,10 +331,8 @@ def worker_command(ctx: click.Context, pool: str, limit: int | None) -> None:
         from deployments.stack import executable
 
         args = [executable("prefect"), "worker", "start", "--pool", pool, "--type", "process"]
-        env = {"PREFECT_WORKER_QUERY_SECONDS": WORKER_QUERY_SECONDS, **os.environ}
-        started.append(
-            processes.start([*args, *(["--limit", str(limit)] if limit else [])], env=env)
-        )
+        processes.export_to_children(PREFECT_WORKER_QUERY_SECONDS=WORKER_QUERY_SECONDS)
+        started.append(processes.start([*args, *(["--limit", str(limit)] if limit else [])]))
 
     try:
         _stand_by(settings_from(ctx), beside=start_worker)
