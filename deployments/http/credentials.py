@@ -124,10 +124,12 @@ class Credentials:
         }
         if not keys:
             given["screen_secret"] = api.screen_secret.get_secret_value()
-        needed = [name for name, value in given.items() if not value]
-        kept, made = _kept(path, needed, create=create)
-        values = {name: given[name] or kept.get(name, "") for name in given}
-        screens = _screens(settings, None if keys else values["screen_secret"] or None)
+        kept = _load(path)
+        values = {name: value or kept.get(name, "") for name, value in given.items()}
+        made = tuple(name for name, value in values.items() if not value) if create else ()
+        if made:
+            values |= _keep(path, kept, made)
+        screens = _screens(settings, values.get("screen_secret") or None)
         return cls(values["operator_token"], values["service_token"], screens, path, made)
 
 
@@ -157,22 +159,17 @@ def _read(path: Path | None, variable: str) -> str | None:
         raise Misconfigured(f"{variable}: cannot read {path} ({exc.strerror})") from None
 
 
-def _kept(path: Path, needed: list[str], *, create: bool) -> tuple[dict[str, str], tuple[str, ...]]:
-    """The credentials kept in `path`, with the `needed` ones that were missing made now."""
-    kept = _load(path)
-    missing = [name for name in needed if not kept.get(name)]
-    if not missing or not create:
-        return kept, ()
+def _keep(path: Path, kept: dict[str, str], names: tuple[str, ...]) -> dict[str, str]:
+    """Credentials made now for `names`, kept in `path` beside those it holds already."""
     private_directory(path.parent)
-    for name in missing:
-        kept[name] = secrets.token_urlsafe(32)
+    made = {name: secrets.token_urlsafe(32) for name in names}
     temporary = path.with_name(f".{path.name}.{os.getpid()}")
     descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(descriptor, "w") as handle:
-        json.dump(kept, handle, indent=2)
+        json.dump(kept | made, handle, indent=2)
     os.chmod(temporary, 0o600)
     os.replace(temporary, path)
-    return kept, tuple(missing)
+    return made
 
 
 def _load(path: Path) -> dict[str, str]:
