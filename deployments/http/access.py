@@ -94,13 +94,9 @@ class Gatekeeper:
         credential = credential.strip()
         if scheme.lower() == "bearer" and credential:
             return self._bearer(credential)
-        if scheme.lower() == "basic" and basic and credential:
+        if scheme.lower() == "basic" and basic and credential and from_this_site(request):
             password = _basic_password(credential)
-            if (
-                password is not None
-                and from_this_site(request)
-                and hmac.compare_digest(_digest(password), self._operator)
-            ):
+            if password and hmac.compare_digest(_digest(password), self._operator):
                 return Caller(Role.OPERATOR)
         raise Refused(401, BEARER_NEEDED, "authorization")
 
