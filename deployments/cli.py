@@ -4,12 +4,12 @@ load only when a command needs them, so the store's verbs never pay for them."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import logging
 import os
 import signal
-import subprocess
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
@@ -288,8 +288,9 @@ def _require_prefect(settings: Settings) -> None:
     )
 
 
-def _stand_by(settings: Settings, beside: Callable[[], None] | None = None) -> None:
-    """A warm consumer until SIGTERM, SIGINT or SIGHUP; `beside` runs once it stands by."""
+def _stand_by(settings: Settings, beside: list[str] | None = None) -> None:
+    """A warm consumer until SIGTERM, SIGINT or SIGHUP; `beside`, a command started once it
+    stands by and interrupted once it has stopped."""
     from flows.flows import prefect_consumer
     from flows.runtime import Runtime
 
@@ -308,13 +309,14 @@ def _stand_by(settings: Settings, beside: Callable[[], None] | None = None) -> N
             await ledger.flush(timeout=5.0)
 
     click.echo(f"{consumer.worker} standing by; Ctrl-C stops it", err=True)
-    try:
-        if beside is not None:
-            beside()
-        asyncio.run(main())
-    finally:
-        runtime.close()
-    click.echo(json.dumps(consumer.summary.as_dict()))
+    with contextlib.ExitStack() as started:
+        try:
+            if beside is not None:
+                started.callback(processes.interrupt_group, processes.start(beside))
+            asyncio.run(main())
+        finally:
+            runtime.close()
+        click.echo(json.dumps(consumer.summary.as_dict()))
 
 
 @command("worker", "One machine of a work pool: Prefect's worker and a warm consumer.")
@@ -325,20 +327,11 @@ def _stand_by(settings: Settings, beside: Callable[[], None] | None = None) -> N
 def worker_command(ctx: click.Context, pool: str, limit: int | None) -> None:
     """One machine of a work pool: Prefect's process worker for the pool's runs, and a warm
     consumer beside it. SIGTERM, SIGINT or SIGHUP stop both, the job in flight handed back."""
-    started: list[subprocess.Popen[bytes]] = []
+    from deployments.stack import executable
 
-    def start_worker() -> None:
-        from deployments.stack import executable
-
-        args = [executable("prefect"), "worker", "start", "--pool", pool, "--type", "process"]
-        processes.export_to_children(PREFECT_WORKER_QUERY_SECONDS=WORKER_QUERY_SECONDS)
-        started.append(processes.start([*args, *(["--limit", str(limit)] if limit else [])]))
-
-    try:
-        _stand_by(settings_from(ctx), beside=start_worker)
-    finally:
-        for process in started:
-            processes.interrupt_group(process)
+    args = [executable("prefect"), "worker", "start", "--pool", pool, "--type", "process"]
+    processes.export_to_children(PREFECT_WORKER_QUERY_SECONDS=WORKER_QUERY_SECONDS)
+    _stand_by(settings_from(ctx), beside=[*args, *(["--limit", str(limit)] if limit else [])])
 
 
 @command("consume", "Stand by and run queued jobs (beside Prefect workers).")
