@@ -84,13 +84,16 @@ class Commands(click.Group):
 
 @click.group(
     cls=Commands,
-    context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110},
+    context_settings={
+        "help_option_names": ["-h", "--help"],
+        "max_content_width": 110,
+        "show_default": True,
+    },
     epilog="\b\nSettings (environment variables):\n"
     + "\n".join(f"  {name:<30} {text}" for name, text in variables().items()),
 )
 @click.option(
     "--database-url",
-    default=None,
     metavar="URL",
     help="store URL (overrides AI_JOB_DATABASE_URL; default: SQLite in the data dir)",
 )
@@ -137,7 +140,6 @@ def command(
     "--prefect-port",
     type=click.IntRange(1, 65535),
     default=4200,
-    show_default=True,
     help="port of the embedded Prefect server (another is used if it is taken)",
 )
 @click.option(
@@ -164,13 +166,12 @@ def serve_command(ctx: click.Context, prefect_port: int, upgrade: bool, no_ui: b
 
 
 @command("api", "Serve the HTTP API for screens and operators, and the queue page.")
-@click.option("--host", default="127.0.0.1", show_default=True, help="address to bind")
-@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
+@click.option("--host", default="127.0.0.1", help="address to bind")
+@click.option("--port", type=click.IntRange(0, 65535), default=8000)
 @click.option(
     "--workers",
     type=click.IntRange(1, 64),
     default=1,
-    show_default=True,
     help="server processes (uvicorn's); one core serves about a few hundred polls a second",
 )
 def api_command(ctx: click.Context, host: str, port: int, workers: int) -> None:
@@ -205,7 +206,6 @@ def _duration(ctx: click.Context, param: click.Parameter, value: str) -> float:
 @click.option(
     "--ttl",
     default="1h",
-    show_default=True,
     metavar="DURATION",
     callback=_duration,
     help="how long it holds",
@@ -235,7 +235,7 @@ def triggers_for(ctx: click.Context) -> Triggers:
 
 @command("trigger-backfill", "What the post-sync hook calls.")
 @click.argument("user_id")
-@click.option("--sync-id", default=None, help="the sync this follows; one run per sync")
+@click.option("--sync-id", help="the sync this follows; one run per sync")
 def trigger_backfill_command(ctx: click.Context, user_id: str, sync_id: str | None) -> None:
     """What the post-sync hook calls: queue the user's scopes, start the backfill run (JSON)."""
     with triggers_for(ctx) as triggers:
@@ -244,7 +244,7 @@ def trigger_backfill_command(ctx: click.Context, user_id: str, sync_id: str | No
 
 @command("request-insight", "What a screen calls on every poll.")
 @key_arguments
-@click.option("--fingerprint", default=None, help="hash of the data the insight is made from")
+@click.option("--fingerprint", help="hash of the data the insight is made from")
 def request_insight_command(
     ctx: click.Context, user_id: str, kind: str, subject: str, fingerprint: str | None
 ) -> None:
@@ -259,7 +259,7 @@ def request_insight_command(
     required=True,
     help="where workers get the code: a git URL, or this project's path on every machine",
 )
-@click.option("--pool", default="insight-queue", show_default=True, help="process work pool")
+@click.option("--pool", default="insight-queue", help="process work pool")
 def deploy_command(ctx: click.Context, source: str, pool: str) -> None:
     """Scale-out: register the flows on a process work pool (interactive queue first); then run
     `insight-queue worker --pool POOL` on each machine, with the same settings."""
@@ -320,10 +320,8 @@ def _stand_by(settings: Settings, beside: list[str] | None = None) -> None:
 
 
 @command("worker", "One machine of a work pool: Prefect's worker and a warm consumer.")
-@click.option("--pool", default=table.POOL, show_default=True, help="the process work pool")
-@click.option(
-    "--limit", type=click.IntRange(1), default=None, help="flow runs of the pool at once here"
-)
+@click.option("--pool", default=table.POOL, help="the process work pool")
+@click.option("--limit", type=click.IntRange(1), help="flow runs of the pool at once here")
 def worker_command(ctx: click.Context, pool: str, limit: int | None) -> None:
     """One machine of a work pool: Prefect's process worker for the pool's runs, and a warm
     consumer beside it. SIGTERM, SIGINT or SIGHUP stop both, the job in flight handed back."""
@@ -342,7 +340,7 @@ def consume_command(ctx: click.Context) -> None:
 
 
 @command("drain", "Run what is runnable now, then stop.")
-@click.option("--max-jobs", type=click.IntRange(1), default=None, help="stop after this many")
+@click.option("--max-jobs", type=click.IntRange(1), help="stop after this many")
 def drain_command(ctx: click.Context, max_jobs: int | None) -> None:
     """Run queued jobs in priority order until nothing is runnable (as a `drain` flow run)."""
     _require_prefect(settings_from(ctx))
