@@ -126,8 +126,7 @@ class PrefectApi:
     def deployment_id(self, name: str) -> str:
         if known := self._deployments.get(name):
             return known
-        flow_name, _, deployment = name.partition("/")
-        response = self._request("GET", f"/deployments/name/{flow_name}/{deployment}")
+        response = self._request("GET", f"/deployments/name/{name}")
         if response.status_code == 404:
             raise PrefectUnavailable(
                 f"Prefect at {self.shown_url} has no deployment {name}: "
