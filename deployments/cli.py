@@ -277,8 +277,7 @@ WORKER_QUERY_SECONDS = "2"
 def _require_prefect(settings: Settings) -> None:
     from deployments.prefect_api import api_url
 
-    url = api_url(settings)
-    if url is None:
+    if (url := api_url(settings)) is None:
         raise click.ClickException(
             "no Prefect server: set PREFECT_API_URL, or run `insight-queue serve` "
             "for this data directory"

@@ -133,12 +133,11 @@ def ensure_automations(drain_deployment_id: str) -> None:
 
     async def upsert(wanted: Automation) -> None:
         try:
-            existing = await Automation.aread(name=wanted.name)
+            wanted.id = (await Automation.aread(name=wanted.name)).id
         except ValueError:  # none of that name yet
             await wanted.acreate()
-            return
-        wanted.id = existing.id
-        await wanted.aupdate()
+        else:
+            await wanted.aupdate()
 
     for wanted in automations(drain_deployment_id):
         run_coro_as_sync(upsert(wanted))
