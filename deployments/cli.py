@@ -57,8 +57,7 @@ def settings_from(ctx: click.Context) -> Settings:
 
 def open_store(ctx: click.Context, *, write: bool) -> JobStore:
     """The store, to use in a `with`; a read-only command never creates one."""
-    settings = settings_from(ctx)
-    return JobStore(settings.database_url, settings=settings, create=write)
+    return JobStore(settings=settings_from(ctx), create=write)
 
 
 def registry() -> Registry:

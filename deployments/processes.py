@@ -81,7 +81,6 @@ def stop_group(process: subprocess.Popen[Any], grace_seconds: float = STOP_GRACE
             process.wait(10)
     # Anything left in the group after its leader ended gets SIGKILL.
     with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(process.pid, 0)
         os.killpg(process.pid, signal.SIGKILL)
 
 
