@@ -274,9 +274,9 @@ class _Serving:
             self.runner_thread.stop(STOP_RUNNER_SECONDS)
         # Whatever the runner could not stop (the Prefect server may be gone
         # already), and nothing else of ours, by PID.
-        own = {self.server.pid} if self.server is not None and self.server.pid else set()
+        server = self.server.process if self.server is not None else None
         for pid in processes.children():
-            if pid not in own:
+            if server is None or pid != server.pid:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, 15)
         if self.state is not None:

@@ -73,10 +73,6 @@ class PrefectServer:
     def ui_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    @property
-    def pid(self) -> int | None:
-        return self.process.pid if self.process else None
-
     def start(self) -> Self:
         if not processes.port_is_free(self.port):
             raise RuntimeError(
