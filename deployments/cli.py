@@ -70,15 +70,13 @@ def registry() -> Registry:
 class Commands(click.Group):
     """`--help` lists the commands as they are defined: this module's, then the store's verbs."""
 
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        import deployments.store_commands  # noqa: F401 - the store's verbs join this group
+
+        return super().parse_args(ctx, args)
+
     def list_commands(self, ctx: click.Context) -> list[str]:
-        import deployments.store_commands  # noqa: F401 - the store's verbs join this group
-
         return list(self.commands)
-
-    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
-        import deployments.store_commands  # noqa: F401 - the store's verbs join this group
-
-        return super().get_command(ctx, name)
 
 
 @click.group(
