@@ -212,8 +212,7 @@ def token_command(ctx: click.Context, user_id: str, ttl: float) -> None:
     signed with AI_API_SCREEN_SECRET or the secret `insight-queue api` keeps."""
     from deployments.http.credentials import Credentials
 
-    credentials = Credentials.load(settings_from(ctx))
-    token = credentials.screens.issue(user_id, ttl)
+    token = Credentials.load(settings_from(ctx)).screens.issue(user_id, ttl)
     click.echo(f"a screen token for {printable(user_id)}, valid {ttl:g} s:", err=True)
     click.echo(token)
 

@@ -111,8 +111,7 @@ class Gatekeeper:
 
     def admit(self, caller: Caller) -> None:
         """Spend one request of the caller's rate, or `Refused(429)` with `Retry-After`."""
-        wait = self.rates.take(caller)
-        if wait is not None:
+        if (wait := self.rates.take(caller)) is not None:
             retry = max(1, math.ceil(wait))
             message = f"too many requests for this {caller.role} credential; retry in {retry} s"
             raise Refused(429, message, "authorization", {"Retry-After": str(retry)})
