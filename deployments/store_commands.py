@@ -97,11 +97,10 @@ def result_command(ctx: click.Context, user_id: str, kind: str, subject: str) ->
     """The latest result for a key, as JSON (also while a newer one is being made)."""
     with open_store(ctx, write=False) as store:
         state = store.poll(user_id, kind, subject, queue=False)
-    result = state.result if state is not None else None
-    if result is None:
+    if state is None or state.result is None:
         click.echo(f"error: no result yet for {user_id!r} {kind}:{subject}", err=True)
         sys.exit(EXIT_FAILURE)
-    click.echo(as_json_text(result.as_dict()))
+    click.echo(as_json_text(state.result.as_dict()))
 
 
 @command("jobs", "One user's queue in worker order.")
@@ -121,7 +120,6 @@ def jobs_command(ctx: click.Context, user_id: str, limit: int, as_json: bool) ->
 @click.option(
     "--watch",
     type=click.FloatRange(0.5, 3600),
-    default=None,
     is_flag=False,
     flag_value=2.0,
     metavar="[SECONDS]",
