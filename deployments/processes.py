@@ -73,15 +73,12 @@ def stop_group(process: subprocess.Popen[Any], grace_seconds: float = STOP_GRACE
     if process.poll() is None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(process.pid, signal.SIGTERM)
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             process.wait(grace_seconds)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(process.pid, signal.SIGKILL)
-            process.wait(10)
-    # Anything left in the group after its leader ended gets SIGKILL.
+    # Whatever is left of the group then gets SIGKILL: its leader too, if the grace was not enough.
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(process.pid, signal.SIGKILL)
+    process.wait(10)
 
 
 def interrupt_group(
