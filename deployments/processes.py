@@ -81,9 +81,7 @@ def stop_group(process: subprocess.Popen[Any], grace_seconds: float = STOP_GRACE
     process.wait(10)
 
 
-def interrupt_group(
-    process: subprocess.Popen[Any], grace_seconds: float = STOP_GRACE_SECONDS
-) -> None:
+def interrupt_group(process: subprocess.Popen[Any]) -> None:
     """SIGINT (twice), then as `stop_group`: Prefect's worker stops its runs on SIGINT only."""
     for _ in range(2):
         if process.poll() is not None:
@@ -91,7 +89,7 @@ def interrupt_group(
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(process.pid, signal.SIGINT)
         with contextlib.suppress(subprocess.TimeoutExpired):
-            process.wait(grace_seconds / 2)
+            process.wait(STOP_GRACE_SECONDS / 2)
     stop_group(process, grace_seconds=5)
 
 
