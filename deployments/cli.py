@@ -255,7 +255,7 @@ def request_insight_command(
     required=True,
     help="where workers get the code: a git URL, or this project's path on every machine",
 )
-@click.option("--pool", default="insight-queue", help="process work pool")
+@click.option("--pool", default=table.POOL, help="process work pool")
 def deploy_command(ctx: click.Context, source: str, pool: str) -> None:
     """Scale-out: register the flows on a process work pool (interactive queue first); then run
     `insight-queue worker --pool POOL` on each machine, with the same settings."""

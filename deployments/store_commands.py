@@ -173,7 +173,7 @@ def requeue_command(ctx: click.Context, kinds: tuple[str, ...]) -> None:
 @click.option("--json", "as_json", is_flag=True, help="print JSON")
 def settings_command(ctx: click.Context, as_json: bool) -> None:
     """Every setting with its environment variable and value (secrets masked), and claiming."""
-    by_variable = settings_from(ctx).public()
+    public = settings_from(ctx).public()
     gate: GateState | None = None
     try:
         with open_store(ctx, write=False) as store:
@@ -183,11 +183,10 @@ def settings_command(ctx: click.Context, as_json: bool) -> None:
     else:
         gate_line = describe_gate(gate)
     if as_json:
-        shown = {"settings": by_variable, "gate": gate.as_dict() if gate else None}
-        click.echo(as_json_text(shown))
+        click.echo(as_json_text({"settings": public, "gate": gate.as_dict() if gate else None}))
         return
-    width = max(len(name) for name in by_variable)
-    for name, value in by_variable.items():
+    width = max(len(name) for name in public)
+    for name, value in public.items():
         click.echo(f"{name.ljust(width)}  {value}")
     click.echo(gate_line)
 

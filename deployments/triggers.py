@@ -192,8 +192,7 @@ class Triggers:
             return InsightState.of(state)
         window = int(time.time() // RUN_WINDOW_SECONDS)
         key = (state.job.id, window)
-        started = self._screen_runs.get(key)
-        if started is not None:
+        if (started := self._screen_runs.get(key)) is not None:
             return InsightState.of(state, started)
         # Prefect sees the user as their pseudonym only (D4), in the key too.
         run_id, note = self._start_run(

@@ -43,8 +43,7 @@ def app_router(triggers: Triggers) -> APIRouter:
         request: Request, triggers: TriggersDep, body: BackfillRequest | None = None
     ) -> Response:
         sync_id = body.sync_id if body else None
-        user_id = path_text(request, "user_id")
-        state = triggers.trigger_backfill(user_id, sync_id)
+        state = triggers.trigger_backfill(path_text(request, "user_id"), sync_id)
         if state.error is not None and state.flow_run_id is None:
             return unavailable(state.error)
         answer = {"status": "started" if state.flow_run_id else "queued", **state.as_dict()}
