@@ -36,13 +36,13 @@ class ScreenTokens:
         *,
         secret: str | None = None,
         public_key: str | None = None,
-        jwks: dict[str, Any] | None = None,
+        jwks: str | None = None,
         audience: str,
         issuer: str = "",
     ) -> None:
         self._secret = secret
         self._public_key = public_key
-        self._jwks = jwt.PyJWKSet.from_dict(jwks) if jwks is not None else None
+        self._jwks = jwt.PyJWKSet.from_json(jwks) if jwks is not None else None
         self._audience = audience
         self._issuer = issuer or None
 
@@ -136,9 +136,8 @@ class Credentials:
 def _screens(settings: Settings, secret: str | None) -> ScreenTokens:
     api = settings.api
     public_key = _read(api.screen_public_key, "AI_API_SCREEN_PUBLIC_KEY")
-    jwks_text = _read(api.screen_jwks, "AI_API_SCREEN_JWKS")
+    jwks = _read(api.screen_jwks, "AI_API_SCREEN_JWKS")
     try:
-        jwks = json.loads(jwks_text) if jwks_text is not None else None
         return ScreenTokens(
             secret=secret,
             public_key=public_key,
