@@ -19,7 +19,6 @@ from queue_store.redact import mask_url
 SERVE_STATE = "serve.json"
 TIMEOUT_SECONDS = 1.0  # per request; a trigger makes at most two
 BUSY_RETRY_PAUSES = (0.2, 0.5, 1.0)  # seconds before each retry of a 503
-UNREACHABLE = "Prefect unreachable"
 
 
 class PrefectUnavailable(Exception):
@@ -114,7 +113,7 @@ class PrefectApi:
                 response = self._http.request(method, path, **kwargs)
             except httpx.HTTPError as exc:
                 raise PrefectUnavailable(
-                    f"{UNREACHABLE} at {self.shown_url} ({type(exc).__name__})"
+                    f"Prefect unreachable at {self.shown_url} ({type(exc).__name__})"
                 ) from None
             # The embedded server's SQLite answers 503 now and then ("database is
             # locked"), in bursts while serve starts: a few spaced retries get through.

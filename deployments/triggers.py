@@ -32,7 +32,6 @@ logger = logging.getLogger(__name__)
 RUN_WINDOW_SECONDS = 30
 # Without a sync id, a backfill triggered twice within this window starts one run.
 BACKFILL_WINDOW_SECONDS = 60
-NO_SCOPES = "no scope to queue for this user"
 # Runs name their user by pseudonym, as flows.history tags generation runs (D4).
 TAG_PREFIX_USER = "user:"
 NO_SERVER = (
@@ -224,7 +223,7 @@ class Triggers:
             return BackfillState(user_id, len(scopes), None, None, str(exc))
         pseudonym = next((j.pseudonym for j in found.values() if j.pseudonym), None)
         if pseudonym is None:
-            return BackfillState(user_id, len(scopes), None, NO_SCOPES)
+            return BackfillState(user_id, len(scopes), None, "no scope to queue for this user")
         window = sync_id or str(int(time.time() // BACKFILL_WINDOW_SECONDS))
         run_id, note = self._start_run(
             table.BACKFILL,

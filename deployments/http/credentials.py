@@ -117,12 +117,11 @@ class Credentials:
         """What is not set comes from the data directory's file, made if `create`."""
         api = settings.api
         path = settings.data_dir / CREDENTIALS_FILE
-        keys = api.screen_public_key is not None or api.screen_jwks is not None
         given = {
             "operator_token": api.operator_token.get_secret_value(),
             "service_token": api.service_token.get_secret_value(),
         }
-        if not keys:
+        if api.screen_public_key is None and api.screen_jwks is None:
             given["screen_secret"] = api.screen_secret.get_secret_value()
         kept = _load(path)
         values = {name: value or kept.get(name, "") for name, value in given.items()}
