@@ -65,7 +65,6 @@ class ServeState:
 
     def write(self, settings: Settings) -> None:
         path = self.path(settings)
-        path.parent.mkdir(parents=True, exist_ok=True)
         temporary = path.with_suffix(".tmp")
         temporary.write_text(json.dumps(dataclasses.asdict(self)))
         temporary.replace(path)
