@@ -61,7 +61,9 @@ def deploy(source: str, pool: str) -> dict[str, str]:
     variables = {"env": {"PREFECT_FLOWS_HEARTBEAT_FREQUENCY": str(int(RUN_HEARTBEAT_SECONDS))}}
     ids: dict[str, str] = {}
     for entry in table.DEPLOYMENTS:
-        remote = getattr(flows, entry.flow).from_source(source=source, entrypoint=entry.entrypoint)
+        remote = getattr(flows, entry.flow).from_source(
+            source=source, entrypoint=f"flows/flows.py:{entry.flow}"
+        )
         deployment_id = remote.deploy(
             name=table.DEPLOYMENT,
             work_pool_name=pool,
