@@ -295,9 +295,8 @@ def _stand_by(settings: Settings, beside: list[str] | None = None) -> None:
     consumer, ledger = prefect_consumer(runtime, "consumer", standby=True)
 
     async def main() -> None:
-        loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            loop.add_signal_handler(signum, consumer.stop, signum.name)
+            asyncio.get_running_loop().add_signal_handler(signum, consumer.stop, signum.name)
         try:
             await consumer.run()
         finally:

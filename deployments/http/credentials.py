@@ -162,8 +162,7 @@ def _keep(path: Path, kept: dict[str, str], names: tuple[str, ...]) -> dict[str,
     private_directory(path.parent)
     made = {name: secrets.token_urlsafe(32) for name in names}
     temporary = path.with_name(f".{path.name}.{os.getpid()}")
-    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(descriptor, "w") as handle:
+    with os.fdopen(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as handle:
         json.dump(kept | made, handle, indent=2)
     os.chmod(temporary, 0o600)
     os.replace(temporary, path)
