@@ -4,6 +4,7 @@ first and starts a Prefect run only when the store says one is needed."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -101,8 +102,8 @@ class BackfillState:
         return dataclasses.asdict(self)
 
 
-class Triggers:
-    """One per process, used from any thread."""
+class Triggers(contextlib.AbstractContextManager["Triggers"]):
+    """One per process, used from any thread; a `with` closes it."""
 
     def __init__(self, runtime: Runtime, prefect_url: str | None = None) -> None:
         self.runtime = runtime
@@ -132,9 +133,6 @@ class Triggers:
         if api is not None:
             api.close()
         self.runtime.close()
-
-    def __enter__(self) -> Self:
-        return self
 
     def __exit__(self, *_: object) -> None:
         self.close()
