@@ -42,8 +42,7 @@ class ServeState:
     @classmethod
     def read(cls, settings: Settings) -> ServeState | None:
         """The state of a live `serve`, or None."""
-        state = cls.read_left(settings)
-        if state is None:
+        if (state := cls.read_left(settings)) is None:
             return None
         try:
             with contextlib.suppress(PermissionError):  # alive, another account's
