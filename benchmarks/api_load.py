@@ -864,9 +864,7 @@ def run_part_b(url: str, args: argparse.Namespace) -> PartB:
         )
         finish_results(url, settings, screens)
 
-        server = PrefectServer(
-            directory / "prefect-server", processes.free_port(), ui=False, reuse=False
-        )
+        server = PrefectServer(directory / "prefect-server", processes.free_port(), ui=False)
         stack.callback(server.stop)
         server.start()
         serve = ServeProcess(

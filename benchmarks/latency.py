@@ -167,7 +167,7 @@ def main() -> int:
         home = Path(directory)
         sim = GatewaySimulator(latency=0.3).start()
         recorder = GatewayRecorder("127.0.0.1", sim.port).start()
-        server = PrefectServer(home / "prefect", processes.free_port(), ui=False, reuse=False)
+        server = PrefectServer(home / "prefect", processes.free_port(), ui=False)
         try:
             server.start()
             settings = Settings(

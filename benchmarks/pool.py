@@ -73,7 +73,6 @@ def prefect_on_postgres(admin_url: str, home: Path) -> Iterator[PrefectServer]:
         home,
         processes.free_port(),
         ui=False,
-        reuse=False,
         database_url=url.render_as_string(hide_password=False),
     )
     try:

@@ -191,9 +191,7 @@ class Stack:
         self.workdir = workdir
         self.database_url = database_url
         self.postgres = postgres
-        self.server = PrefectServer(
-            workdir / "prefect-server", processes.free_port(), ui=False, reuse=False
-        )
+        self.server = PrefectServer(workdir / "prefect-server", processes.free_port(), ui=False)
         self.sim = GatewaySimulator(
             workers=SIM_WORKERS, latency=LATENCY, seed=seed, finish_abandoned=True
         )

@@ -4,12 +4,12 @@ load only when a command needs them, so the store's verbs never pay for them."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import logging
 import os
 import signal
-import subprocess
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
@@ -57,8 +57,7 @@ def settings_from(ctx: click.Context) -> Settings:
 
 def open_store(ctx: click.Context, *, write: bool) -> JobStore:
     """The store, to use in a `with`; a read-only command never creates one."""
-    settings = settings_from(ctx)
-    return JobStore(settings.database_url, settings=settings, create=write)
+    return JobStore(settings=settings_from(ctx), create=write)
 
 
 def registry() -> Registry:
@@ -71,26 +70,27 @@ def registry() -> Registry:
 class Commands(click.Group):
     """`--help` lists the commands as they are defined: this module's, then the store's verbs."""
 
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        import deployments.store_commands  # noqa: F401 - the store's verbs join this group
+
+        return super().parse_args(ctx, args)
+
     def list_commands(self, ctx: click.Context) -> list[str]:
-        import deployments.store_commands  # noqa: F401 - the store's verbs join this group
-
         return list(self.commands)
-
-    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
-        import deployments.store_commands  # noqa: F401 - the store's verbs join this group
-
-        return super().get_command(ctx, name)
 
 
 @click.group(
     cls=Commands,
-    context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110},
+    context_settings={
+        "help_option_names": ["-h", "--help"],
+        "max_content_width": 110,
+        "show_default": True,
+    },
     epilog="\b\nSettings (environment variables):\n"
     + "\n".join(f"  {name:<30} {text}" for name, text in variables().items()),
 )
 @click.option(
     "--database-url",
-    default=None,
     metavar="URL",
     help="store URL (overrides AI_JOB_DATABASE_URL; default: SQLite in the data dir)",
 )
@@ -116,6 +116,8 @@ def command(
     on stderr, exit 2 for what the caller or the operator must fix, 1 for what may pass."""
 
     def make(function: Callable[..., None]) -> click.Command:
+        @(group or main).command(name, short_help=short_help, context_settings=context_settings)
+        @click.pass_context
         @functools.wraps(function)
         def run(*args: Any, **kwargs: Any) -> None:
             try:
@@ -125,10 +127,7 @@ def command(
                 bad_input = isinstance(exc, InvalidArgument | Misconfigured)
                 sys.exit(EXIT_BAD_INPUT if bad_input else EXIT_FAILURE)
 
-        made = click.pass_context(run)
-        return (group or main).command(
-            name, short_help=short_help, context_settings=context_settings
-        )(made)
+        return run
 
     return make
 
@@ -138,7 +137,6 @@ def command(
     "--prefect-port",
     type=click.IntRange(1, 65535),
     default=4200,
-    show_default=True,
     help="port of the embedded Prefect server (another is used if it is taken)",
 )
 @click.option(
@@ -165,13 +163,12 @@ def serve_command(ctx: click.Context, prefect_port: int, upgrade: bool, no_ui: b
 
 
 @command("api", "Serve the HTTP API for screens and operators, and the queue page.")
-@click.option("--host", default="127.0.0.1", show_default=True, help="address to bind")
-@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
+@click.option("--host", default="127.0.0.1", help="address to bind")
+@click.option("--port", type=click.IntRange(0, 65535), default=8000)
 @click.option(
     "--workers",
     type=click.IntRange(1, 64),
     default=1,
-    show_default=True,
     help="server processes (uvicorn's); one core serves about a few hundred polls a second",
 )
 def api_command(ctx: click.Context, host: str, port: int, workers: int) -> None:
@@ -206,7 +203,6 @@ def _duration(ctx: click.Context, param: click.Parameter, value: str) -> float:
 @click.option(
     "--ttl",
     default="1h",
-    show_default=True,
     metavar="DURATION",
     callback=_duration,
     help="how long it holds",
@@ -216,8 +212,7 @@ def token_command(ctx: click.Context, user_id: str, ttl: float) -> None:
     signed with AI_API_SCREEN_SECRET or the secret `insight-queue api` keeps."""
     from deployments.http.credentials import Credentials
 
-    credentials = Credentials.load(settings_from(ctx))
-    token = credentials.screens.issue(user_id, ttl)
+    token = Credentials.load(settings_from(ctx)).screens.issue(user_id, ttl)
     click.echo(f"a screen token for {printable(user_id)}, valid {ttl:g} s:", err=True)
     click.echo(token)
 
@@ -236,7 +231,7 @@ def triggers_for(ctx: click.Context) -> Triggers:
 
 @command("trigger-backfill", "What the post-sync hook calls.")
 @click.argument("user_id")
-@click.option("--sync-id", default=None, help="the sync this follows; one run per sync")
+@click.option("--sync-id", help="the sync this follows; one run per sync")
 def trigger_backfill_command(ctx: click.Context, user_id: str, sync_id: str | None) -> None:
     """What the post-sync hook calls: queue the user's scopes, start the backfill run (JSON)."""
     with triggers_for(ctx) as triggers:
@@ -245,7 +240,7 @@ def trigger_backfill_command(ctx: click.Context, user_id: str, sync_id: str | No
 
 @command("request-insight", "What a screen calls on every poll.")
 @key_arguments
-@click.option("--fingerprint", default=None, help="hash of the data the insight is made from")
+@click.option("--fingerprint", help="hash of the data the insight is made from")
 def request_insight_command(
     ctx: click.Context, user_id: str, kind: str, subject: str, fingerprint: str | None
 ) -> None:
@@ -260,7 +255,7 @@ def request_insight_command(
     required=True,
     help="where workers get the code: a git URL, or this project's path on every machine",
 )
-@click.option("--pool", default="insight-queue", show_default=True, help="process work pool")
+@click.option("--pool", default=table.POOL, help="process work pool")
 def deploy_command(ctx: click.Context, source: str, pool: str) -> None:
     """Scale-out: register the flows on a process work pool (interactive queue first); then run
     `insight-queue worker --pool POOL` on each machine, with the same settings."""
@@ -278,8 +273,7 @@ WORKER_QUERY_SECONDS = "2"
 def _require_prefect(settings: Settings) -> None:
     from deployments.prefect_api import api_url
 
-    url = api_url(settings)
-    if url is None:
+    if (url := api_url(settings)) is None:
         raise click.ClickException(
             "no Prefect server: set PREFECT_API_URL, or run `insight-queue serve` "
             "for this data directory"
@@ -289,8 +283,9 @@ def _require_prefect(settings: Settings) -> None:
     )
 
 
-def _stand_by(settings: Settings, beside: Callable[[], None] | None = None) -> None:
-    """A warm consumer until SIGTERM, SIGINT or SIGHUP; `beside` runs once it stands by."""
+def _stand_by(settings: Settings, beside: list[str] | None = None) -> None:
+    """A warm consumer until SIGTERM, SIGINT or SIGHUP; `beside`, a command started once it
+    stands by and interrupted once it has stopped."""
     from flows.flows import prefect_consumer
     from flows.runtime import Runtime
 
@@ -300,48 +295,35 @@ def _stand_by(settings: Settings, beside: Callable[[], None] | None = None) -> N
     consumer, ledger = prefect_consumer(runtime, "consumer", standby=True)
 
     async def main() -> None:
-        loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            loop.add_signal_handler(signum, consumer.stop, signum.name)
+            asyncio.get_running_loop().add_signal_handler(signum, consumer.stop, signum.name)
         try:
             await consumer.run()
         finally:
             await ledger.flush(timeout=5.0)
 
     click.echo(f"{consumer.worker} standing by; Ctrl-C stops it", err=True)
-    try:
-        if beside is not None:
-            beside()
-        asyncio.run(main())
-    finally:
-        runtime.close()
-    click.echo(json.dumps(consumer.summary.as_dict()))
+    with contextlib.ExitStack() as started:
+        try:
+            if beside is not None:
+                started.callback(processes.interrupt_group, processes.start(beside))
+            asyncio.run(main())
+        finally:
+            runtime.close()
+        click.echo(json.dumps(consumer.summary.as_dict()))
 
 
 @command("worker", "One machine of a work pool: Prefect's worker and a warm consumer.")
-@click.option("--pool", default=table.POOL, show_default=True, help="the process work pool")
-@click.option(
-    "--limit", type=click.IntRange(1), default=None, help="flow runs of the pool at once here"
-)
+@click.option("--pool", default=table.POOL, help="the process work pool")
+@click.option("--limit", type=click.IntRange(1), help="flow runs of the pool at once here")
 def worker_command(ctx: click.Context, pool: str, limit: int | None) -> None:
     """One machine of a work pool: Prefect's process worker for the pool's runs, and a warm
     consumer beside it. SIGTERM, SIGINT or SIGHUP stop both, the job in flight handed back."""
-    started: list[subprocess.Popen[bytes]] = []
+    from deployments.stack import executable
 
-    def start_worker() -> None:
-        from deployments.stack import executable
-
-        args = [executable("prefect"), "worker", "start", "--pool", pool, "--type", "process"]
-        env = {"PREFECT_WORKER_QUERY_SECONDS": WORKER_QUERY_SECONDS, **os.environ}
-        started.append(
-            processes.start([*args, *(["--limit", str(limit)] if limit else [])], env=env)
-        )
-
-    try:
-        _stand_by(settings_from(ctx), beside=start_worker)
-    finally:
-        for process in started:
-            processes.interrupt_group(process)
+    args = [executable("prefect"), "worker", "start", "--pool", pool, "--type", "process"]
+    processes.export_to_children(PREFECT_WORKER_QUERY_SECONDS=WORKER_QUERY_SECONDS)
+    _stand_by(settings_from(ctx), beside=[*args, *(["--limit", str(limit)] if limit else [])])
 
 
 @command("consume", "Stand by and run queued jobs (beside Prefect workers).")
@@ -352,7 +334,7 @@ def consume_command(ctx: click.Context) -> None:
 
 
 @command("drain", "Run what is runnable now, then stop.")
-@click.option("--max-jobs", type=click.IntRange(1), default=None, help="stop after this many")
+@click.option("--max-jobs", type=click.IntRange(1), help="stop after this many")
 def drain_command(ctx: click.Context, max_jobs: int | None) -> None:
     """Run queued jobs in priority order until nothing is runnable (as a `drain` flow run)."""
     _require_prefect(settings_from(ctx))

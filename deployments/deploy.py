@@ -61,7 +61,9 @@ def deploy(source: str, pool: str) -> dict[str, str]:
     variables = {"env": {"PREFECT_FLOWS_HEARTBEAT_FREQUENCY": str(int(RUN_HEARTBEAT_SECONDS))}}
     ids: dict[str, str] = {}
     for entry in table.DEPLOYMENTS:
-        remote = getattr(flows, entry.flow).from_source(source=source, entrypoint=entry.entrypoint)
+        remote = getattr(flows, entry.flow).from_source(
+            source=source, entrypoint=f"flows/flows.py:{entry.flow}"
+        )
         deployment_id = remote.deploy(
             name=table.DEPLOYMENT,
             work_pool_name=pool,
@@ -133,12 +135,11 @@ def ensure_automations(drain_deployment_id: str) -> None:
 
     async def upsert(wanted: Automation) -> None:
         try:
-            existing = await Automation.aread(name=wanted.name)
+            wanted.id = (await Automation.aread(name=wanted.name)).id
         except ValueError:  # none of that name yet
             await wanted.acreate()
-            return
-        wanted.id = existing.id
-        await wanted.aupdate()
+        else:
+            await wanted.aupdate()
 
     for wanted in automations(drain_deployment_id):
         run_coro_as_sync(upsert(wanted))

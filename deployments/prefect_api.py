@@ -19,7 +19,6 @@ from queue_store.redact import mask_url
 SERVE_STATE = "serve.json"
 TIMEOUT_SECONDS = 1.0  # per request; a trigger makes at most two
 BUSY_RETRY_PAUSES = (0.2, 0.5, 1.0)  # seconds before each retry of a 503
-UNREACHABLE = "Prefect unreachable"
 
 
 class PrefectUnavailable(Exception):
@@ -43,8 +42,7 @@ class ServeState:
     @classmethod
     def read(cls, settings: Settings) -> ServeState | None:
         """The state of a live `serve`, or None."""
-        state = cls.read_left(settings)
-        if state is None:
+        if (state := cls.read_left(settings)) is None:
             return None
         try:
             with contextlib.suppress(PermissionError):  # alive, another account's
@@ -66,7 +64,6 @@ class ServeState:
 
     def write(self, settings: Settings) -> None:
         path = self.path(settings)
-        path.parent.mkdir(parents=True, exist_ok=True)
         temporary = path.with_suffix(".tmp")
         temporary.write_text(json.dumps(dataclasses.asdict(self)))
         temporary.replace(path)
@@ -114,7 +111,7 @@ class PrefectApi:
                 response = self._http.request(method, path, **kwargs)
             except httpx.HTTPError as exc:
                 raise PrefectUnavailable(
-                    f"{UNREACHABLE} at {self.shown_url} ({type(exc).__name__})"
+                    f"Prefect unreachable at {self.shown_url} ({type(exc).__name__})"
                 ) from None
             # The embedded server's SQLite answers 503 now and then ("database is
             # locked"), in bursts while serve starts: a few spaced retries get through.
@@ -126,8 +123,7 @@ class PrefectApi:
     def deployment_id(self, name: str) -> str:
         if known := self._deployments.get(name):
             return known
-        flow_name, _, deployment = name.partition("/")
-        response = self._request("GET", f"/deployments/name/{flow_name}/{deployment}")
+        response = self._request("GET", f"/deployments/name/{name}")
         if response.status_code == 404:
             raise PrefectUnavailable(
                 f"Prefect at {self.shown_url} has no deployment {name}: "

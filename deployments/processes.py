@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import FrameType
-from typing import IO, Any
+from typing import Any
 
 STOP_GRACE_SECONDS = 10.0
 PR_SET_PDEATHSIG = 1
@@ -39,18 +39,15 @@ def start(
     env: Mapping[str, str] | None = None,
     log: Path | None = None,
     cwd: Path | None = None,
-    stdout: int | IO[Any] | None = None,
     umask: int = -1,
 ) -> subprocess.Popen[bytes]:
     """Start a command in its own session; `umask` is the child's (-1: this process's)."""
-    out: Any = stdout
     handle = None
     if log is not None:
         log.parent.mkdir(parents=True, exist_ok=True)
         handle = open(log, "ab")  # noqa: SIM115 - closed below, the child keeps its copy
         if umask != -1:
             os.chmod(log, 0o666 & ~umask)
-        out = handle
     # PDEATHSIG fires when the *thread* that forked the child exits: only the main thread
     # outlives it.
     main_thread = threading.current_thread() is threading.main_thread()
@@ -59,8 +56,8 @@ def start(
             list(args),
             env=dict(env) if env is not None else None,
             cwd=cwd,
-            stdout=out,
-            stderr=subprocess.STDOUT if out is not None else None,
+            stdout=handle,
+            stderr=subprocess.STDOUT if handle is not None else None,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
             umask=umask,
@@ -76,21 +73,15 @@ def stop_group(process: subprocess.Popen[Any], grace_seconds: float = STOP_GRACE
     if process.poll() is None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(process.pid, signal.SIGTERM)
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             process.wait(grace_seconds)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(process.pid, signal.SIGKILL)
-            process.wait(10)
-    # Anything left in the group after its leader ended gets SIGKILL.
+    # Whatever is left of the group then gets SIGKILL: its leader too, if the grace was not enough.
     with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(process.pid, 0)
         os.killpg(process.pid, signal.SIGKILL)
+    process.wait(10)
 
 
-def interrupt_group(
-    process: subprocess.Popen[Any], grace_seconds: float = STOP_GRACE_SECONDS
-) -> None:
+def interrupt_group(process: subprocess.Popen[Any]) -> None:
     """SIGINT (twice), then as `stop_group`: Prefect's worker stops its runs on SIGINT only."""
     for _ in range(2):
         if process.poll() is not None:
@@ -98,7 +89,7 @@ def interrupt_group(
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(process.pid, signal.SIGINT)
         with contextlib.suppress(subprocess.TimeoutExpired):
-            process.wait(grace_seconds / 2)
+            process.wait(STOP_GRACE_SECONDS / 2)
     stop_group(process, grace_seconds=5)
 
 

@@ -35,13 +35,12 @@ def render_table(columns: Columns, rows: list[dict[str, Any]], *, empty: str) ->
     """A plain-text table; long cells end in an ellipsis, and the last column may be wider."""
     cells = [[printable(_one_line(render(row))) for _, render in columns] for row in rows]
     limits = [CELL_WIDTH] * (len(columns) - 1) + [ERROR_COLUMN]
-    cells = [[_cut(v, w) for v, w in zip(row, limits, strict=True)] for row in cells]
-    widths = [max([len(t), *(len(row[i]) for row in cells)]) for i, (t, _) in enumerate(columns)]
-
-    def line(values: list[str]) -> str:
-        return "  ".join(v.ljust(w) for v, w in zip(values, widths, strict=True)).rstrip()
-
-    lines = [line([title for title, _ in columns]), *(line(row) for row in cells)]
+    table = [[title for title, _ in columns]]
+    table += [[_cut(v, w) for v, w in zip(row, limits, strict=True)] for row in cells]
+    widths = [max(map(len, column)) for column in zip(*table, strict=True)]
+    lines = [
+        "  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip() for row in table
+    ]
     return "\n".join(lines if rows else [*lines, empty])
 
 

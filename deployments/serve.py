@@ -71,9 +71,7 @@ def _data_dir_lock(settings: Settings) -> Iterator[None]:
         yield
 
 
-def prepare(
-    runtime: Runtime, worker: str, upgrade: bool, leases_left: tuple[str, ...] = ()
-) -> None:
+def prepare(runtime: Runtime, worker: str, upgrade: bool, leases_left: tuple[str, ...]) -> None:
     """The store's schema, the `gateway` limit, leaked slots, and what a previous serve left."""
     settings = runtime.settings
     if upgrade:
@@ -216,11 +214,9 @@ class _Serving:
         if not api_url:
             port = processes.free_port(prefect_port)
             if port != prefect_port:
-                taken = f"port {prefect_port} is taken; the Prefect server uses {port}"
-                print(taken, flush=True)
-            self.server = PrefectServer(
-                home, port, ui=ui, reuse=False, retention_days=settings.retention_days
-            ).start()
+                print(f"port {prefect_port} is taken; the Prefect server uses {port}", flush=True)
+            self.server = PrefectServer(home, port, ui=ui, retention_days=settings.retention_days)
+            self.server.start()
             api_url = self.server.api_url
         elif not is_healthy(api_url):
             raise RuntimeError(f"PREFECT_API_URL={api_url} does not answer")
@@ -278,9 +274,9 @@ class _Serving:
             self.runner_thread.stop(STOP_RUNNER_SECONDS)
         # Whatever the runner could not stop (the Prefect server may be gone
         # already), and nothing else of ours, by PID.
-        own = {self.server.pid} if self.server is not None and self.server.pid else set()
+        server = self.server.process if self.server is not None else None
         for pid in processes.children():
-            if pid not in own:
+            if server is None or pid != server.pid:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, 15)
         if self.state is not None:

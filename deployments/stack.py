@@ -32,24 +32,6 @@ def executable(name: str) -> str:
     return shutil.which(name, path=str(BIN)) or name
 
 
-def server_env(
-    home: Path, *, ui: bool = True, retention_days: float = DEFAULT_RETENTION_DAYS
-) -> dict[str, str]:
-    """Its own home, file-backed leases, and the store's retention for its runs."""
-    env = {
-        "PREFECT_HOME": str(home),
-        "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{home / 'prefect.db'}",
-        "PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE": FILE_LEASES,
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        "PREFECT_SERVER_SERVICES_DB_VACUUM_ENABLED": "events,flow_runs",
-        "PREFECT_SERVER_SERVICES_DB_VACUUM_RETENTION_PERIOD": str(int(retention_days * 86400)),
-        "DO_NOT_TRACK": "1",
-    }
-    if not ui:
-        env |= {"PREFECT_UI_ENABLED": "false", "PREFECT_SERVER_UI_ENABLED": "false"}
-    return env
-
-
 def client_env(api_url: str, home: Path) -> dict[str, str]:
     """What a process needs to report to one server and never start its own."""
     return {
@@ -69,14 +51,13 @@ def is_healthy(api_url: str, timeout: float = 2.0) -> bool:
 
 @dataclasses.dataclass(eq=False)
 class PrefectServer:
-    """A local Prefect server subprocess; with `reuse`, a server already answering at the port."""
+    """A local Prefect server subprocess."""
 
     home: Path
     port: int = DEFAULT_PORT
     _: dataclasses.KW_ONLY
     ui: bool = True
     database_url: str | None = None
-    reuse: bool = True
     retention_days: float = DEFAULT_RETENTION_DAYS
     process: subprocess.Popen[bytes] | None = dataclasses.field(default=None, init=False)
 
@@ -92,30 +73,13 @@ class PrefectServer:
     def ui_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    @property
-    def pid(self) -> int | None:
-        return self.process.pid if self.process else None
-
     def start(self) -> Self:
-        if self.reuse and is_healthy(self.api_url):
-            logger.info("using the Prefect server already running at %s", self.api_url)
-            return self
         if not processes.port_is_free(self.port):
             raise RuntimeError(
                 f"port {self.port} on 127.0.0.1 is taken by something that is not a Prefect server"
             )
         files.private_directory(self.home)
-        env = {
-            **os.environ,
-            **server_env(self.home, ui=self.ui, retention_days=self.retention_days),
-            # The UI asks the API where it was told to, not where the server
-            # listens: on any port but the default it must be told.
-            "PREFECT_UI_API_URL": self.api_url,
-            "PREFECT_UI_URL": self.ui_url,
-        }
-        if self.database_url:
-            env["PREFECT_API_DATABASE_CONNECTION_URL"] = self.database_url
-        env.pop("PREFECT_API_URL", None)
+        env = self._env()
         command = [executable("prefect"), "server", "start", "--host", "127.0.0.1"]
         # Its database and logs are this account's alone: they hold the run history (D1).
         self.process = processes.start(
@@ -136,8 +100,32 @@ class PrefectServer:
             raise RuntimeError(f"the Prefect server did not start:\n{tail}") from None
         return self
 
+    def _env(self) -> dict[str, str]:
+        """Its own home, file-backed leases, the store's retention for its runs, its address."""
+        database = self.database_url or f"sqlite+aiosqlite:///{self.home / 'prefect.db'}"
+        env = {
+            **os.environ,
+            "PREFECT_HOME": str(self.home),
+            "PREFECT_API_DATABASE_CONNECTION_URL": database,
+            "PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE": FILE_LEASES,
+            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+            "PREFECT_SERVER_SERVICES_DB_VACUUM_ENABLED": "events,flow_runs",
+            "PREFECT_SERVER_SERVICES_DB_VACUUM_RETENTION_PERIOD": str(
+                int(self.retention_days * 86400)
+            ),
+            "DO_NOT_TRACK": "1",
+            # The UI asks the API where it was told to, not where the server
+            # listens: on any port but the default it must be told.
+            "PREFECT_UI_API_URL": self.api_url,
+            "PREFECT_UI_URL": self.ui_url,
+        }
+        if not self.ui:
+            env |= {"PREFECT_UI_ENABLED": "false", "PREFECT_SERVER_UI_ENABLED": "false"}
+        env.pop("PREFECT_API_URL", None)
+        return env
+
     def stop(self, grace_seconds: float = 15.0) -> None:
-        """Stop the server this object started (never one it reused)."""
+        """Stop the server this object started."""
         process, self.process = self.process, None
         if process is not None:
             processes.stop_group(process, grace_seconds=grace_seconds)

@@ -48,12 +48,11 @@ def db_status(ctx: click.Context) -> None:
 
 @command("enqueue", "Queue one generation, or promote it.")
 @key_arguments
-@click.option("--fingerprint", default=None, help="hash of the data the insight is made from")
+@click.option("--fingerprint", help="hash of the data the insight is made from")
 @click.option("--interactive", is_flag=True, help=f"a screen is waiting: priority {INTERACTIVE}")
 @click.option(
     "--priority",
     type=click.IntRange(0, 1_000_000),
-    default=None,
     help=f"lower runs first (interactive {INTERACTIVE}, prefetch {PREFETCH})",
 )
 @click.option("--json", "as_json", is_flag=True, help="print JSON")
@@ -98,16 +97,15 @@ def result_command(ctx: click.Context, user_id: str, kind: str, subject: str) ->
     """The latest result for a key, as JSON (also while a newer one is being made)."""
     with open_store(ctx, write=False) as store:
         state = store.poll(user_id, kind, subject, queue=False)
-    result = state.result if state is not None else None
-    if result is None:
+    if state is None or state.result is None:
         click.echo(f"error: no result yet for {user_id!r} {kind}:{subject}", err=True)
         sys.exit(EXIT_FAILURE)
-    click.echo(as_json_text(result.as_dict()))
+    click.echo(as_json_text(state.result.as_dict()))
 
 
 @command("jobs", "One user's queue in worker order.")
 @click.option("--user", "user_id", required=True, help="whose queue to show")
-@click.option("--limit", type=click.IntRange(1, 1000), default=60, show_default=True)
+@click.option("--limit", type=click.IntRange(1, 1000), default=60)
 @click.option("--json", "as_json", is_flag=True, help="print JSON")
 def jobs_command(ctx: click.Context, user_id: str, limit: int, as_json: bool) -> None:
     """The user's queue in the order the worker will take it."""
@@ -118,17 +116,10 @@ def jobs_command(ctx: click.Context, user_id: str, limit: int, as_json: bool) ->
 
 
 @command("queue", "The whole queue at a glance (--json, --watch).")
-@click.option(
-    "--limit",
-    type=click.IntRange(1, 1000),
-    default=30,
-    show_default=True,
-    help="waiting jobs shown",
-)
+@click.option("--limit", type=click.IntRange(1, 1000), default=30, help="waiting jobs shown")
 @click.option(
     "--watch",
     type=click.FloatRange(0.5, 3600),
-    default=None,
     is_flag=False,
     flag_value=2.0,
     metavar="[SECONDS]",
@@ -182,7 +173,7 @@ def requeue_command(ctx: click.Context, kinds: tuple[str, ...]) -> None:
 @click.option("--json", "as_json", is_flag=True, help="print JSON")
 def settings_command(ctx: click.Context, as_json: bool) -> None:
     """Every setting with its environment variable and value (secrets masked), and claiming."""
-    by_variable = settings_from(ctx).public()
+    public = settings_from(ctx).public()
     gate: GateState | None = None
     try:
         with open_store(ctx, write=False) as store:
@@ -192,11 +183,10 @@ def settings_command(ctx: click.Context, as_json: bool) -> None:
     else:
         gate_line = describe_gate(gate)
     if as_json:
-        shown = {"settings": by_variable, "gate": gate.as_dict() if gate else None}
-        click.echo(as_json_text(shown))
+        click.echo(as_json_text({"settings": public, "gate": gate.as_dict() if gate else None}))
         return
-    width = max(len(name) for name in by_variable)
-    for name, value in by_variable.items():
+    width = max(len(name) for name in public)
+    for name, value in public.items():
         click.echo(f"{name.ljust(width)}  {value}")
     click.echo(gate_line)
 
@@ -207,7 +197,7 @@ def settings_command(ctx: click.Context, as_json: bool) -> None:
     context_settings={"ignore_unknown_options": True},
 )
 @click.argument("seconds", type=click.FloatRange(0, 7 * 24 * 3600))
-@click.option("--reason", default="paused by an operator", show_default=True)
+@click.option("--reason", default="paused by an operator")
 def pause_command(ctx: click.Context, seconds: float, reason: str) -> None:
     """Stop every worker from claiming for SECONDS (0 to 604800)."""
     with open_store(ctx, write=True) as store:
@@ -224,7 +214,7 @@ def resume_command(ctx: click.Context) -> None:
 
 
 @command("recover", "Take back claims whose worker is gone.")
-@click.option("--worker", default=None, help="also take back this worker's own claims")
+@click.option("--worker", help="also take back this worker's own claims")
 def recover_command(ctx: click.Context, worker: str | None) -> None:
     """Take back claims whose worker is gone (never a live one)."""
     with open_store(ctx, write=True) as store:
@@ -240,7 +230,6 @@ def recover_command(ctx: click.Context, worker: str | None) -> None:
 @click.option(
     "--days",
     type=click.FloatRange(min=0, min_open=True),
-    default=None,
     help="keep this many days (default AI_JOB_RETENTION_DAYS)",
 )
 def prune_command(ctx: click.Context, dry_run: bool, days: float | None) -> None:

@@ -35,10 +35,6 @@ class Deployment:
         """`flow/deployment`, as `read_deployment_by_name` takes it."""
         return f"{self.flow}/{DEPLOYMENT}"
 
-    @property
-    def entrypoint(self) -> str:
-        return f"flows/flows.py:{self.flow}"
-
 
 BACKFILL = Deployment(
     "backfill",

@@ -4,6 +4,7 @@ first and starts a Prefect run only when the store says one is needed."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -32,7 +33,6 @@ logger = logging.getLogger(__name__)
 RUN_WINDOW_SECONDS = 30
 # Without a sync id, a backfill triggered twice within this window starts one run.
 BACKFILL_WINDOW_SECONDS = 60
-NO_SCOPES = "no scope to queue for this user"
 # Runs name their user by pseudonym, as flows.history tags generation runs (D4).
 TAG_PREFIX_USER = "user:"
 NO_SERVER = (
@@ -102,8 +102,8 @@ class BackfillState:
         return dataclasses.asdict(self)
 
 
-class Triggers:
-    """One per process, used from any thread."""
+class Triggers(contextlib.AbstractContextManager["Triggers"]):
+    """One per process, used from any thread; a `with` closes it."""
 
     def __init__(self, runtime: Runtime, prefect_url: str | None = None) -> None:
         self.runtime = runtime
@@ -133,9 +133,6 @@ class Triggers:
         if api is not None:
             api.close()
         self.runtime.close()
-
-    def __enter__(self) -> Self:
-        return self
 
     def __exit__(self, *_: object) -> None:
         self.close()
@@ -192,9 +189,7 @@ class Triggers:
             return InsightState.of(state)
         window = int(time.time() // RUN_WINDOW_SECONDS)
         key = (state.job.id, window)
-        with self._lock:
-            started = self._screen_runs.get(key)
-        if started is not None:
+        if (started := self._screen_runs.get(key)) is not None:
             return InsightState.of(state, started)
         # Prefect sees the user as their pseudonym only (D4), in the key too.
         run_id, note = self._start_run(
@@ -226,7 +221,7 @@ class Triggers:
             return BackfillState(user_id, len(scopes), None, None, str(exc))
         pseudonym = next((j.pseudonym for j in found.values() if j.pseudonym), None)
         if pseudonym is None:
-            return BackfillState(user_id, len(scopes), None, NO_SCOPES)
+            return BackfillState(user_id, len(scopes), None, "no scope to queue for this user")
         window = sync_id or str(int(time.time() // BACKFILL_WINDOW_SECONDS))
         run_id, note = self._start_run(
             table.BACKFILL,

@@ -78,7 +78,7 @@ class Demo:
         prefect_port = processes.free_port(DEFAULT_PORT)
         if prefect_port != DEFAULT_PORT:
             self.say(f"port {DEFAULT_PORT} is taken; the Prefect server uses {prefect_port}")
-        self.server = PrefectServer(self.dir / "prefect", prefect_port, reuse=False)
+        self.server = PrefectServer(self.dir / "prefect", prefect_port)
         self.say(f"starting a local Prefect server on 127.0.0.1:{prefect_port} ...")
         self.server.start()
         self.say("starting insight-queue serve ...")

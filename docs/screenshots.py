@@ -348,7 +348,7 @@ def prefect_ui(out_dir: Path) -> list[Path]:
         sim = GatewaySimulator(latency=(0.6, 1.4), seed=3).start()
         sim.set_fault("status", status=400, job=f"steps:{refused.subject}")
         recorder = GatewayRecorder("127.0.0.1", sim.port).start()
-        server = PrefectServer(home / "prefect", processes.free_port(), ui=True, reuse=False)
+        server = PrefectServer(home / "prefect", processes.free_port(), ui=True)
         try:
             server.start()
             settings = Settings(

@@ -45,9 +45,7 @@ def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prefect
     """One Prefect server subprocess for the session, stopped by its PID at the end."""
     from deployments.processes import free_port
 
-    server = PrefectServer(
-        tmp_path_factory.mktemp("prefect-server"), free_port(), ui=False, reuse=False
-    )
+    server = PrefectServer(tmp_path_factory.mktemp("prefect-server"), free_port(), ui=False)
     server.start()
     try:
         yield server

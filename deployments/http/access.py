@@ -40,22 +40,17 @@ class Caller:
     role: Role
     user_id: str | None = None  # the user a screen acts for
 
-    @property
-    def key(self) -> str:
-        """The credential, for its rate: one per screen user, one per token."""
-        return f"{self.role}:{self.user_id}" if self.user_id is not None else str(self.role)
-
     def may_act_for(self, user_id: str) -> bool:
         return self.role is Role.SERVICE or (self.role is Role.SCREEN and self.user_id == user_id)
 
 
 class Rates:
-    """A token bucket per credential, in this process (each API process keeps its own)."""
+    """A token bucket per caller (a screen's user, or a token); each API process keeps its own."""
 
     def __init__(self, per_minute: dict[Role, int], clock: Callable[[], float] = time.monotonic):
         self._per_second = {role: rate / 60.0 for role, rate in per_minute.items()}
         self._clock = clock
-        self._buckets: dict[str, tuple[float, float]] = {}  # key -> (tokens, at)
+        self._buckets: dict[Caller, tuple[float, float]] = {}  # caller -> (tokens, at)
         self._lock = threading.Lock()
 
     def take(self, caller: Caller) -> float | None:
@@ -64,21 +59,21 @@ class Rates:
         capacity = max(1.0, rate * BURST_SECONDS)
         now = self._clock()
         with self._lock:
-            tokens, at = self._buckets.get(caller.key, (capacity, now))
+            tokens, at = self._buckets.get(caller, (capacity, now))
             tokens = min(capacity, tokens + (now - at) * rate)
             if tokens < 1.0:
-                self._buckets[caller.key] = (tokens, now)
+                self._buckets[caller] = (tokens, now)
                 return (1.0 - tokens) / rate
-            self._buckets[caller.key] = (tokens - 1.0, now)
+            self._buckets[caller] = (tokens - 1.0, now)
             if len(self._buckets) > MAX_BUCKETS:
                 self._forget_full(now)
         return None
 
     def _forget_full(self, now: float) -> None:
-        for key, (tokens, at) in list(self._buckets.items()):
-            rate = self._per_second[Role(key.partition(":")[0])]
+        for caller, (tokens, at) in list(self._buckets.items()):
+            rate = self._per_second[caller.role]
             if tokens + (now - at) * rate >= max(1.0, rate * BURST_SECONDS):
-                del self._buckets[key]
+                del self._buckets[caller]
 
 
 class Gatekeeper:
@@ -94,13 +89,9 @@ class Gatekeeper:
         credential = credential.strip()
         if scheme.lower() == "bearer" and credential:
             return self._bearer(credential)
-        if scheme.lower() == "basic" and basic and credential:
+        if scheme.lower() == "basic" and basic and credential and from_this_site(request):
             password = _basic_password(credential)
-            if (
-                password is not None
-                and from_this_site(request)
-                and hmac.compare_digest(_digest(password), self._operator)
-            ):
+            if password and hmac.compare_digest(_digest(password), self._operator):
                 return Caller(Role.OPERATOR)
         raise Refused(401, BEARER_NEEDED, "authorization")
 
@@ -120,8 +111,7 @@ class Gatekeeper:
 
     def admit(self, caller: Caller) -> None:
         """Spend one request of the caller's rate, or `Refused(429)` with `Retry-After`."""
-        wait = self.rates.take(caller)
-        if wait is not None:
+        if (wait := self.rates.take(caller)) is not None:
             retry = max(1, math.ceil(wait))
             message = f"too many requests for this {caller.role} credential; retry in {retry} s"
             raise Refused(429, message, "authorization", {"Retry-After": str(retry)})

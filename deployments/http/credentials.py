@@ -36,13 +36,13 @@ class ScreenTokens:
         *,
         secret: str | None = None,
         public_key: str | None = None,
-        jwks: dict[str, Any] | None = None,
+        jwks: str | None = None,
         audience: str,
         issuer: str = "",
     ) -> None:
         self._secret = secret
         self._public_key = public_key
-        self._jwks = jwt.PyJWKSet.from_dict(jwks) if jwks is not None else None
+        self._jwks = jwt.PyJWKSet.from_json(jwks) if jwks is not None else None
         self._audience = audience
         self._issuer = issuer or None
 
@@ -117,26 +117,26 @@ class Credentials:
         """What is not set comes from the data directory's file, made if `create`."""
         api = settings.api
         path = settings.data_dir / CREDENTIALS_FILE
-        keys = api.screen_public_key is not None or api.screen_jwks is not None
         given = {
             "operator_token": api.operator_token.get_secret_value(),
             "service_token": api.service_token.get_secret_value(),
         }
-        if not keys:
+        if api.screen_public_key is None and api.screen_jwks is None:
             given["screen_secret"] = api.screen_secret.get_secret_value()
-        needed = [name for name, value in given.items() if not value]
-        kept, made = _kept(path, needed, create=create)
-        values = {name: given[name] or kept.get(name, "") for name in given}
-        screens = _screens(settings, None if keys else values["screen_secret"] or None)
+        kept = _load(path)
+        values = {name: value or kept.get(name, "") for name, value in given.items()}
+        made = tuple(name for name, value in values.items() if not value) if create else ()
+        if made:
+            values |= _keep(path, kept, made)
+        screens = _screens(settings, values.get("screen_secret") or None)
         return cls(values["operator_token"], values["service_token"], screens, path, made)
 
 
 def _screens(settings: Settings, secret: str | None) -> ScreenTokens:
     api = settings.api
     public_key = _read(api.screen_public_key, "AI_API_SCREEN_PUBLIC_KEY")
-    jwks_text = _read(api.screen_jwks, "AI_API_SCREEN_JWKS")
+    jwks = _read(api.screen_jwks, "AI_API_SCREEN_JWKS")
     try:
-        jwks = json.loads(jwks_text) if jwks_text is not None else None
         return ScreenTokens(
             secret=secret,
             public_key=public_key,
@@ -157,22 +157,16 @@ def _read(path: Path | None, variable: str) -> str | None:
         raise Misconfigured(f"{variable}: cannot read {path} ({exc.strerror})") from None
 
 
-def _kept(path: Path, needed: list[str], *, create: bool) -> tuple[dict[str, str], tuple[str, ...]]:
-    """The credentials kept in `path`, with the `needed` ones that were missing made now."""
-    kept = _load(path)
-    missing = [name for name in needed if not kept.get(name)]
-    if not missing or not create:
-        return kept, ()
+def _keep(path: Path, kept: dict[str, str], names: tuple[str, ...]) -> dict[str, str]:
+    """Credentials made now for `names`, kept in `path` beside those it holds already."""
     private_directory(path.parent)
-    for name in missing:
-        kept[name] = secrets.token_urlsafe(32)
+    made = {name: secrets.token_urlsafe(32) for name in names}
     temporary = path.with_name(f".{path.name}.{os.getpid()}")
-    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(descriptor, "w") as handle:
-        json.dump(kept, handle, indent=2)
+    with os.fdopen(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as handle:
+        json.dump(kept | made, handle, indent=2)
     os.chmod(temporary, 0o600)
     os.replace(temporary, path)
-    return kept, tuple(missing)
+    return made
 
 
 def _load(path: Path) -> dict[str, str]:

@@ -4,7 +4,6 @@ user, or the service token), and the post-sync hook's backfill (the service toke
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.concurrency import run_in_threadpool
 from starlette.responses import JSONResponse, Response
 
 from deployments.http.deps import (
@@ -40,12 +39,11 @@ def app_router(triggers: Triggers) -> APIRouter:
     @router.post(
         "/v1/users/{user_id}/backfills", status_code=202, dependencies=[Depends(service), *Writes]
     )
-    async def backfill(
+    def backfill(
         request: Request, triggers: TriggersDep, body: BackfillRequest | None = None
     ) -> Response:
         sync_id = body.sync_id if body else None
-        user_id = path_text(request, "user_id")
-        state = await run_in_threadpool(triggers.trigger_backfill, user_id, sync_id)
+        state = triggers.trigger_backfill(path_text(request, "user_id"), sync_id)
         if state.error is not None and state.flow_run_id is None:
             return unavailable(state.error)
         answer = {"status": "started" if state.flow_run_id else "queued", **state.as_dict()}

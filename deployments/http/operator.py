@@ -9,7 +9,6 @@ from collections.abc import Callable
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Query, Request
-from fastapi.concurrency import run_in_threadpool
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import HTMLResponse, JSONResponse, Response
 
@@ -73,41 +72,36 @@ def operator_router(store: OperatorStore, ui_url: Callable[[], str | None]) -> A
     only = [Depends(operator)]
 
     @router.get("/v1/queue", dependencies=only)
-    async def queue(ops: OperationsDep, limit: Limit = QUEUE_LIMIT) -> Response:
-        view = await run_in_threadpool(ops.queue_view, limit)
-        return JSONResponse(view.as_dict(), headers=NO_STORE)
+    def queue(ops: OperationsDep, limit: Limit = QUEUE_LIMIT) -> Response:
+        return JSONResponse(ops.queue_view(limit).as_dict(), headers=NO_STORE)
 
     @router.post("/v1/pause", dependencies=[*only, *Writes])
-    async def pause(ops: OperationsDep, body: PauseRequest) -> Response:
-        gate = await run_in_threadpool(ops.pause, body.seconds, body.reason)
+    def pause(ops: OperationsDep, body: PauseRequest) -> Response:
+        gate = ops.pause(body.seconds, body.reason)
         answer = {"paused_until": iso(gate.paused_until), "gate": gate.as_dict()}
         return JSONResponse(answer, headers=NO_STORE)
 
     @router.post("/v1/resume", dependencies=[*only, *Writes])
-    async def resume(ops: OperationsDep, body: Body | None = None) -> Response:
-        gate = await run_in_threadpool(ops.resume)
-        return JSONResponse({"gate": gate.as_dict()}, headers=NO_STORE)
+    def resume(ops: OperationsDep, body: Body | None = None) -> Response:
+        return JSONResponse({"gate": ops.resume().as_dict()}, headers=NO_STORE)
 
     @router.post("/v1/users/{user_id}/retry-failed", dependencies=[*only, *Writes])
-    async def retry_failed(
-        request: Request, ops: OperationsDep, body: Body | None = None
-    ) -> Response:
-        done = await run_in_threadpool(ops.retry_failed, path_text(request, "user_id"))
+    def retry_failed(request: Request, ops: OperationsDep, body: Body | None = None) -> Response:
+        done = ops.retry_failed(path_text(request, "user_id"))
         return JSONResponse(done.as_dict(), headers=NO_STORE)
 
     @router.delete("/v1/users/{user_id}", dependencies=[*only, *Writes])
-    async def forget(request: Request, triggers: TriggersDep) -> Response:
+    def forget(request: Request, triggers: TriggersDep) -> Response:
         """Erase the user (D3): the store's part at once, Prefect's when it can."""
-        state = await run_in_threadpool(triggers.forget, path_text(request, "user_id"))
+        state = triggers.forget(path_text(request, "user_id"))
         return JSONResponse(state.as_dict(), headers=NO_STORE)
 
     @router.get("/metrics", dependencies=only)
-    async def metrics_route() -> Response:
-        body = await run_in_threadpool(generate_latest, scraped)
-        return Response(body, media_type=CONTENT_TYPE_LATEST, headers=NO_STORE)
+    def metrics_route() -> Response:
+        return Response(generate_latest(scraped), media_type=CONTENT_TYPE_LATEST, headers=NO_STORE)
 
     @router.get("/queue", dependencies=[Depends(page_operator)])
-    async def page(
+    def page(
         request: Request,
         ops: OperationsDep,
         refresh: Annotated[int, Depends(refresh_seconds)],
@@ -116,7 +110,7 @@ def operator_router(store: OperatorStore, ui_url: Callable[[], str | None]) -> A
         stylesheet = str(request.url_for("static", path="queue.css").path)
         render = functools.partial(queue_page.render, ui_url=ui_url(), stylesheet=stylesheet)
         try:
-            view = await run_in_threadpool(ops.queue_view, limit)
+            view = ops.queue_view(limit)
         except Unavailable as exc:
             shown = render(None, refresh=refresh or REFRESH_SECONDS, error=str(exc))
             headers = {**PAGE_HEADERS, "Retry-After": str(STORE_DOWN_RETRY_SECONDS)}

@@ -89,7 +89,6 @@ class GuardedH11Protocol(H11Protocol):
         self.transport.close()
 
     def _await_headers(self) -> None:
-        self._headers_arrived()
         self._header_deadline = self.loop.call_later(HEADER_SECONDS, self._too_slow)
 
     def _headers_arrived(self) -> None:

@@ -32,7 +32,6 @@ def pg_prefect(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrefectServ
         free_port(),
         ui=False,
         database_url=url.render_as_string(hide_password=False),
-        reuse=False,
     )
     try:
         server.start()

@@ -305,7 +305,7 @@ def test_a_prefect_server_restart_with_a_call_in_flight_loses_nothing_and_leaks_
     recorder = gateway.recorder
     assert recorder is not None
     settings = stack_settings(tmp_path, gateway)
-    server = PrefectServer(tmp_path / "prefect-server", free_port(), ui=False, reuse=False)
+    server = PrefectServer(tmp_path / "prefect-server", free_port(), ui=False)
     log = tmp_path / "serve.log"
     serve = ServeProcess(settings, server.api_url, env={"PYTHONPATH": str(ROOT)}, log=log)
     env = {**settings.to_env(), "PYTHONPATH": str(ROOT), "PREFECT_API_URL": server.api_url}

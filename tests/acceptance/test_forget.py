@@ -72,7 +72,7 @@ def test_after_forget_the_user_is_in_no_file_of_the_data_directory_and_no_prefec
             plugins="tests.support.plugins",
             gateway={"url": gateway.url},
         )
-        prefect = PrefectServer(data / "prefect", free_port(), ui=False, reuse=False).start()
+        prefect = PrefectServer(data / "prefect", free_port(), ui=False).start()
         serve = ServeProcess(
             settings, prefect.api_url, env={"PYTHONPATH": str(ROOT)}, log=tmp_path / "serve.log"
         )

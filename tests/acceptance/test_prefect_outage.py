@@ -72,7 +72,7 @@ def test_serve_starts_another_runner_when_prefect_s_gives_up_and_serves_again(
             poll_seconds=0.5,
             gateway={"url": gateway.url},
         )
-        server = PrefectServer(tmp_path / "prefect-server", free_port(), ui=False, reuse=False)
+        server = PrefectServer(tmp_path / "prefect-server", free_port(), ui=False)
         log = tmp_path / "serve.log"
         serve = ServeProcess(
             settings,
@@ -124,7 +124,7 @@ def test_serve_rides_out_prefect_going_away_before_its_deployments_were_register
     """The window between serve saying where it is and its runner registering the deployments."""
     with Gateway(latency=0.2) as gateway:
         settings = settings_for(data_dir=tmp_path / "data", gateway={"url": gateway.url})
-        server = PrefectServer(tmp_path / "prefect-server", free_port(), ui=False, reuse=False)
+        server = PrefectServer(tmp_path / "prefect-server", free_port(), ui=False)
         log = tmp_path / "serve.log"
         serve = ServeProcess(
             settings,
@@ -167,7 +167,7 @@ def test_consume_waits_for_a_gateway_slot_while_prefect_is_away_and_calls_once_i
             poll_seconds=0.5,
             gateway={"url": gateway.url},
         )
-        server = PrefectServer(tmp_path / "prefect-server", free_port(), ui=False, reuse=False)
+        server = PrefectServer(tmp_path / "prefect-server", free_port(), ui=False)
         env = {**settings.to_env(), **client_env(server.api_url, tmp_path / "client")}
         log = tmp_path / "consume.log"
         try:

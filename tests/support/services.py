@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Self
 
 from deployments import processes
-from deployments.stack import PrefectServer, client_env, server_env
+from deployments.stack import PrefectServer, client_env
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -32,7 +32,6 @@ __all__ = [
     "group_members",
     "run_cli",
     "running",
-    "server_env",
     "stop",
 ]
 
