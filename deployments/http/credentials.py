@@ -144,7 +144,7 @@ def _screens(settings: Settings, secret: str | None) -> ScreenTokens:
             audience=api.screen_audience,
             issuer=api.screen_issuer,
         )
-    except (ValueError, jwt.PyJWTError) as exc:
+    except (ValueError, AttributeError, jwt.PyJWTError) as exc:  # AttributeError: not an object
         raise Misconfigured(f"AI_API_SCREEN_JWKS: not a usable JWKS ({exc})") from None
 
 

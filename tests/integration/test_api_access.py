@@ -356,9 +356,10 @@ def test_a_jwks_file_names_the_keys_screen_tokens_are_checked_with(
     assert job_count(api.database_url) == 2
 
     # A file that is no JWKS, or none at all, is the operator's to fix: said at start-up.
-    jwks.write_text('{"keys": []}')
-    with pytest.raises(Misconfigured, match="AI_API_SCREEN_JWKS"):
-        Credentials.load(api.runtime.settings)
+    for not_a_jwks in ('{"keys": []}', "[1, 2]", '"keys"'):
+        jwks.write_text(not_a_jwks)
+        with pytest.raises(Misconfigured, match="AI_API_SCREEN_JWKS: not a usable JWKS"):
+            Credentials.load(api.runtime.settings)
     jwks.unlink()
     with pytest.raises(Misconfigured, match="AI_API_SCREEN_JWKS: cannot read"):
         Credentials.load(api.runtime.settings)
