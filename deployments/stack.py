@@ -75,9 +75,7 @@ class PrefectServer:
 
     def start(self) -> Self:
         if not processes.port_is_free(self.port):
-            raise RuntimeError(
-                f"port {self.port} on 127.0.0.1 is taken by something that is not a Prefect server"
-            )
+            raise RuntimeError(f"port {self.port} on 127.0.0.1 is taken")
         files.private_directory(self.home)
         env = self._env()
         command = [executable("prefect"), "server", "start", "--host", "127.0.0.1"]

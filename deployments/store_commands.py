@@ -111,7 +111,8 @@ def jobs_command(ctx: click.Context, user_id: str, limit: int, as_json: bool) ->
     """The user's queue in the order the worker will take it."""
     with open_store(ctx, write=False) as store:
         found = store.list_jobs(user_id, limit)
-    listed = [entry.as_dict(settings_from(ctx).max_attempts) for entry in found]
+    most = settings_from(ctx).max_attempts
+    listed = [entry.as_dict(most) for entry in found]
     click.echo(as_json_text(listed) if as_json else render_jobs(listed))
 
 
