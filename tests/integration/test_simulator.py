@@ -994,6 +994,9 @@ def test_command_serves_until_a_stop_signal(sig: signal.Signals) -> None:
 
 def test_command_listens_on_8765_when_it_is_free() -> None:
     with socket.socket() as probe:
+        # Bind as the simulator does, so connections of a server just
+        # stopped (TIME_WAIT) do not read as the port being in use.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind(("127.0.0.1", DEFAULT_PORT))
         except OSError:
