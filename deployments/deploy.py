@@ -19,7 +19,13 @@ from prefect.utilities.asyncutils import run_coro_as_sync
 
 from deployments import table
 from flows import flows
-from flows.history import CONSUMER_ALIVE, CONSUMER_STOPPED, PROJECT_TAG, RUN_HEARTBEAT_SECONDS
+from flows.history import (
+    CONSUMER_ALIVE,
+    CONSUMER_STOPPED,
+    PROJECT_TAG,
+    RUN_HEARTBEAT_ENV,
+    RUN_HEARTBEAT_SECONDS,
+)
 from flows.limits import ensure_gateway_limit
 from queue_store import Settings
 
@@ -58,7 +64,7 @@ def deploy(source: str, pool: str) -> dict[str, str]:
     """The table's deployments on the pool (their runs send heartbeats), and the automations."""
     ensure_pool(pool)
     ensure_gateway_limit(Settings().concurrency)
-    variables = {"env": {"PREFECT_FLOWS_HEARTBEAT_FREQUENCY": str(int(RUN_HEARTBEAT_SECONDS))}}
+    variables = {"env": RUN_HEARTBEAT_ENV}
     ids: dict[str, str] = {}
     for entry in table.DEPLOYMENTS:
         remote = getattr(flows, entry.flow).from_source(
@@ -112,6 +118,10 @@ def automations(drain_deployment_id: str) -> list[Automation]:
     drain = uuid.UUID(drain_deployment_id)
     return [
         crash(heartbeat, {heartbeat}, CRASH_AFTER_SECONDS, "that sent no heartbeat"),
+        # A run killed as it started may never have sent its first heartbeat: the
+        # server's own Running event starts the watch. A trigger of its own, as one
+        # bucket for both would close at the first beat and watch nothing after it.
+        crash(running, {heartbeat}, CRASH_AFTER_SECONDS, "that started and sent no heartbeat"),
         crash(pending, {running}, PENDING_SECONDS, "that stayed pending"),
         Automation(
             name=f"{PROJECT_TAG}: drain when a consumer is lost",
