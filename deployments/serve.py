@@ -27,6 +27,7 @@ from deployments.stack import DEFAULT_PORT, PrefectServer, client_env, is_health
 from flows import flows
 from flows.consumer import Consumer, short_hostname
 from flows.flows import prefect_consumer
+from flows.history import RUN_HEARTBEAT_ENV
 from flows.limits import ensure_gateway_limit, give_back_leases, mark_crashed
 from flows.runtime import Runtime
 from queue_store import JobStore, Settings, files, migrate
@@ -225,6 +226,9 @@ class _Serving:
         processes.export_to_children(
             overrides=client_env(api_url, home),
             PREFECT_RUNNER_POLL_FREQUENCY=str(RUNNER_POLL_SECONDS),
+            # The runs beat as a pool's do: where `deploy` put its automations, a run
+            # that beats no more is ended as lost (W3).
+            **RUN_HEARTBEAT_ENV,
         )
         refresh_global_settings_context()
         runtime = Runtime.open(settings)

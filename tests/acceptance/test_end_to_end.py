@@ -141,6 +141,19 @@ def runs_of_deployment(api_url: str, name: str) -> list[dict[str, Any]]:
     return found
 
 
+def environment_of_run(run_id: str) -> dict[str, str] | None:
+    """The environment a flow run's process was started with, found by its run id."""
+    for entry in Path("/proc").iterdir():
+        try:
+            raw = (entry / "environ").read_bytes()
+        except OSError:  # not a process, gone, or not ours
+            continue
+        pairs = dict(item.split(b"=", 1) for item in raw.split(b"\0") if b"=" in item)
+        if pairs.get(b"PREFECT__FLOW_RUN_ID") == run_id.encode():
+            return {k.decode(): v.decode(errors="replace") for k, v in pairs.items()}
+    return None
+
+
 def log_tail(path: Path) -> str:
     return path.read_text(errors="replace")[-4000:] if path.exists() else "(no log)"
 
@@ -185,6 +198,13 @@ def test_a_day_of_the_embedded_default_through_the_command_line(
         # The recorder sees the connection before the simulator has read the body.
         gateway.simulator.wait_for(lambda s: len(s.requests) >= 1, 30)
         first = gateway.served()[0]
+        # The backfill's run follows that call. It beats as a pool's runs do, not at
+        # Prefect's default of 180 s: where `deploy` put its automations, which end a
+        # run silent for 90 s, it is not taken for lost (W3).
+        run_env = environment_of_run(hook["flow_run_id"])
+        assert run_env is not None, "the backfill's run has no process"
+        beat = run_env.get("PREFECT_FLOWS_HEARTBEAT_FREQUENCY")
+        assert beat == "30", beat
         queue = cli_json("queue", "--json", env=env)
         assert not snake_case_keys(queue), snake_case_keys(queue)
         assert [f"{e['kind']}:{e['subject']}" for e in queue["running"]] == [first]
