@@ -37,7 +37,7 @@ CONSUMER_STOPPED = "insight-queue.consumer.stopped"
 # How often an open generation run says it is alive: as often as the runs
 # Prefect's engine executes on our deployments (PREFECT_FLOWS_HEARTBEAT_FREQUENCY).
 RUN_HEARTBEAT_SECONDS = 30.0
-# What has the flow runs Prefect's engine executes send those heartbeats.
+# The setting that has the flow runs Prefect's engine executes send them that often.
 RUN_HEARTBEAT_ENV = {"PREFECT_FLOWS_HEARTBEAT_FREQUENCY": str(int(RUN_HEARTBEAT_SECONDS))}
 _ENDED = {  # how a generation's run names an outcome it failed with
     Outcome.REQUEUED: "attempt failed, queued again",
