@@ -110,11 +110,7 @@ def _shown(value: Any) -> Any:
         return str(value)
     if isinstance(value, Record):
         return value.as_dict()
-    if isinstance(value, list | tuple):
-        return [_shown(item) for item in value]
-    if isinstance(value, dict):
-        return {key: _shown(item) for key, item in value.items()}
-    return value
+    return value  # a result's output and a worker's info are JSON already, kept as they are
 
 
 class Record:
@@ -532,7 +528,10 @@ class QueueView:
             "recent_failures": [e.as_dict(self.max_attempts) for e in self.recent_failures],
             "failed_total": self.failed_total,
             "workers": [w.as_dict() for w in self.workers],
-            "usage": {"total": self.usage_total.as_dict(), "by_user_and_kind": _shown(self.usage)},
+            "usage": {
+                "total": self.usage_total.as_dict(),
+                "by_user_and_kind": [u.as_dict() for u in self.usage],
+            },
             "erasures_pending": [
                 {"pseudonym": p, "forgotten_at": iso(at)} for p, at in self.erasures_pending
             ],
