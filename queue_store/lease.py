@@ -29,8 +29,13 @@ from queue_store.schema import gate, holds, jobs, results
 from queue_store.settings import StoreConfig
 
 MAX_BACKOFF_DOUBLINGS = 30
-# H2 spends no attempt on a lost claim: a job that kills its worker fails this way instead.
-WORKER_LOST_AGAIN = "worker lost {n} times in a row: the job may be what stops its worker"
+
+
+def worker_lost_again(losses: int) -> str:
+    """H2 spends no attempt on a lost claim: a job that kills its worker fails with this. A late
+    stop knows such a failure by this text, so it is written in this one place."""
+    return f"worker lost {losses} times in a row: the job may be what stops its worker"
+
 
 GATE_ROW = select(gate).where(gate.c.id == schema.GATE_ROW_ID)
 GATE_ROW_LOCKED = GATE_ROW.with_for_update()
@@ -72,7 +77,7 @@ def reap(tx: Gated, dead: list[Row[Any]]) -> int:
             error: str | None = WORKER_LOST
         else:
             changes["attempts"] = max(row.attempts - 1, 0)
-            error = WORKER_LOST_AGAIN.format(n=losses) if losses >= settings.max_attempts else None
+            error = worker_lost_again(losses) if losses >= settings.max_attempts else None
         if error is None:
             changes |= {"status": Status.PENDING, "claimed_at": None}
         else:
@@ -320,7 +325,7 @@ def late_stop(tx: Gated, job_id: str, holder: str, error: str) -> Settlement | N
         .where(jobs.c.id == job_id, jobs.c.last_holder == holder, jobs.c.status == Status.FAILED)
         .with_for_update()
     ).one_or_none()
-    if row is None or row.error not in (WORKER_LOST, WORKER_LOST_AGAIN.format(n=row.losses)):
+    if row is None or row.error not in (WORKER_LOST, worker_lost_again(row.losses)):
         return None
     attempts = row.attempts - 1 if row.attempts >= settings.max_attempts else row.attempts
     back = {"status": Status.PENDING, "error": error, "attempts": attempts, "updated_at": now}
