@@ -237,7 +237,7 @@ def chromium_after_load(
                 f"--remote-debugging-port={port}",
                 "about:blank",
             ],
-            stdout=subprocess.DEVNULL,
+            log=Path(profile) / "chromium.log",
         )
         try:
             endpoint = f"http://127.0.0.1:{port}/json"
