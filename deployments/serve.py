@@ -23,7 +23,7 @@ from prefect.runner import Runner
 
 from deployments import processes, table
 from deployments.prefect_api import ServeState
-from deployments.stack import DEFAULT_PORT, PrefectServer, client_env, is_healthy
+from deployments.stack import PrefectServer, client_env, is_healthy
 from flows import flows
 from flows.consumer import Consumer, short_hostname
 from flows.flows import prefect_consumer
@@ -185,7 +185,7 @@ class _RunnerThread(threading.Thread):
         self.join(timeout)
 
 
-def serve(settings: Settings, prefect_port: int = DEFAULT_PORT, *, upgrade: bool, ui: bool) -> None:
+def serve(settings: Settings, prefect_port: int, *, upgrade: bool, ui: bool) -> None:
     """Run until a signal; stop everything started, within seconds. `upgrade` migrates a
     PostgreSQL store too (SQLite always is)."""
     serving = _Serving(settings)
@@ -224,11 +224,10 @@ class _Serving:
         # This process and the flow runs it starts report to that server. Prefect reads its
         # settings once, when first imported: have it read them again.
         processes.export_to_children(
-            overrides=client_env(api_url, home),
-            PREFECT_RUNNER_POLL_FREQUENCY=str(RUNNER_POLL_SECONDS),
             # The runs beat as a pool's do: where `deploy` put its automations, a run
             # that beats no more is ended as lost (W3).
-            **RUN_HEARTBEAT_ENV,
+            overrides=client_env(api_url, home) | RUN_HEARTBEAT_ENV,
+            PREFECT_RUNNER_POLL_FREQUENCY=str(RUNNER_POLL_SECONDS),
         )
         refresh_global_settings_context()
         runtime = Runtime.open(settings)
