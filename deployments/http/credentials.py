@@ -42,7 +42,7 @@ class ScreenTokens:
     ) -> None:
         self._secret = secret
         self._public_key = public_key
-        self._jwks = jwt.PyJWKSet.from_json(jwks) if jwks is not None else None
+        self._jwks = _key_set(jwks) if jwks is not None else None
         self._audience = audience
         self._issuer = issuer or None
 
@@ -144,8 +144,15 @@ def _screens(settings: Settings, secret: str | None) -> ScreenTokens:
             audience=api.screen_audience,
             issuer=api.screen_issuer,
         )
-    except (ValueError, AttributeError, jwt.PyJWTError) as exc:  # AttributeError: not an object
+    except (ValueError, jwt.PyJWTError) as exc:
         raise Misconfigured(f"AI_API_SCREEN_JWKS: not a usable JWKS ({exc})") from None
+
+
+def _key_set(text: str) -> jwt.PyJWKSet:
+    keys = json.loads(text)
+    if not isinstance(keys, dict):  # PyJWT would fail on it with AttributeError
+        raise ValueError("its JSON is not an object")
+    return jwt.PyJWKSet.from_dict(keys)
 
 
 def _read(path: Path | None, variable: str) -> str | None:
