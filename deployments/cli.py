@@ -40,7 +40,6 @@ R = TypeVar("R")
 
 EXIT_FAILURE = 1
 EXIT_BAD_INPUT = 2
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 def key_arguments(command: Callable[P, R]) -> Callable[P, R]:
@@ -51,8 +50,9 @@ def key_arguments(command: Callable[P, R]) -> Callable[P, R]:
 
 
 def settings_from(ctx: click.Context) -> Settings:
-    url = ctx.find_root().params.get("database_url")
-    return Settings(database_url=url) if url else Settings()
+    """The settings `main` read, once, for the whole command."""
+    settings: Settings = ctx.find_root().obj
+    return settings
 
 
 def open_store(ctx: click.Context, *, write: bool) -> JobStore:
@@ -60,11 +60,11 @@ def open_store(ctx: click.Context, *, write: bool) -> JobStore:
     return JobStore(settings=settings_from(ctx), create=write)
 
 
-def registry() -> Registry:
+def registry(ctx: click.Context) -> Registry:
     """The plugins of AI_JOB_PLUGINS, loaded only by the commands that need them."""
     from flows.registry import Registry
 
-    return Registry.from_plugins(Settings().plugin_modules)
+    return Registry.from_plugins(settings_from(ctx).plugin_modules)
 
 
 class Commands(click.Group):
@@ -95,15 +95,19 @@ class Commands(click.Group):
     help="store URL (overrides AI_JOB_DATABASE_URL; default: SQLite in the data dir)",
 )
 @click.option("-v", "--verbose", is_flag=True, help="log at INFO level")
-def main(database_url: str | None, verbose: bool) -> None:
+@click.pass_context
+def main(ctx: click.Context, database_url: str | None, verbose: bool) -> None:
     """insight-queue: slow, scarce LLM work for an app's screens, in priority order."""
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format=LOG_FORMAT)
+    logging.basicConfig(
+        level=logging.INFO if verbose else logging.WARNING, format=processes.LOG_FORMAT
+    )
     try:
         settings = Settings(database_url=database_url) if database_url else Settings()
     except SettingsError as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(EXIT_BAD_INPUT)
     install_log_redaction(Redactor(settings.secrets()))
+    ctx.obj = settings
 
 
 def command(
@@ -261,7 +265,7 @@ def deploy_command(ctx: click.Context, source: str, pool: str) -> None:
     `insight-queue worker --pool POOL` on each machine, with the same settings."""
     from deployments.deploy import deploy
 
-    for name, deployment_id in deploy(source, pool).items():
+    for name, deployment_id in deploy(settings_from(ctx), source, pool).items():
         click.echo(f"{name}  {deployment_id}  (pool {pool})")
 
 

@@ -60,10 +60,10 @@ def ensure_pool(pool: str) -> None:
                 client.update_work_queue(queue.id, priority=priority)
 
 
-def deploy(source: str, pool: str) -> dict[str, str]:
+def deploy(settings: Settings, source: str, pool: str) -> dict[str, str]:
     """The table's deployments on the pool (their runs send heartbeats), and the automations."""
     ensure_pool(pool)
-    ensure_gateway_limit(Settings().concurrency)
+    ensure_gateway_limit(settings.concurrency)
     variables = {"env": RUN_HEARTBEAT_ENV}
     ids: dict[str, str] = {}
     for entry in table.DEPLOYMENTS:

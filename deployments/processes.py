@@ -19,6 +19,7 @@ from types import FrameType
 from typing import Any
 
 STOP_GRACE_SECONDS = 10.0
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"  # every command's and server's
 PR_SET_PDEATHSIG = 1
 
 _libc: Any = None

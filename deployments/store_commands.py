@@ -25,6 +25,8 @@ from queue_store import GateState, InvalidArgument, StoreError, job_id, migrate
 from queue_store.models import INTERACTIVE, PREFETCH, iso
 from queue_store.redact import mask_url
 
+json_option = click.option("--json", "as_json", is_flag=True, help="print JSON")
+
 
 @main.group("db", short_help="The store's schema: `db upgrade`, `db status`.")
 def db_command() -> None:
@@ -55,7 +57,7 @@ def db_status(ctx: click.Context) -> None:
     type=click.IntRange(0, 1_000_000),
     help=f"lower runs first (interactive {INTERACTIVE}, prefetch {PREFETCH})",
 )
-@click.option("--json", "as_json", is_flag=True, help="print JSON")
+@json_option
 def enqueue_command(
     ctx: click.Context,
     user_id: str,
@@ -69,7 +71,7 @@ def enqueue_command(
     """Queue one generation, or promote it; prints the job's status."""
     if interactive and priority is not None:
         raise InvalidArgument("priority", "give --interactive or --priority, not both")
-    registry().check_kind(kind)
+    registry(ctx).check_kind(kind)
     chosen = INTERACTIVE if interactive else PREFETCH if priority is None else priority
     with open_store(ctx, write=True) as store:
         status = store.enqueue(user_id, kind, subject, fingerprint, chosen)
@@ -106,7 +108,7 @@ def result_command(ctx: click.Context, user_id: str, kind: str, subject: str) ->
 @command("jobs", "One user's queue in worker order.")
 @click.option("--user", "user_id", required=True, help="whose queue to show")
 @click.option("--limit", type=click.IntRange(1, 1000), default=60)
-@click.option("--json", "as_json", is_flag=True, help="print JSON")
+@json_option
 def jobs_command(ctx: click.Context, user_id: str, limit: int, as_json: bool) -> None:
     """The user's queue in the order the worker will take it."""
     with open_store(ctx, write=False) as store:
@@ -126,7 +128,7 @@ def jobs_command(ctx: click.Context, user_id: str, limit: int, as_json: bool) ->
     metavar="[SECONDS]",
     help="refresh in place every SECONDS (default 2) until Ctrl-C",
 )
-@click.option("--json", "as_json", is_flag=True, help="print JSON")
+@json_option
 def queue_command(ctx: click.Context, limit: int, watch: float | None, as_json: bool) -> None:
     """The whole queue at a glance: every user, in the order the worker takes them."""
     with open_store(ctx, write=False) as store:
@@ -171,7 +173,7 @@ def requeue_command(ctx: click.Context, kinds: tuple[str, ...]) -> None:
 
 
 @command("settings", "Every setting, and whether claiming is paused.")
-@click.option("--json", "as_json", is_flag=True, help="print JSON")
+@json_option
 def settings_command(ctx: click.Context, as_json: bool) -> None:
     """Every setting with its environment variable and value (secrets masked), and claiming."""
     public = settings_from(ctx).public()
@@ -237,7 +239,7 @@ def prune_command(ctx: click.Context, dry_run: bool, days: float | None) -> None
     """Delete what is past retention: finished jobs and their results, who used tokens (kept as
     daily totals), people with nothing left (JSON). Also an hourly run of `serve` and `deploy`,
     which erases the run history of forgotten users too."""
-    by_kind = registry().retention()
+    by_kind = registry(ctx).retention()
     with open_store(ctx, write=not dry_run) as store:
         pruned = store.prune(retention_days=days, by_kind=by_kind, dry_run=dry_run)
     kept = days or settings_from(ctx).retention_days

@@ -4,7 +4,6 @@ own authentication (`insights_router`)."""
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import math
 import time
@@ -101,9 +100,11 @@ def insights_router(
         if not isinstance(user_id, str):
             raise TypeError(f"the user dependency yielded {type(user_id).__name__}, not an id")
         kind, subject = path_text(request, "kind"), path_text(request, "subject")
-        ask = functools.partial(triggers.request_insight, known=known_version(if_none_match))
+        known = known_version(if_none_match)
         started = time.perf_counter()
-        state = await run_in_threadpool(ask, user_id, kind, subject, fingerprint)
+        state = await run_in_threadpool(
+            triggers.request_insight, user_id, kind, subject, fingerprint, known=known
+        )
         # How long the store took, waiting for a thread included.
         elapsed = (time.perf_counter() - started) * 1000
         return insight_response(state, if_none_match, f"store;dur={elapsed:.1f}")

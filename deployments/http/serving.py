@@ -17,7 +17,6 @@ from fastapi import FastAPI
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from deployments import processes
-from deployments.cli import LOG_FORMAT
 from deployments.http import create_app
 from deployments.http.credentials import Credentials
 from deployments.http.middleware import MAX_HEADER_BYTES
@@ -116,7 +115,7 @@ def app_from_env() -> FastAPI:
     """The app for uvicorn's workers, from the environment, logs redacted."""
     anyio.to_thread.current_default_thread_limiter().total_tokens = STORE_THREADS
     settings = Settings()
-    logging.basicConfig(level=logging.WARNING, format=LOG_FORMAT)
+    logging.basicConfig(level=logging.WARNING, format=processes.LOG_FORMAT)
     triggers = Triggers.open(settings)
     triggers.runtime.redact_logs()
     return create_app(triggers, Credentials.load(settings, create=False))
